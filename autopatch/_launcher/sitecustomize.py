@@ -1,0 +1,1 @@
+# placeholder: written by the runtime work (issue 3)

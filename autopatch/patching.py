@@ -1,0 +1,56 @@
+"""The one place that swaps attributes on classes and modules. Rules never setattr directly: going
+through here keeps the original for the fallback path, makes patching idempotent and lets tests
+restore everything."""
+
+from __future__ import annotations
+
+import threading
+
+_MISSING = object()
+# (id(owner), name) -> (owner, name, original value or _MISSING)
+_originals: dict[tuple[int, str], tuple[object, str, object]] = {}
+_lock = threading.RLock()
+
+
+def is_patched(owner, name: str) -> bool:
+    with _lock:
+        return (id(owner), name) in _originals
+
+
+def original(owner, name: str):
+    """The value `owner.name` had before we patched it (the current value if never patched).
+    Reads the owner's own __dict__ when it has one, so an inherited method is reported as missing."""
+    with _lock:
+        entry = _originals.get((id(owner), name))
+    if entry is not None:
+        value = entry[2]
+        if value is _MISSING:
+            raise AttributeError(f"{owner!r} had no attribute {name!r} of its own before patching")
+        return value
+    return getattr(owner, name)
+
+
+def replace(owner, name: str, new) -> bool:
+    """Set owner.name = new, remembering the first original. Returns False when already patched."""
+    with _lock:
+        key = (id(owner), name)
+        if key in _originals:
+            return False
+        own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+        _originals[key] = (owner, name, own)
+        setattr(owner, name, new)
+        return True
+
+
+def restore_all() -> None:
+    """Undo every patch (tests; never called in normal use)."""
+    with _lock:
+        for owner, name, value in _originals.values():
+            if value is _MISSING:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, value)
+        _originals.clear()

@@ -1,0 +1,69 @@
+"""Shared plumbing for the kernel files: where Triton can run, launch counting, input checks.
+
+Nothing here imports transformers. Each op file (rms_norm.py, rope.py, ...) keeps its own Triton
+kernels, custom-op registration and functional entry; this module only holds what every one of them
+needs in the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import torch
+
+_LAUNCHES: collections.Counter[str] = collections.Counter()
+_LAUNCH_LOCK = threading.Lock()
+
+
+def interpreter_on() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_can_run(*tensors: torch.Tensor) -> bool:
+    """Whether our Triton kernels can run on these tensors: all on CUDA, or all on the CPU under the
+    interpreter. Patched components call the original code when this is False."""
+    if not tensors:
+        return False
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices == {"cuda"}:
+        return True
+    return devices == {"cpu"} and interpreter_on()
+
+
+def count_launch(op: str) -> None:
+    """Record that the op `op` ran its Triton kernels once (forward or backward)."""
+    with _LAUNCH_LOCK:
+        _LAUNCHES[op] += 1
+
+
+def launch_counts() -> dict[str, int]:
+    """How many times each op's kernels ran in this process, e.g. {"rms_norm_fwd": 12, ...}."""
+    with _LAUNCH_LOCK:
+        return dict(_LAUNCHES)
+
+
+def reset_launch_counts() -> None:
+    with _LAUNCH_LOCK:
+        _LAUNCHES.clear()
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise TypeError unless `t` is a tensor of a dtype our kernels take."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16, got {t.dtype}"
+        )
+
+
+def check_choice(name: str, value, choices) -> None:
+    """Raise ValueError unless value is one of choices, naming the valid ones."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")

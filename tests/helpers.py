@@ -1,0 +1,47 @@
+"""Checks every kernel test uses: relative error against a float64 reference, poisoned outputs."""
+
+from __future__ import annotations
+
+import torch
+
+# Relative-error bounds by the dtype of the kernel's inputs (DESIGN.md "How we know it is right").
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float64: 1e-12}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere in `out` gives inf."""
+    out64 = out.detach().to(torch.float64).cpu()
+    ref64 = ref.detach().to(torch.float64).cpu()
+    assert out64.shape == ref64.shape, f"shape {tuple(out64.shape)} != reference {tuple(ref64.shape)}"
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    if denom == 0.0:
+        return num
+    return num / denom
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "", tol=None) -> None:
+    """Assert ‖out − ref‖/‖ref‖ within the bound for `dtype` (the inputs' dtype)."""
+    bound = REL_TOL[dtype] if tol is None else tol
+    err = rel_err(out, ref)
+    assert err <= bound, f"{what}: relative error {err:.3e} > {bound:.0e} ({dtype})"
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with NaN so that any element a kernel fails to write shows up."""
+    if t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    else:
+        t.fill_(-(2**31) + 7)
+    return t
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, requires_grad=False, generator=None):
+    """Random normal tensor, never all zeros, made in float32 then cast."""
+    t = torch.randn(*shape, dtype=torch.float32, generator=generator) * scale
+    t = t.to(dtype=dtype, device=device)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
