@@ -37,3 +37,22 @@ def records() -> list[Record]:
 def clear() -> None:
     with _lock:
         _records.clear()
+
+
+_fallback_noticed: set[str] = set()
+
+
+def fallback_notice(kernel: str, detail: str) -> None:
+    """A patched component met tensors Triton cannot run on and called the original code. Say so
+    once per process and kernel (stderr), so a CPU run without the interpreter is not a surprise."""
+    import sys
+
+    with _lock:
+        if kernel in _fallback_noticed:
+            return
+        _fallback_noticed.add(kernel)
+    print(
+        f"autopatch: {kernel}: {detail}; running the original code instead "
+        "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)",
+        file=sys.stderr,
+    )
