@@ -1,0 +1,218 @@
+"""What the rules share for numerical detection: finding the classes a modeling module defines,
+building a tiny instance of a component (from plain sizes or from a tiny config of the module's own
+config class), random CPU inputs from a local generator, and comparing outputs.
+
+Everything here runs while a user's program imports a modeling module, so it must be cheap
+(milliseconds), must not leave any trace in global state — the global RNG above all: building a
+module runs its weight init on the global generator, so every build happens inside `quiet_rng()`,
+which restores the state afterwards — and must build on the CPU in float32 whatever default device or
+dtype the user has set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import warnings
+from types import ModuleType
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+# Sizes of the probe components. Distinct numbers, so that a wrong axis or a swapped pair of
+# projections shows up as a shape error or a numerical mismatch rather than passing by accident.
+HIDDEN = 32
+INTERMEDIATE = 48
+HEADS = 2
+KV_HEADS = 1
+HEAD_DIM = 16
+EPS = 0.0625  # large enough to matter against the probe inputs' variance, exact in every dtype
+
+_TINY_CONFIG_VALUES = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": INTERMEDIATE,
+    "moe_intermediate_size": INTERMEDIATE,
+    "shared_expert_intermediate_size": INTERMEDIATE,
+    "ffn_hidden_size": INTERMEDIATE,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "head_dim": HEAD_DIM,
+    "num_hidden_layers": 1,
+    "vocab_size": 64,
+    "n_embd": HIDDEN,
+    "d_model": HIDDEN,
+}
+
+
+def defined_classes(module: ModuleType) -> list[type]:
+    """nn.Module subclasses defined in `module` itself (not imported into it), in source order."""
+    found = []
+    for value in list(vars(module).values()):
+        if (
+            isinstance(value, type)
+            and issubclass(value, nn.Module)
+            and getattr(value, "__module__", None) == module.__name__
+        ):
+            found.append(value)
+    return found
+
+
+def module_functions(module: ModuleType, name: str):
+    """The function `module.name` if the module defines it itself, else None."""
+    value = vars(module).get(name)
+    if inspect.isfunction(value) and value.__module__ == module.__name__:
+        return value
+    return None
+
+
+def positional_params(fn) -> list[inspect.Parameter] | None:
+    """The parameters of a function or method (without self); None if it has no readable signature."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if params and params[0].name == "self":
+        params = params[1:]
+    return params
+
+
+def forward_extra_args(cls: type) -> str:
+    """'' when cls.forward takes exactly one input tensor; otherwise a description of the rest."""
+    params = positional_params(cls.forward)
+    if params is None:
+        return "forward has no readable signature"
+    if not params:
+        return "forward takes no input"
+    rest = params[1:]
+    if params[0].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return "forward takes *args/**kwargs"
+    if rest:
+        names = ", ".join(("*" if p.kind == p.VAR_POSITIONAL else "**" if p.kind == p.VAR_KEYWORD else "") + p.name for p in rest)
+        return f"forward takes extra arguments ({names})"
+    return ""
+
+
+def config_class_for(cls: type, module: ModuleType):
+    """The config class of `cls`'s own architecture, chosen among the config classes the modeling
+    module can see by the longest class-name prefix (Llama4TextMLP -> Llama4TextConfig, not
+    Llama4Config). None when no config class name is a prefix of `cls.__name__`."""
+    try:
+        from transformers import PretrainedConfig
+    except Exception:  # noqa: BLE001 - no transformers: nothing to build from
+        return None
+    best, best_len = None, 0
+    for value in list(vars(module).values()):
+        if not (isinstance(value, type) and issubclass(value, PretrainedConfig)):
+            continue
+        name = value.__name__
+        if not name.endswith("Config"):
+            continue
+        prefix = name[: -len("Config")]
+        if prefix and cls.__name__.startswith(prefix) and len(prefix) > best_len:
+            best, best_len = value, len(prefix)
+    return best
+
+
+_config_cache: dict[type, object] = {}
+
+
+def tiny_config(config_cls):
+    """A default instance of `config_cls` shrunk to probe sizes (cached per class). The config is
+    built with defaults and then shrunk attribute by attribute: configs validate their keyword
+    arguments differently, setting attributes that already exist works for all of them."""
+    if config_cls in _config_cache:
+        return _config_cache[config_cls]
+    config = None
+    with quiet():
+        try:
+            config = config_cls()
+        except Exception:  # noqa: BLE001 - some configs need arguments; then we cannot probe from one
+            config = None
+        if config is not None:
+            for name, value in _TINY_CONFIG_VALUES.items():
+                if hasattr(config, name):
+                    try:
+                        setattr(config, name, value)
+                    except Exception:  # noqa: BLE001 - a validated attribute refusing the value
+                        pass
+            for name in ("hidden_dropout", "hidden_dropout_prob", "resid_pdrop", "dropout", "activation_dropout"):
+                if isinstance(getattr(config, name, None), float):
+                    try:
+                        setattr(config, name, 0.0)
+                    except Exception:  # noqa: BLE001
+                        pass
+    _config_cache[config_cls] = config
+    return config
+
+
+@contextlib.contextmanager
+def quiet():
+    """No warnings or transformers log lines while probing: they are about our tiny configs, not
+    about the user's model."""
+    tf_logger = logging.getLogger("transformers")
+    level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tf_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def quiet_rng():
+    """Restore the global CPU RNG afterwards (module construction draws from it), build on the CPU,
+    without autograd, quietly."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), quiet():
+        yield
+
+
+def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
+    """Instantiate `cls` with the first argument set that works. Returns (instance, None) or
+    (None, reason). Call inside quiet_rng()."""
+    errors = []
+    for make_args in attempts:
+        try:
+            args, kwargs = make_args()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        try:
+            instance = cls(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - next attempt
+            errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        return instance.float().eval(), None
+    reason = errors[-1] if errors else "no way to build it"
+    return None, f"could not build a probe instance ({reason[:160]})"
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    """A local CPU generator: probes never draw from (or disturb) the global RNG."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def randn(shape, gen: torch.Generator, dtype=torch.float32, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf on a shape mismatch or a non-finite output."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return float("inf")
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom else num
+
+
+def describe_exc(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= 160 else text[:157] + "..."

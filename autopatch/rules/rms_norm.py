@@ -1,0 +1,312 @@
+"""RMSNorm classes -> fused_kernels.rms_norm (kernel "rms_norm").
+
+Detection. Candidates are the classes a modeling module defines whose name says RMSNorm/RmsNorm or
+whose forward computes a mean of squares and an rsqrt. A candidate must take one input tensor
+(gated norms `forward(x, gate)` and the like are left alone), hold either one 1-D `weight` parameter
+or none, and keep its epsilon in `variance_epsilon`, `eps` or `epsilon`. One instance is built and
+its forward is run on random rows against the reference formulas
+
+    y = x / sqrt(mean(x^2) + eps)                 (in float64)
+    llama casting:  out = (offset + w) * y.to(x.dtype)          out dtype = promote(x, w)
+    gemma casting:  out = (y * (offset + w)).to(x.dtype)       out dtype = x.dtype
+    weightless:     out = y.to(x.dtype)
+
+for offset in {0, 1}, three times: float32 (tells offsets and weightless apart; the castings agree
+there), bfloat16 module and input (tells the castings apart: llama rounds twice), float32 weight with
+bfloat16 input (the autocast case: tells whether the original promotes). The probe's eps is set large
+and its weights lie on a grid of k/64 so that `offset + w` is exact in bfloat16 whatever order the
+original adds it in. Exactly one candidate must match float32 and bfloat16; if it misses the mixed
+probe, the patched forward runs the original code whenever weight and input dtypes differ.
+
+Patch. The class's `forward` is replaced by one that reads the weight and eps from the instance
+(attribute names found here) and calls fused_kernels.rms_norm(x, weight, eps, offset, casting_mode);
+any number of leading dims works, so per-head q/k norms (Qwen3) need nothing special. Tensors Triton
+cannot run on go to the original forward, with one notice per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from autopatch import patching
+from autopatch.report import Record, fallback_notice
+from autopatch.rules import _probe
+
+KERNEL = "rms_norm"
+EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
+
+# Tolerances of the probe (relative L2 error of the original against a candidate).
+FP32_TOL = 1e-5
+# In bfloat16 a right candidate differs only where float32 and float64 internals round differently
+# (~1e-5 here); the wrong casting rounds twice and differs by ~1e-3.
+BF16_TOL = 3e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    offset: float
+    casting: str  # "llama" | "gemma"
+    weight_attr: str | None  # None: a weightless norm
+    eps_attr: str
+    mixed_ok: bool  # the original matches with a float32 weight and a bfloat16 input
+
+    def describe(self) -> str:
+        if self.weight_attr is None:
+            text = "weightless"
+        else:
+            text = f"offset={self.offset:g} casting={self.casting}"
+        if not self.mixed_ok:
+            text += " (original code when weight and input dtypes differ)"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    target: str
+    variant: Variant | None
+    reason: str = ""
+
+
+def looks_like_rms_norm(cls: type) -> bool:
+    name = cls.__name__
+    if "RMSNorm" in name or "RmsNorm" in name:
+        return True
+    sources = []
+    for attr in ("forward", "_norm"):
+        fn = vars(cls).get(attr)
+        if fn is None:
+            continue
+        try:
+            sources.append(inspect.getsource(fn))
+        except (OSError, TypeError):
+            continue
+    text = "\n".join(sources)
+    return "rsqrt" in text and ("pow(2)" in text or "square(" in text or "**2" in text) and "mean(" in text
+
+
+def reference(x: torch.Tensor, weight, eps: float, offset: float, casting: str) -> torch.Tensor:
+    x64 = x.double()
+    y = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return y.to(x.dtype)
+    w = offset + weight.double()
+    if casting == "llama":
+        return (w * y.to(x.dtype).double()).to(torch.promote_types(x.dtype, weight.dtype))
+    return (y * w).to(x.dtype)
+
+
+def _candidates(weighted: bool):
+    if not weighted:
+        return [(0.0, "llama")]
+    return [(offset, casting) for offset in (0.0, 1.0) for casting in ("llama", "gemma")]
+
+
+def _build(cls: type, module: ModuleType):
+    def config_args():
+        config_cls = _probe.config_class_for(cls, module)
+        config = _probe.tiny_config(config_cls) if config_cls is not None else None
+        if config is None:
+            raise TypeError("no config class to build from")
+        return (config,), {}
+
+    attempts = [
+        lambda: ((_probe.HIDDEN,), {"eps": _probe.EPS}),
+        lambda: ((_probe.HIDDEN, _probe.EPS), {}),
+        lambda: ((_probe.HIDDEN,), {}),
+        lambda: ((), {"eps": _probe.EPS}),
+        config_args,
+    ]
+    return _probe.try_build(cls, attempts)
+
+
+def _run(fn, *args):
+    try:
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - the probe reports it
+        return None, _probe.describe_exc(exc)
+
+
+def detect(cls: type, module: ModuleType) -> Verdict:
+    """Which (offset, casting) variant `cls` computes, or why it is left alone. Pure torch, CPU."""
+    target = cls.__name__
+    extra = _probe.forward_extra_args(cls)
+    if extra:
+        return Verdict(target, None, extra)
+    with _probe.quiet_rng():
+        instance, why = _build(cls, module)
+        if instance is None:
+            return Verdict(target, None, why)
+        return _probe_instance(target, cls, instance)
+
+
+def _probe_instance(target: str, cls: type, instance) -> Verdict:
+    if any(True for _ in instance.children()):
+        return Verdict(target, None, "has submodules")
+    if any(True for _ in instance.buffers()):
+        return Verdict(target, None, "has buffers")
+    params = dict(instance.named_parameters())
+    weight_attr = None
+    if params:
+        if set(params) != {"weight"} or params["weight"].dim() != 1:
+            shapes = {k: tuple(v.shape) for k, v in params.items()}
+            return Verdict(target, None, f"parameters {shapes} are not one 1-D weight")
+        weight_attr = "weight"
+    hidden = params["weight"].shape[0] if params else _probe.HIDDEN
+    eps_attrs = [a for a in EPS_ATTRS if isinstance(getattr(instance, a, None), (float, int))
+                 and not isinstance(getattr(instance, a), bool)]
+    if not eps_attrs:
+        return Verdict(target, None, f"no epsilon attribute ({', '.join(EPS_ATTRS)})")
+
+    gen = _probe.generator(0)
+    rows = 15
+    scale = torch.linspace(0.25, 2.0, rows, dtype=torch.float64).reshape(3, 5, 1)
+    x32 = (_probe.randn((3, 5, hidden), gen, torch.float64) * scale).float()
+    weight = None
+    if weight_attr is not None:
+        # k/64 with |k| <= 24: exact in bfloat16, and so is 1 + k/64
+        weight = torch.randint(-24, 25, (hidden,), generator=gen).float() / 64
+        instance.weight.copy_(weight)
+
+    forward = cls.forward
+    matches = []
+    first_error = ""
+    for eps_attr in eps_attrs:
+        # the chosen attribute carries the probe's eps; any other eps-named attribute a different one
+        for other in eps_attrs:
+            setattr(instance, other, _probe.EPS if other == eps_attr else 1e-3)
+        instance.float()
+        out32, err = _run(forward, instance, x32)
+        if err:
+            return Verdict(target, None, f"probe failed in float32 ({err})")
+        instance.to(torch.bfloat16)
+        x16 = x32.to(torch.bfloat16)
+        out16, err16 = _run(forward, instance, x16)
+        instance.float()
+        out_mixed, err_mixed = _run(forward, instance, x16)
+        for offset, casting in _candidates(weight is not None):
+            ref32 = reference(x32, weight, _probe.EPS, offset, casting)
+            if _probe.rel_err(out32, ref32) > FP32_TOL or out32.dtype != ref32.dtype:
+                continue
+            if err16:
+                first_error = first_error or f"probe failed in bfloat16 ({err16})"
+                continue
+            w16 = weight.to(torch.bfloat16) if weight is not None else None
+            ref16 = reference(x16, w16, _probe.EPS, offset, casting)
+            if out16.dtype != ref16.dtype or _probe.rel_err(out16, ref16) > BF16_TOL:
+                continue
+            ref_mixed = reference(x16, weight, _probe.EPS, offset, casting)
+            mixed_ok = (
+                not err_mixed
+                and out_mixed.dtype == ref_mixed.dtype
+                and _probe.rel_err(out_mixed, ref_mixed) <= BF16_TOL
+            )
+            matches.append(Variant(offset, casting, weight_attr, eps_attr, mixed_ok))
+    if len(matches) == 1:
+        return Verdict(target, matches[0])
+    if not matches:
+        return Verdict(target, None, first_error or "matches no RMSNorm formula (offset 0/1, llama/gemma casting)")
+    return Verdict(target, None, "ambiguous: matches " + "; ".join(v.describe() for v in matches))
+
+
+# --- the patched forward ---------------------------------------------------------------------
+
+
+def _kernels():
+    import fused_kernels
+
+    return fused_kernels
+
+
+def make_forward(original_forward: Callable, variant: Variant, input_name: str):
+    """A forward for the class: the fused kernel where Triton runs, the original code elsewhere."""
+    offset, casting = variant.offset, variant.casting
+    weight_attr, eps_attr, mixed_ok = variant.weight_attr, variant.eps_attr, variant.mixed_ok
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else kwargs.get(input_name)
+        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1:
+            return original_forward(self, *args, **kwargs)
+        weight = getattr(self, weight_attr) if weight_attr is not None else None
+        if weight_attr is not None and weight is None:  # built without a scale: not what we probed
+            return original_forward(self, *args, **kwargs)
+        fk = _kernels()
+        if not fk.triton_can_run(x, *(() if weight is None else (weight,))):
+            fallback_notice(KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
+            return original_forward(self, *args, **kwargs)
+        if weight is not None and weight.dtype != x.dtype:
+            if not mixed_ok:
+                return original_forward(self, *args, **kwargs)
+            out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
+        else:
+            out_dtype = x.dtype
+        out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    forward.__name__ = "forward"
+    forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
+    forward.__doc__ = getattr(original_forward, "__doc__", None)
+    forward.__wrapped__ = original_forward
+    forward._autopatch_variant = variant.describe()
+    return forward
+
+
+# --- the rule --------------------------------------------------------------------------------
+
+_verdicts: dict[type, Verdict] = {}
+
+
+def _kernels_importable() -> str:
+    try:
+        _kernels()
+    except Exception as exc:  # noqa: BLE001
+        return f"fused_kernels could not be imported ({_probe.describe_exc(exc)})"
+    return ""
+
+
+class _Rule:
+    name = "rms_norm"
+    kernels = (KERNEL,)
+
+    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        records = []
+        try:
+            classes = [c for c in _probe.defined_classes(module) if looks_like_rms_norm(c)]
+        except Exception as exc:  # noqa: BLE001
+            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        for cls in classes:
+            try:
+                records.append(self._patch_class(cls, module, enabled))
+            except Exception as exc:  # noqa: BLE001 - never raise into an import
+                records.append(Record(KERNEL, module.__name__, cls.__name__, False,
+                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
+        return records
+
+    def _patch_class(self, cls, module, enabled) -> Record:
+        verdict = _verdicts.get(cls)
+        if verdict is None:
+            verdict = _verdicts[cls] = detect(cls, module)
+        record = lambda patched, variant="", reason="": Record(  # noqa: E731
+            KERNEL, module.__name__, verdict.target, patched, variant, reason)
+        if verdict.variant is None:
+            return record(False, reason=verdict.reason)
+        variant = verdict.variant.describe()
+        if patching.is_patched(cls, "forward"):
+            return record(True, variant)
+        if not enabled(KERNEL):
+            return record(False, variant, "kernel rms_norm disabled")
+        missing = _kernels_importable()
+        if missing:
+            return record(False, variant, missing)
+        original = cls.forward
+        params = _probe.positional_params(original) or []
+        input_name = params[0].name if params else "hidden_states"
+        patching.replace(cls, "forward", make_forward(original, verdict.variant, input_name))
+        return record(True, variant)
+
+
+RULE = _Rule()

@@ -1,0 +1,323 @@
+"""Module-level `apply_rotary_pos_emb` -> fused_kernels.rope (kernel "rope").
+
+Detection. The function must be defined in the modeling module and take (q, k, cos, sin) followed
+only by optional `position_ids` and `unsqueeze_dim`. It is run in float64 on random q, k, cos, sin —
+cos/sin of full head size, half size and quarter size, both head layouts — and compared with the
+reference rotations below; a size the original rejects (raises) is simply not a size it takes. A
+shorter cos is not always partial rotary (gpt_oss takes half-size cos/sin for a full rotation), so
+the numbers decide, not the shape. Exactly one variant must match on every size the original takes:
+
+    half            x*cos + rotate_half(x)*sin on the first cos.shape[-1] channels, the rest pass
+    half-size cos   cos/sin cover half the head: cos -> cat(cos, cos), then "half" (gpt_oss)
+    half sin=-sin   "half" turning the other way: sin -> -sin (NanoChat's rotate_half)
+    interleaved     pairs (x[2i], x[2i+1]) rotated by cos/sin taken element by element (Cohere)
+    interleaved half-size cos   one cos/sin per pair: cos -> cos.repeat_interleave(2), then
+                    "interleaved" (openai_privacy_filter)
+    glm             cos -> cos[..., :r/2].repeat_interleave(2), then "interleaved" on r channels (GLM)
+
+The variant's pre-processing of cos/sin and the kernel's `interleaved` flag are the data in
+_VARIANTS. The sizes that matched are kept: at run time a size class the probe did not see goes to
+the original function (which then behaves exactly as it always did).
+
+Patch. The module global `apply_rotary_pos_emb` is rebound to a wrapper with the same parameters
+calling fused_kernels.rope; tensors Triton cannot run on go to the original, with one notice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from autopatch import patching
+from autopatch.report import Record, fallback_notice
+from autopatch.rules import _probe
+
+KERNEL = "rope"
+TARGET = "apply_rotary_pos_emb"
+PROBE_TOL = 1e-5  # a right variant agrees to float32 rounding (some originals compute in .float()), a wrong one is off by O(1)
+OPTIONAL_PARAMS = ("position_ids", "unsqueeze_dim")
+
+
+# --- reference rotations (float64) and the variants as data -----------------------------------
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rotate_pairs(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _rotate(x, cos, sin, rotate):
+    r = cos.shape[-1]
+    if r % 2 or r > x.shape[-1]:
+        raise ValueError("rotary size must be even and at most the head size")
+    head, rest = x[..., :r], x[..., r:]
+    return torch.cat((head * cos + rotate(head) * sin, rest), dim=-1)
+
+
+def _same(cos, sin, d):
+    return cos, sin
+
+
+def _half_size(cos, sin, d):
+    if 2 * cos.shape[-1] != d:
+        raise ValueError("half-size cos/sin must cover exactly half the head")
+    return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+
+def _negated_sin(cos, sin, d):
+    return cos, -sin
+
+
+def _pair_size(cos, sin, d):
+    if 2 * cos.shape[-1] != d:
+        raise ValueError("per-pair cos/sin must cover exactly half the head")
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+
+
+def _glm(cos, sin, d):
+    r = cos.shape[-1]
+    return cos[..., : r // 2].repeat_interleave(2, dim=-1), sin[..., : r // 2].repeat_interleave(2, dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _VariantSpec:
+    name: str
+    prepare: Callable  # (cos, sin, head_dim) -> (cos, sin) as the kernel wants them
+    interleaved: bool
+
+
+_VARIANTS = (
+    _VariantSpec("half", _same, False),
+    _VariantSpec("half-size cos", _half_size, False),
+    _VariantSpec("half sin=-sin", _negated_sin, False),
+    _VariantSpec("interleaved", _same, True),
+    _VariantSpec("interleaved half-size cos", _pair_size, True),
+    _VariantSpec("glm", _glm, True),
+)
+
+
+def reference(spec: _VariantSpec, q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = spec.prepare(cos, sin, q.shape[-1])
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rotate = _rotate_pairs if spec.interleaved else _rotate_half
+    return _rotate(q, cos, sin, rotate), _rotate(k, cos, sin, rotate)
+
+
+def size_class(rotary: int, head_dim: int) -> str:
+    if rotary == head_dim:
+        return "full"
+    if 2 * rotary == head_dim:
+        return "half"
+    return "partial" if rotary < head_dim else "longer"
+
+
+# --- detection ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    variant: _VariantSpec | None
+    sizes: frozenset = frozenset()  # size classes of cos the original takes and the variant matched
+    reason: str = ""
+    rest_params: tuple = ()  # names after (q, k, cos, sin), in order
+    defaults: tuple = ()  # ((name, default), ...)
+
+    def describe(self) -> str:
+        if self.variant is None:
+            return ""
+        if self.variant.name == "half":
+            return "half rot=full" if self.sizes == {"full"} else "half partial"
+        return self.variant.name
+
+
+def _signature(fn) -> tuple[str, tuple, tuple]:
+    """(reason, rest_params, defaults): reason is '' when the parameters are (q, k, cos, sin) plus
+    optional position_ids / unsqueeze_dim."""
+    params = _probe.positional_params(fn)
+    if params is None:
+        return "no readable signature", (), ()
+    names = [p.name for p in params]
+    if names[:4] != ["q", "k", "cos", "sin"]:
+        return f"parameters ({', '.join(names)}) are not (q, k, cos, sin, ...)", (), ()
+    rest = params[4:]
+    for p in rest:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            return f"takes {'*' if p.kind == p.VAR_POSITIONAL else '**'}{p.name}", (), ()
+        if p.name not in OPTIONAL_PARAMS or p.default is inspect.Parameter.empty:
+            return f"takes an extra parameter {p.name!r}", (), ()
+    return "", tuple(p.name for p in rest), tuple((p.name, p.default) for p in rest)
+
+
+def _probe_calls(rest_params):
+    """(size_key, kwargs-maker) for every probe: three cos sizes x the head layouts the function
+    takes. q: 3 heads, k: 1 head (GQA), head size 16, batch 2, 5 positions."""
+    layouts = [1, 2] if "unsqueeze_dim" in rest_params else [1]
+    return [(rotary, unsqueeze_dim) for rotary in (16, 8, 4) for unsqueeze_dim in layouts]
+
+
+def _inputs(gen, rotary, unsqueeze_dim):
+    b, s, d = 2, 5, _probe.HEAD_DIM
+    if unsqueeze_dim == 1:
+        q_shape, k_shape = (b, 3, s, d), (b, 1, s, d)
+    else:
+        q_shape, k_shape = (b, s, 3, d), (b, s, 1, d)
+    q = _probe.randn(q_shape, gen, torch.float64)
+    k = _probe.randn(k_shape, gen, torch.float64)
+    # cos/sin random (not a real cos table): every element must be used the way the formula says
+    cos = _probe.randn((b, s, rotary), gen, torch.float64)
+    sin = _probe.randn((b, s, rotary), gen, torch.float64)
+    kwargs = {}
+    if unsqueeze_dim != 1:
+        kwargs["unsqueeze_dim"] = unsqueeze_dim
+    return q, k, cos, sin, kwargs
+
+
+def _pair(out):
+    if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
+        return out
+    return None
+
+
+def detect(fn) -> Verdict:
+    reason, rest, defaults = _signature(fn)
+    if reason:
+        return Verdict(None, reason=reason)
+    gen = _probe.generator(0)
+    taken: dict[str, list] = {}  # size class -> [(inputs, outputs), ...]
+    errors = []
+    with _probe.quiet_rng():
+        for rotary, unsqueeze_dim in _probe_calls(rest):
+            q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim)
+            try:
+                out = _pair(fn(q, k, cos, sin, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - a size it does not take
+                errors.append(_probe.describe_exc(exc))
+                continue
+            if out is None:
+                return Verdict(None, reason="does not return (q, k)")
+            if "position_ids" in rest:
+                kw = dict(kwargs, position_ids=torch.arange(5).expand(2, 5) + 3)
+                try:
+                    with_pos = _pair(fn(q, k, cos, sin, **kw))
+                except Exception as exc:  # noqa: BLE001
+                    return Verdict(None, reason=f"fails when given position_ids ({_probe.describe_exc(exc)})")
+                if with_pos is None or any(_probe.rel_err(a, b) > PROBE_TOL for a, b in zip(with_pos, out)):
+                    return Verdict(None, reason="uses position_ids")
+            key = size_class(rotary, q.shape[-1])
+            taken.setdefault(key, []).append(((q, k, cos, sin, unsqueeze_dim), out))
+        if not taken:
+            return Verdict(None, reason=f"probe failed at every size ({errors[0] if errors else '?'})")
+        matches = []
+        for spec in _VARIANTS:
+            if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
+                matches.append(spec)
+    sizes = frozenset(taken)
+    if len(matches) == 1:
+        return Verdict(matches[0], sizes, "", rest, defaults)
+    if not matches:
+        return Verdict(None, sizes, "matches no rotary variant (" + ", ".join(s.name for s in _VARIANTS) + ")")
+    return Verdict(None, sizes, "ambiguous: matches " + ", ".join(s.name for s in matches))
+
+
+def _matches(spec, args, out) -> bool:
+    q, k, cos, sin, unsqueeze_dim = args
+    try:
+        ref_q, ref_k = reference(spec, q, k, cos, sin, unsqueeze_dim)
+    except Exception:  # noqa: BLE001 - the variant is not defined at this size
+        return False
+    return _probe.rel_err(out[0], ref_q) <= PROBE_TOL and _probe.rel_err(out[1], ref_k) <= PROBE_TOL
+
+
+# --- the wrapper --------------------------------------------------------------------------------
+
+
+def _kernels():
+    import fused_kernels
+
+    return fused_kernels
+
+
+def make_wrapper(original: Callable, verdict: Verdict):
+    spec, sizes = verdict.variant, verdict.sizes
+    rest_params, defaults = verdict.rest_params, dict(verdict.defaults)
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if len(args) > len(rest_params) or any(name not in rest_params for name in kwargs):
+            return original(q, k, cos, sin, *args, **kwargs)
+        values = dict(defaults)
+        values.update(zip(rest_params, args))
+        values.update(kwargs)
+        unsqueeze_dim = values.get("unsqueeze_dim", 1)
+        if (
+            not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
+            or q.shape[-1] != k.shape[-1]
+            or cos.shape != sin.shape
+            or size_class(cos.shape[-1], q.shape[-1]) not in sizes
+        ):
+            return original(q, k, cos, sin, *args, **kwargs)
+        fk = _kernels()
+        if not fk.triton_can_run(q, k, cos, sin):
+            fallback_notice(KERNEL, f"apply_rotary_pos_emb got {q.device.type} tensors")
+            return original(q, k, cos, sin, *args, **kwargs)
+        cos, sin = spec.prepare(cos, sin, q.shape[-1])
+        if spec.interleaved:
+            return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
+        return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb._autopatch_variant = verdict.describe()
+    return apply_rotary_pos_emb
+
+
+# --- the rule -----------------------------------------------------------------------------------
+
+_verdicts: dict[object, Verdict] = {}
+
+
+class _Rule:
+    name = "rope"
+    kernels = (KERNEL,)
+
+    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        try:
+            return self._patch(module, enabled)
+        except Exception as exc:  # noqa: BLE001 - never raise into an import
+            return [Record(KERNEL, module.__name__, TARGET, False, reason=f"rule error: {_probe.describe_exc(exc)}")]
+
+    def _patch(self, module, enabled) -> list[Record]:
+        name = module.__name__
+        if patching.is_patched(module, TARGET):
+            fn = patching.original(module, TARGET)
+        else:
+            fn = vars(module).get(TARGET)
+            if fn is None or not callable(fn) or getattr(fn, "__module__", None) != name:
+                return []  # nothing of ours to look at (absent, or imported from another module)
+        verdict = _verdicts.get(fn)
+        if verdict is None:
+            verdict = _verdicts[fn] = detect(fn)
+        if verdict.variant is None:
+            return [Record(KERNEL, name, TARGET, False, reason=verdict.reason)]
+        variant = verdict.describe()
+        if patching.is_patched(module, TARGET):
+            return [Record(KERNEL, name, TARGET, True, variant)]
+        if not enabled(KERNEL):
+            return [Record(KERNEL, name, TARGET, False, variant, "kernel rope disabled")]
+        try:
+            _kernels()
+        except Exception as exc:  # noqa: BLE001
+            return [Record(KERNEL, name, TARGET, False, variant,
+                           f"fused_kernels could not be imported ({_probe.describe_exc(exc)})")]
+        patching.replace(module, TARGET, make_wrapper(fn, verdict))
+        return [Record(KERNEL, name, TARGET, True, variant)]
+
+
+RULE = _Rule()
