@@ -1,2 +1,49 @@
-"""Entered from autopatch.pth in every interpreter of the environment. Placeholder until the
-runtime lands (issue 3): must stay near-free and never raise."""
+"""Entered from autopatch.pth in every interpreter of the environment, and from the launcher's
+sitecustomize (autopatch/_launcher/) in the children of `autopatch run`.
+
+With neither FUSED_KERNELS nor any AUTOPATCH_* variable set it returns at once: it reads os.environ
+(already imported by site) and imports nothing. Otherwise it registers the import hook on
+transformers (autopatch.hooks; that imports wrapt, ~60 ms); the settings themselves are read and
+validated only when transformers is imported, so a bad variable never disturbs a program that does
+not use transformers. It never raises: an exception in a .pth line is printed as "Error processing
+line" and SystemExit there is a fatal interpreter error. Importing it twice (CPython runs a venv's
+.pth files twice) does nothing the second time: a module body runs once, and install() is
+idempotent.
+"""
+
+import os as _os
+
+
+def wanted(environ=None) -> bool:
+    """Whether any variable asks for autopatch."""
+    env = _os.environ if environ is None else environ
+    if "FUSED_KERNELS" in env:
+        return True
+    for name in env:
+        if name.startswith("AUTOPATCH_"):
+            return True
+    return False
+
+
+def start() -> None:
+    """Register the import hooks now (also for notebooks: after `%env FUSED_KERNELS=...`, call
+    `import autopatch._startup as s; s.start()` before importing transformers models)."""
+    try:
+        from autopatch import hooks
+
+        hooks.install()
+    except Exception as exc:  # never break the interpreter's start
+        try:
+            import sys
+
+            print(f"autopatch: could not set up the import hooks ({type(exc).__name__}: {exc}); "
+                  "models will not be patched", file=sys.stderr)
+        except Exception:
+            pass
+
+
+try:
+    if wanted():
+        start()
+except Exception:
+    pass

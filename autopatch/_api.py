@@ -1,0 +1,99 @@
+"""autopatch.apply(model, **toggles): the import hooks' rules, applied to an already-built model.
+
+The keywords are the kernel names (autopatch.names), the same keys as Hugging Face's
+`TrainingArguments.liger_kernel_config`, so `apply(model, **liger_kernel_config)` carries over.
+A kernel not named takes the default HF/Liger use when `use_liger_kernel=True` gives no config:
+rope, rms_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off. The
+environment's kernel set (FUSED_KERNELS, toggles, per-model overrides) plays no part: the call says
+what it wants. AUTOPATCH_STRICT does apply.
+
+Patches are made where the hooks make them: on the classes and module functions of the modeling
+modules that define the model's class and its submodules' classes. So every instance of those
+classes in the process is patched, not only this model; apply() twice is harmless.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from autopatch.names import KERNEL_NAMES
+
+# HF's defaults when use_liger_kernel=True (Liger's apply_liger_kernel_to_<model> defaults).
+APPLY_DEFAULTS: dict[str, bool] = {
+    "rope": True,
+    "rms_norm": True,
+    "swiglu": True,
+    "geglu": True,
+    "cross_entropy": False,
+    "fused_linear_cross_entropy": True,
+}
+
+
+def resolve_toggles(toggles: dict) -> dict[str, bool]:
+    """The kernel set of an apply() call; TypeError for unknown keywords or non-boolean values."""
+    unknown = [k for k in toggles if k not in KERNEL_NAMES]
+    if unknown:
+        raise TypeError(
+            f"apply() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"valid kernel keywords: {', '.join(KERNEL_NAMES)}"
+        )
+    chosen = {k: APPLY_DEFAULTS.get(k, False) for k in KERNEL_NAMES}
+    for kernel, value in toggles.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"apply(): {kernel} must be True or False, got {value!r}")
+        chosen[kernel] = value
+    return chosen
+
+
+def _is_modeling_module(name: str) -> bool:
+    # transformers.models.*.modeling_*, and remote-code models (transformers_modules.*.modeling_*)
+    return name.rpartition(".")[2].startswith("modeling_") and not name.startswith("torch.")
+
+
+def modules_of(model) -> list:
+    """The modeling modules defining the model's class (and its bases) and its submodules' classes,
+    in first-seen order."""
+    names: list[str] = []
+    classes = list(type(model).__mro__)
+    modules_fn = getattr(model, "modules", None)
+    if callable(modules_fn):
+        classes += [type(m) for m in modules_fn()]
+    for cls in classes:
+        name = getattr(cls, "__module__", None)
+        if isinstance(name, str) and name not in names and _is_modeling_module(name):
+            names.append(name)
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+def apply(model, **toggles) -> list:
+    """Patch the components `model` uses; returns the records of this call (also in applied())."""
+    from autopatch import hooks, report, rules
+
+    chosen = resolve_toggles(toggles)
+
+    def enabled(kernel: str) -> bool:
+        if kernel not in chosen:
+            raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(KERNEL_NAMES)}")
+        return chosen[kernel]
+
+    settings = hooks.active_settings()
+    if settings is None:
+        from autopatch.config import load_settings
+
+        settings = load_settings()  # for AUTOPATCH_STRICT; a bad environment raises ConfigError here
+    report.set_strict(settings.strict)
+
+    records: list = []
+    for module in modules_of(model):
+        found = rules.patch_module(module, enabled)
+        report.add(found)
+        line = report.summary_line(module.__name__, found, enabled)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        records.extend(found)
+    if settings.strict:
+        refused = report.refusals(records, enabled)
+        if refused:
+            why = "; ".join(f"{r.kernel} left {r.module}.{r.target} alone: {r.reason}" for r in refused)
+            raise report.StrictModeError(f"autopatch (AUTOPATCH_STRICT): {why}")
+    return records
