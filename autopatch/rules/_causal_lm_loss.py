@@ -1,0 +1,346 @@
+"""The causal-LM loss at run time: transformers' ForCausalLMLoss through fused_kernels.cross_entropy,
+and the `*ForCausalLM` forward in training through fused_kernels.fused_linear_cross_entropy.
+
+How the fused linear cross entropy gets into an unmodified forward (one mechanism for every
+architecture; no forward is copied):
+
+  - the class's `forward` is wrapped. In training, with labels, with grad enabled (and the lm_head a
+    plain nn.Linear on tensors Triton can run on), the wrapper makes a `FusedLinearLossCall`, stores it
+    on the model as `_autopatch_flce_call` for the length of the call, and runs the original forward;
+  - the class gets a `lm_head` property. Normally it returns the real module (`_modules["lm_head"]`,
+    what nn.Module.__getattr__ would return). While a call is active it returns a stand-in that records
+    the hidden states it is given and returns a [..., 0]-wide tensor, so the original code's logits
+    transformations (softcap, scaling) run on nothing;
+  - the class gets a `loss_function` property. While a call is active it returns the call's loss, which
+    computes fused_linear_cross_entropy from the recorded hidden states, lm_head weight and bias, the
+    labels and the loss kwargs (num_items_in_batch, ignore_index, shift_labels), with the softcap and
+    logit scale the source analysis found. Everything the original forward does after its loss call —
+    adding router_aux_loss_coef * aux_loss in MoE models, building the output — still runs;
+  - otherwise `loss_function` returns what transformers would (a user-set loss included), with
+    ForCausalLMLoss replaced by `fused_causal_lm_loss` when the cross_entropy kernel is on.
+
+In that fused case the output's `logits` is None (a tuple output loses that element): the full
+logits are exactly what the fused kernel avoids materialising. Eval, no labels, or no grad: the
+original forward runs untouched and returns the logits.
+
+Nothing here swaps attributes of instances except `_autopatch_flce_call`, a plain Python attribute set
+and cleared around the call, which torch.compile(fullgraph=True) traces as a side effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import operator
+import numbers
+
+import torch
+from torch import nn
+
+from autopatch import report
+from autopatch.rules._causal_lm_source import Transform
+
+CALL_ATTR = "_autopatch_flce_call"
+
+
+def _kernels():
+    # Imported when the rule patches (autopatch.rules.loss), so this lookup is a dict hit.
+    import fused_kernels
+
+    return fused_kernels
+
+
+def _original_causal_lm_loss():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
+def shifted_targets(labels, shift_labels, ignore_index):
+    """ForCausalLMLoss's targets: labels shifted left by one, the last position ignored (unless
+    the caller passes `shift_labels`), flattened."""
+    if shift_labels is None:
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    return shift_labels.reshape(-1)
+
+
+def reduce_like_fixed_cross_entropy(loss_fn, num_items_in_batch):
+    """transformers' fixed_cross_entropy: mean over non-ignored tokens, or, with num_items_in_batch,
+    the sum divided by it (moved to the loss's device when a tensor; an int is used as is)."""
+    if num_items_in_batch is None:
+        return loss_fn("mean")
+    loss = loss_fn("sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def fused_causal_lm_loss(
+    logits,
+    labels,
+    vocab_size: int,
+    num_items_in_batch=None,
+    ignore_index: int = -100,
+    shift_labels=None,
+    **kwargs,
+):
+    """transformers.loss.loss_utils.ForCausalLMLoss computed by fused_kernels.cross_entropy.
+
+    Same arguments, same result: the kernel reads the logits in their own dtype and accumulates in
+    fp32 (what ForCausalLMLoss's `logits.float()` buys, without the fp32 copy). One deliberate
+    difference: a batch whose every target is ignored gives 0 (the kernel's convention), where
+    ForCausalLMLoss's mean gives NaN."""
+    fk = _kernels()
+    if not fk.triton_can_run(logits):
+        report.fallback_notice("cross_entropy", f"logits on {logits.device.type}")
+        return _original_causal_lm_loss()(
+            logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
+        )
+    flat_logits = logits.reshape(-1, vocab_size)
+    target = shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
+    return reduce_like_fixed_cross_entropy(
+        lambda reduction: fk.cross_entropy(flat_logits, target, ignore_index=ignore_index, reduction=reduction),
+        num_items_in_batch,
+    )
+
+
+@dataclasses.dataclass
+class LossPatch:
+    """What is switched on for one patched class (read at call time, so a later patch_module call
+    that turns a kernel on takes effect)."""
+
+    base_loss_property: property  # the loss_function property the class had (PreTrainedModel's)
+    cross_entropy: bool = False
+    fused_linear: bool = False
+    transforms: tuple[Transform, ...] = ()
+
+
+def _number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not torch.is_tensor(value)
+
+
+def logit_transform_values(model, transforms):
+    """(logit_scale, softcap) for this model from the analysed transforms, or None when some value
+    is not a plain number (then the fused path does not apply)."""
+    scale = 1.0
+    softcap = None
+    for t in transforms:
+        value = operator.attrgetter(t.attribute)(model)
+        if t.kind == "softcap_if_set" and value is None:
+            continue
+        if not _number(value):
+            return None
+        if t.kind == "scale_mul":
+            scale = scale * float(value)
+        elif t.kind == "scale_div":
+            scale = scale / float(value)
+        else:
+            softcap = float(value)
+    return scale, softcap
+
+
+class LMHeadStandIn:
+    """What `self.lm_head` is during a fused call: records its input, returns a [..., 0] tensor.
+    Attribute reads (weight.dtype in some forwards) go to the real module."""
+
+    def __init__(self, call, lm_head):
+        self._call = call
+        self._lm_head = lm_head
+
+    @property
+    def weight(self):
+        return self._lm_head.weight
+
+    @property
+    def bias(self):
+        return self._lm_head.bias
+
+    @property
+    def in_features(self):
+        return self._lm_head.in_features
+
+    @property
+    def out_features(self):
+        return self._lm_head.out_features
+
+    def __call__(self, hidden_states):
+        self._call.hidden_states = hidden_states
+        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+
+
+class FusedLinearLossCall:
+    """One forward call of a patched model that computes its loss with fused_linear_cross_entropy."""
+
+    def __init__(self, lm_head, logit_scale, softcap):
+        self.lm_head = lm_head
+        self.logit_scale = logit_scale
+        self.softcap = softcap
+        self.hidden_states = None
+        self.stand_in_logits = None
+        self.lm_head_stand_in = LMHeadStandIn(self, lm_head)
+
+    def loss(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+             shift_labels=None, **kwargs):
+        # `logits` is the stand-in after the forward's own transformations: remembered so that the
+        # output can drop it. `vocab_size` is the lm_head's out_features; the weight carries it.
+        self.stand_in_logits = logits
+        hidden = self.hidden_states
+        if hidden is None:
+            raise RuntimeError("autopatch fused linear cross entropy: the forward called its loss before self.lm_head")
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        target = shifted_targets(labels, shift_labels, ignore_index).to(hidden.device)
+        if hidden.shape[0] != target.shape[0]:
+            # what nn.functional.cross_entropy says in the original forward
+            raise ValueError(
+                f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})."
+            )
+        weight = self.lm_head.weight
+        bias = self.lm_head.bias
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type):
+            # nn.Linear under autocast runs in the autocast dtype; the custom op is not autocast-aware
+            dtype = torch.get_autocast_dtype(device_type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        elif hidden.dtype != weight.dtype:
+            raise RuntimeError(
+                f"mat1 and mat2 must have the same dtype, but got {hidden.dtype} and {weight.dtype}"
+            )
+        fk = _kernels()
+        return reduce_like_fixed_cross_entropy(
+            lambda reduction: fk.fused_linear_cross_entropy(
+                hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
+                softcap=self.softcap, logit_scale=self.logit_scale,
+            ),
+            num_items_in_batch,
+        )
+
+    def drop_logits(self, output):
+        """The forward's output without the stand-in logits (logits=None)."""
+        stand_in = self.stand_in_logits
+        if stand_in is None:
+            return output
+        if isinstance(output, tuple):
+            return tuple(x for x in output if x is not stand_in)
+        fields = {k: v for k, v in output.items() if v is not stand_in}
+        return type(output)(**fields)
+
+
+def _plain_linear(module) -> bool:
+    """An nn.Linear whose call is exactly F.linear: no subclass forward (quantised, LoRA), no
+    instance-level forward (accelerate hooks), no module hooks (FSDP units, user hooks)."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and "forward" not in module.__dict__
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
+
+
+def _labels_position(forward) -> int | None:
+    """Index of `labels` in the positional arguments after self, or None."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "labels" not in positional:
+        return None
+    return positional.index("labels") - 1  # drop self
+
+
+def make_forward(original_forward, patch: LossPatch):
+    """The class's new forward: the original, with the fused linear CE in training with labels."""
+    labels_at = _labels_position(original_forward)
+
+    @functools.wraps(original_forward)
+    def forward(self, *args, **kwargs):
+        if "labels" in kwargs:
+            labels = kwargs["labels"]
+        elif labels_at is not None and len(args) > labels_at:
+            labels = args[labels_at]
+        else:
+            labels = None
+        call = None
+        if patch.fused_linear and labels is not None and self.training and torch.is_grad_enabled():
+            call = _start_fused_call(self, patch)
+        if call is None:
+            return original_forward(self, *args, **kwargs)
+        setattr(self, CALL_ATTR, call)
+        try:
+            output = original_forward(self, *args, **kwargs)
+        finally:
+            setattr(self, CALL_ATTR, None)
+        return call.drop_logits(output)
+
+    forward.__autopatch_original__ = original_forward
+    return forward
+
+
+def _start_fused_call(model, patch: LossPatch):
+    """A FusedLinearLossCall when the fused path applies to this call, else None."""
+    if patch.base_loss_property.fget(model) is not _original_causal_lm_loss():
+        return None  # a user-set loss_function or a config loss_type other than ForCausalLM
+    lm_head = model._modules.get("lm_head")
+    if not _plain_linear(lm_head):
+        return None
+    if not _kernels().triton_can_run(lm_head.weight):
+        report.fallback_notice("fused_linear_cross_entropy", f"lm_head weight on {lm_head.weight.device.type}")
+        return None
+    values = logit_transform_values(model, patch.transforms)
+    if values is None:
+        report.fallback_notice(
+            "fused_linear_cross_entropy",
+            f"{type(model).__name__}: a logits scale/softcap is not a plain number",
+        )
+        return None
+    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1])
+
+
+def make_lm_head_property():
+    """`lm_head` as nn.Module.__getattr__ would find it (in _modules, or a plain attribute such as
+    None), except during a fused call. Assigning a module still goes to _modules, since
+    nn.Module.__setattr__ handles modules before any descriptor; anything else is stored as a plain
+    attribute, as nn.Module would."""
+
+    def lm_head(self):
+        call = getattr(self, CALL_ATTR)
+        if call is not None:
+            return call.lm_head_stand_in
+        modules = self.__dict__.get("_modules")
+        if modules is not None and "lm_head" in modules:
+            return modules["lm_head"]
+        if "lm_head" in self.__dict__:
+            return self.__dict__["lm_head"]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute 'lm_head'")
+
+    def set_lm_head(self, value):
+        self.__dict__["lm_head"] = value
+
+    def del_lm_head(self):
+        self.__dict__.pop("lm_head", None)
+
+    return property(lm_head, set_lm_head, del_lm_head,
+                    doc="lm_head, or the fused-loss stand-in during a fused training call (autopatch)")
+
+
+def make_loss_function_property(patch: LossPatch):
+    base = patch.base_loss_property
+
+    def loss_function(self):
+        call = getattr(self, CALL_ATTR)
+        if call is not None:
+            return call.loss
+        resolved = base.fget(self)
+        if patch.cross_entropy and resolved is _original_causal_lm_loss():
+            return fused_causal_lm_loss
+        return resolved
+
+    def set_loss_function(self, value):
+        base.fset(self, value)
+
+    return property(loss_function, set_loss_function, doc=base.__doc__)

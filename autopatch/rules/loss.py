@@ -1,0 +1,156 @@
+"""The loss rule: `*ForCausalLM` classes whose loss is transformers' ForCausalLMLoss.
+
+Kernels:
+  cross_entropy               the class gets a `loss_function` property that returns
+                              `fused_causal_lm_loss` (ForCausalLMLoss through fused_kernels.cross_entropy)
+                              wherever transformers would have returned ForCausalLMLoss: per class,
+                              never process-wide, never torch.nn.functional rebound. A loss set by the
+                              user (`model.loss_function = f`) or another `config.loss_type` is kept.
+  fused_linear_cross_entropy  the class's forward is wrapped so that in training with labels the
+                              lm_head + loss run as fused_kernels.fused_linear_cross_entropy without
+                              full logits (see autopatch.rules._causal_lm_loss for the mechanism;
+                              logits are None in that output). Only for forwards whose logits
+                              transformations are all in the LOGIT_STEPS table
+                              (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
+With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
+
+Detection is structural only: the numbers are those of the reference loss by construction (same
+targets, same reduction); the tests compare patched and unpatched models per architecture.
+"""
+
+from __future__ import annotations
+
+import re
+from types import ModuleType
+
+from autopatch import patching
+from autopatch.report import Record
+from autopatch.rules import _causal_lm_loss as runtime
+from autopatch.rules._causal_lm_source import analyse_forward, lm_head_built_as_linear
+
+CE = "cross_entropy"
+FLCE = "fused_linear_cross_entropy"
+
+# class -> LossPatch; the class's properties and forward read it, so a later call can switch more on
+_patches: dict[type, runtime.LossPatch] = {}
+
+
+class _LossRule:
+    name = "loss"
+    kernels = (CE, FLCE)
+
+    def patch_module(self, module: ModuleType, enabled) -> list[Record]:
+        records: list[Record] = []
+        try:
+            classes = _causal_lm_classes(module)
+        except Exception as exc:  # never raise out of a rule
+            return [Record(kernel=self.name, module=module.__name__, target="*", patched=False,
+                           reason=f"could not list *ForCausalLM classes: {type(exc).__name__}: {exc}")]
+        for cls in classes:
+            for kernel in self.kernels:
+                try:
+                    if enabled(kernel):
+                        records.append(_patch_class(module, cls, kernel))
+                except Exception as exc:
+                    records.append(Record(kernel=kernel, module=module.__name__, target=cls.__name__,
+                                          patched=False, reason=f"rule raised {type(exc).__name__}: {exc}"))
+        return records
+
+
+RULE = _LossRule()
+
+
+def _causal_lm_classes(module: ModuleType) -> list[type]:
+    from transformers.modeling_utils import PreTrainedModel
+
+    return [
+        obj for name, obj in sorted(vars(module).items())
+        if isinstance(obj, type)
+        and name.endswith("ForCausalLM")
+        and obj.__module__ == module.__name__
+        and issubclass(obj, PreTrainedModel)
+    ]
+
+
+def _resolved_loss_type(cls) -> str | None:
+    """The LOSS_MAPPING key PreTrainedModel.__init__ picks from the class name (before any
+    config.loss_type override, which the property checks at call time)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    name = cls.__name__
+    if name in LOSS_MAPPING:
+        return name
+    found = re.findall(f"({'|'.join(LOSS_MAPPING)})", name)
+    return found[0] if found else None
+
+
+def _base_loss_property(cls):
+    """The loss_function attribute the class inherits (PreTrainedModel's property), or None when it
+    defines its own or the inherited one is not a property."""
+    if "loss_function" in vars(cls) and not patching.is_patched(cls, "loss_function"):
+        return None
+    for klass in cls.__mro__[1:]:
+        if "loss_function" in vars(klass) and not patching.is_patched(klass, "loss_function"):
+            value = vars(klass)["loss_function"]
+            return value if isinstance(value, property) else None
+    return None
+
+
+def _original_forward(cls):
+    forward = vars(cls).get("forward", None) or cls.forward
+    return getattr(forward, "__autopatch_original__", forward)
+
+
+def _kernels_importable() -> str:
+    try:
+        import fused_kernels  # noqa: F401  (the runtime looks it up from sys.modules)
+    except Exception as exc:
+        return f"fused_kernels could not be imported: {type(exc).__name__}: {exc}"
+    return ""
+
+
+def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
+    from transformers.loss.loss_utils import ForCausalLMLoss, LOSS_MAPPING
+
+    def left_alone(target, reason):
+        return Record(kernel=kernel, module=module.__name__, target=target, patched=False, reason=reason)
+
+    loss_target = f"{cls.__name__}.loss_function"
+    forward_target = f"{cls.__name__}.forward"
+    target = loss_target if kernel == CE else forward_target
+
+    loss_type = _resolved_loss_type(cls)
+    if LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
+        return left_alone(target, f"loss type {loss_type!r} is not transformers' ForCausalLMLoss")
+    base = _base_loss_property(cls)
+    if base is None:
+        return left_alone(target, "the class defines its own loss_function")
+    forward = _original_forward(cls)
+    analysis = analyse_forward(forward)
+    if kernel == CE and analysis.reason.startswith("forward calls self.loss_function 0 times"):
+        return left_alone(target, "forward does not call self.loss_function (it computes its own loss)")
+    if kernel == FLCE:
+        if not analysis.ok:
+            return left_alone(target, analysis.reason)
+        if not lm_head_built_as_linear(cls):
+            return left_alone(target, "lm_head is not built as nn.Linear in __init__")
+    problem = _kernels_importable()
+    if problem:
+        return left_alone(target, problem)
+
+    # a class restored by patching.restore_all() starts again from a fresh LossPatch
+    patch = _patches.get(cls) if patching.is_patched(cls, "loss_function") else None
+    if patch is None:
+        patch = runtime.LossPatch(base_loss_property=base, transforms=analysis.transforms)
+        _patches[cls] = patch
+    patching.replace(cls, runtime.CALL_ATTR, None)
+    patching.replace(cls, "loss_function", runtime.make_loss_function_property(patch))
+    if kernel == CE:
+        patch.cross_entropy = True
+        return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
+                      variant="ForCausalLMLoss -> fused_kernels.cross_entropy")
+    patch.fused_linear = True
+    patching.replace(cls, "lm_head", runtime.make_lm_head_property())
+    patching.replace(cls, "forward", runtime.make_forward(forward, patch))
+    return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
+                  variant=analysis.variant())

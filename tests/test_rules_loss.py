@@ -1,0 +1,490 @@
+"""The loss rule (autopatch.rules.loss): fused CE as transformers' ForCausalLMLoss, fused linear CE in
+a *ForCausalLM forward in training with labels. Tiny random models, patched vs unpatched, on the
+loss, the logits and every parameter gradient, fp32 at 1e-5 relative.
+
+Until fused_kernels.cross_entropy / fused_linear_cross_entropy exist, a float64 torch stand-in takes
+their place (fixture `kernels`); the rule is the same either way."""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from autopatch import patching, report  # noqa: E402
+from autopatch.rules import loss as loss_rule  # noqa: E402
+from autopatch.rules._causal_lm_source import analyse_forward  # noqa: E402
+
+FP32 = torch.float32
+VOCAB = 96
+BATCH, SEQ = 2, 8
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels: the real ones when importable, else a float64 stand-in with the same signatures
+
+
+def _stand_in_kernels() -> types.ModuleType:
+    counts: collections.Counter = collections.Counter()
+
+    def _ce64(logits, target, ignore_index, reduction, softcap=None, logit_scale=1.0):
+        x = logits.double() * logit_scale
+        if softcap is not None:
+            x = softcap * torch.tanh(x / softcap)
+        loss = F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction)
+        if reduction == "mean":  # all ignored gives 0, not NaN (the kernels' convention)
+            loss = torch.where((target != ignore_index).any(), loss, x.sum() * 0.0)
+        return loss.float()
+
+    def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                      z_loss=0.0, softcap=None, num_items_in_batch=None):
+        counts["cross_entropy_fwd"] += 1
+        return _ce64(logits, target, ignore_index, reduction, softcap)
+
+    def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
+                                   label_smoothing=0.0, z_loss=0.0, softcap=None, logit_scale=1.0,
+                                   num_items_in_batch=None):
+        counts["fused_linear_cross_entropy_fwd"] += 1
+        logits = hidden.double() @ weight.double().t()
+        if bias is not None:
+            logits = logits + bias.double()
+        return _ce64(logits, target, ignore_index, reduction, softcap, logit_scale)
+
+    def triton_can_run(*tensors):
+        devices = {t.device.type for t in tensors if t is not None}
+        return devices == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1"
+
+    module = types.ModuleType("fused_kernels")
+    module.cross_entropy = cross_entropy
+    module.fused_linear_cross_entropy = fused_linear_cross_entropy
+    module.triton_can_run = triton_can_run
+    module.launch_counts = lambda: dict(counts)
+    module.reset_launch_counts = counts.clear
+    module.STAND_IN = True
+    return module
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        import fused_kernels
+
+        fused_kernels.cross_entropy, fused_kernels.fused_linear_cross_entropy  # noqa: B018
+        yield fused_kernels
+        return
+    except Exception:
+        saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "fused_kernels"}
+    stand_in = _stand_in_kernels()
+    sys.modules["fused_kernels"] = stand_in
+    yield stand_in
+    sys.modules.pop("fused_kernels", None)
+    sys.modules.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    patching.restore_all()
+
+
+def _launches(fk, prefix: str) -> int:
+    return sum(n for name, n in fk.launch_counts().items() if name.startswith(prefix))
+
+
+ALL_ON = lambda kernel: True  # noqa: E731
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny models
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+ARCHS = {
+    # name: (modeling module, class, config class, config overrides, what it exercises)
+    "llama": ("llama", "LlamaForCausalLM", "LlamaConfig", dict(head_dim=16)),
+    "llama_tied": ("llama", "LlamaForCausalLM", "LlamaConfig", dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(head_dim=16, final_logit_softcapping=3.0)),
+    "cohere": ("cohere", "CohereForCausalLM", "CohereConfig", dict(logit_scale=0.5)),
+    "granite": ("granite", "GraniteForCausalLM", "GraniteConfig", dict(logits_scaling=3.0)),
+    "mixtral": ("mixtral", "MixtralForCausalLM", "MixtralConfig",
+                dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     router_aux_loss_coef=0.3)),
+    "phi": ("phi", "PhiForCausalLM", "PhiConfig", dict()),  # lm_head with bias
+}
+
+
+def _module(arch):
+    import importlib
+
+    name = ARCHS[arch][0]
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _build(arch, seed=0):
+    _, cls_name, cfg_name, overrides = ARCHS[arch]
+    cfg = getattr(transformers, cfg_name)(**{**COMMON, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(_module(arch), cls_name)(cfg).float()
+    with torch.no_grad():
+        # O(1)-sized logits, so that softcap and scale matter; random bias where there is one
+        model.lm_head.weight.normal_(0.0, 0.3)
+        if model.lm_head.bias is not None:
+            model.lm_head.bias.normal_(0.0, 1.0)
+    return model
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels[0, :3] = -100
+    labels[1, 5] = -100
+    return ids, labels
+
+
+def _train_step(model, **kwargs):
+    """Loss, output and every parameter gradient of one training forward/backward."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(**kwargs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _scenarios():
+    ids, labels = _inputs()
+    g = torch.Generator().manual_seed(2)
+    keep = 5
+    shift = torch.randint(0, VOCAB, (BATCH, keep), generator=g)
+    shift[1, 1] = -100
+    return {
+        # ignore_index tokens in labels, loss normalised by num_items_in_batch (gradient accumulation)
+        "num_items_in_batch": dict(input_ids=ids, labels=labels,
+                                   num_items_in_batch=torch.tensor(int((labels != -100).sum()) + 7)),
+        # caller-shifted targets for only the last `keep` positions (logits_to_keep), mean reduction
+        "shift_labels+logits_to_keep": dict(input_ids=ids, labels=labels, shift_labels=shift, logits_to_keep=keep),
+    }
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_patched_model_matches_original(arch, kernels):
+    model = _build(arch)
+    scenarios = _scenarios()
+    ids, labels = _inputs()
+    refs = {name: _train_step(model, **kw) for name, kw in scenarios.items()}
+    model.eval()
+    with torch.no_grad():
+        ref_eval = model(input_ids=ids, labels=labels)
+        ref_eval_nolabels = model(input_ids=ids)
+
+    records = loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    cls_name = ARCHS[arch][1]
+    mine = {r.kernel: r for r in records if r.target.startswith(cls_name + ".")}
+    assert mine["fused_linear_cross_entropy"].patched, mine
+    assert mine["cross_entropy"].patched, mine
+
+    for name, kw in scenarios.items():
+        flce_before = _launches(kernels, "fused_linear_cross_entropy")
+        out, grads = _train_step(model, **kw)
+        ref_out, ref_grads = refs[name]
+        assert _launches(kernels, "fused_linear_cross_entropy") > flce_before, f"{name}: fused kernel did not run"
+        assert out.logits is None, f"{name}: full logits returned in the fused training path"
+        assert_close(out.loss, ref_out.loss, FP32, f"{arch} {name} loss")
+        if getattr(ref_out, "aux_loss", None) is not None:
+            assert_close(out.aux_loss, ref_out.aux_loss, FP32, f"{arch} {name} aux_loss")
+        assert grads.keys() == ref_grads.keys()
+        for pname, ref_grad in ref_grads.items():
+            assert_close(grads[pname], ref_grad, FP32, f"{arch} {name} grad {pname}")
+
+    model.eval()
+    ce_before = _launches(kernels, "cross_entropy")
+    with torch.no_grad():
+        out_eval = model(input_ids=ids, labels=labels)
+        out_eval_nolabels = model(input_ids=ids)
+    assert _launches(kernels, "cross_entropy") > ce_before, "fused cross entropy did not run in eval"
+    assert torch.equal(out_eval.logits, ref_eval.logits)
+    assert torch.equal(out_eval_nolabels.logits, ref_eval_nolabels.logits)
+    assert out_eval_nolabels.loss is None
+    assert_close(out_eval.loss, ref_eval.loss, FP32, f"{arch} eval loss")
+
+
+def test_llama_edges(kernels):
+    """Positional labels, tuple output, no labels in training, no_grad in training, a
+    logits_to_keep whose targets do not line up (the original's error), a user-set loss."""
+    arch = "llama"
+    model = _build(arch)
+    ids, labels = _inputs()
+    model.train()
+    with torch.no_grad():
+        ref_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+        ref_train_nolabels = model(input_ids=ids)
+    with pytest.raises(ValueError):
+        model(input_ids=ids, labels=labels, logits_to_keep=3)
+    params = list(inspect.signature(type(model).forward).parameters)
+    positional = [None] * (params.index("labels") - 2) + [labels]  # after self, input_ids
+    ref_positional, ref_grads = _train_step_positional(model, ids, positional)
+
+    loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+
+    with torch.no_grad():
+        # with grad disabled, the original path and the fused CE; logits returned
+        out_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+        out_train_nolabels = model(input_ids=ids)
+    assert len(out_tuple) == len(ref_tuple) and torch.equal(out_tuple[1], ref_tuple[1])
+    assert torch.equal(out_train_nolabels.logits, ref_train_nolabels.logits)
+    with torch.enable_grad():
+        fused_tuple = model(input_ids=ids, labels=labels, return_dict=False)
+    assert len(fused_tuple) == len(ref_tuple) - 1, "the stand-in logits must leave the tuple output"
+    assert_close(fused_tuple[0], ref_tuple[0], FP32, "tuple loss")
+    with pytest.raises(ValueError):
+        model(input_ids=ids, labels=labels, logits_to_keep=3)
+    out_positional, grads = _train_step_positional(model, ids, positional)
+    assert out_positional.logits is None
+    assert_close(out_positional.loss, ref_positional.loss, FP32, "positional labels loss")
+    for pname, ref_grad in ref_grads.items():
+        assert_close(grads[pname], ref_grad, FP32, f"positional labels grad {pname}")
+
+    # a loss the user set on the instance is used as is, and on full logits
+    seen = {}
+
+    def custom_loss(logits, labels, vocab_size, **kwargs):
+        seen["shape"] = tuple(logits.shape)
+        return logits.float().square().mean()
+
+    model.loss_function = custom_loss
+    out = model(input_ids=ids, labels=labels)
+    assert seen["shape"] == (BATCH, SEQ, VOCAB) and out.logits is not None
+    assert model.loss_function is custom_loss
+
+
+def _train_step_positional(model, ids, positional):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(ids, *positional)
+    out.loss.backward()
+    return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_kernels_toggle_separately(kernels):
+    module = _module("llama")
+    cls = module.LlamaForCausalLM
+    original_forward = cls.forward
+    model = _build("llama")
+    ids, labels = _inputs()
+    ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+
+    # cross_entropy only: the forward is not wrapped; training computes logits and the fused CE
+    records = loss_rule.RULE.patch_module(module, lambda k: k == "cross_entropy")
+    assert {r.kernel for r in records} == {"cross_entropy"}
+    assert cls.forward is original_forward
+    ce, flce = _launches(kernels, "cross_entropy"), _launches(kernels, "fused_linear_cross_entropy")
+    out, grads = _train_step(model, input_ids=ids, labels=labels)
+    assert out.logits is not None
+    assert _launches(kernels, "cross_entropy") > ce and _launches(kernels, "fused_linear_cross_entropy") == flce
+    assert_close(out.loss, ref.loss, FP32, "CE-only loss")
+    for pname, ref_grad in ref_grads.items():
+        assert_close(grads[pname], ref_grad, FP32, f"CE-only grad {pname}")
+    patching.restore_all()
+
+    # fused_linear_cross_entropy only: eval keeps transformers' own loss
+    records = loss_rule.RULE.patch_module(module, lambda k: k == "fused_linear_cross_entropy")
+    assert {r.kernel for r in records} == {"fused_linear_cross_entropy"}
+    model.eval()
+    ce = _launches(kernels, "cross_entropy")
+    with torch.no_grad():
+        model(input_ids=ids, labels=labels)
+    assert _launches(kernels, "cross_entropy") == ce
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    assert model.loss_function is ForCausalLMLoss
+
+
+def test_records_idempotent_and_refusals(kernels):
+    import importlib
+
+    llama = _module("llama")
+    first = loss_rule.RULE.patch_module(llama, ALL_ON)
+    forward = llama.LlamaForCausalLM.forward
+    second = loss_rule.RULE.patch_module(llama, ALL_ON)
+    assert first == second
+    assert llama.LlamaForCausalLM.forward is forward
+    assert {r.target for r in first} == {"LlamaForCausalLM.loss_function", "LlamaForCausalLM.forward"}
+    # other heads of the module (sequence classification, ...) are not touched
+    assert "loss_function" not in vars(llama.LlamaForSequenceClassification)
+
+    variants = {}
+    for name in ("gemma2", "cohere", "granite"):
+        for r in loss_rule.RULE.patch_module(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), ALL_ON):
+            if r.kernel == "fused_linear_cross_entropy":
+                variants[r.target] = r.variant
+    assert variants["Gemma2ForCausalLM.forward"] == "logits: softcap_if_set(config.final_logit_softcapping)"
+    assert variants["CohereForCausalLM.forward"] == "logits: scale_mul(logit_scale)"
+    assert variants["GraniteForCausalLM.forward"] == "logits: scale_div(config.logits_scaling)"
+
+    refused = {}
+    for name in ("roberta", "bamba", "bart", "modernbert_decoder", "xlstm"):
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for r in loss_rule.RULE.patch_module(mod, ALL_ON):
+            refused[(r.target, r.kernel)] = r
+    assert "not built as nn.Linear" in refused[("RobertaForCausalLM.forward", "fused_linear_cross_entropy")].reason
+    assert "logits used after the loss" in refused[("BambaForCausalLM.forward", "fused_linear_cross_entropy")].reason
+    assert "does not call self.loss_function" in refused[("BartForCausalLM.loss_function", "cross_entropy")].reason
+    assert "unrecognised logits transformation" in refused[
+        ("ModernBertDecoderForCausalLM.forward", "fused_linear_cross_entropy")].reason
+    assert "unrecognised" in refused[("xLSTMForCausalLM.forward", "fused_linear_cross_entropy")].reason
+    for key in [("RobertaForCausalLM.forward", "fused_linear_cross_entropy"),
+                ("BambaForCausalLM.forward", "fused_linear_cross_entropy")]:
+        assert not refused[key].patched
+    # where only the fused linear CE is refused, the fused CE still serves the loss
+    assert refused[("BambaForCausalLM.loss_function", "cross_entropy")].patched
+
+
+def test_patch_module_never_raises(kernels):
+    def broken_enabled(kernel):
+        raise RuntimeError("toggle lookup failed")
+
+    records = loss_rule.RULE.patch_module(_module("llama"), broken_enabled)
+    assert records and all(not r.patched and "toggle lookup failed" in r.reason for r in records)
+    weird = types.ModuleType("not_transformers")
+    weird.XForCausalLM = 42
+    assert loss_rule.RULE.patch_module(weird, ALL_ON) == []
+
+
+def test_fallback_when_triton_cannot_run(kernels, monkeypatch, capsys):
+    model = _build("llama")
+    ids, labels = _inputs()
+    ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    monkeypatch.setattr(kernels, "triton_can_run", lambda *tensors: False)
+    monkeypatch.setattr(report, "_fallback_noticed", set())
+    before = kernels.launch_counts()
+    out, grads = _train_step(model, input_ids=ids, labels=labels)
+    out, grads = _train_step(model, input_ids=ids, labels=labels)
+    assert kernels.launch_counts() == before
+    assert out.logits is not None
+    assert torch.equal(out.loss, ref.loss)
+    for pname, ref_grad in ref_grads.items():
+        assert torch.equal(grads[pname], ref_grad), pname
+    err = capsys.readouterr().err
+    assert err.count("autopatch: fused_linear_cross_entropy:") == 1
+    assert err.count("autopatch: cross_entropy:") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the source analysis on forwards written here (every branch of the table)
+
+class _Cfg:
+    final_logit_softcapping = 2.0
+    logits_scaling = 4.0
+
+
+def _fwd_scale_then_cap(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states) * self.multiplier
+    cap = self.config.final_logit_softcapping
+    logits = torch.tanh(logits / cap) * cap  # recurrent-gemma style, through a local alias
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+    return loss, logits
+
+
+def _fwd_cap_then_scale(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states)
+    if self.config.final_logit_softcapping is not None:
+        logits = logits / self.config.final_logit_softcapping
+        logits = torch.tanh(logits)
+        logits = logits * self.config.final_logit_softcapping
+    logits = logits / self.config.logits_scaling
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=3, **kwargs)
+    return loss, logits
+
+
+def _fwd_unknown_op(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states)
+    logits = logits.clamp(-5, 5)
+    loss = self.loss_function(logits, labels, 3, **kwargs)
+    return loss, logits
+
+
+def _fwd_no_kwargs(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states)
+    loss = self.loss_function(logits, labels, 3)
+    return loss, logits
+
+
+def _fwd_loss_on_other(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states)
+    loss = self.loss_function(logits.float(), labels, 3, **kwargs)
+    return loss, logits
+
+
+def _fwd_logits_after(self, hidden_states, labels=None, **kwargs):
+    logits = self.lm_head(hidden_states)
+    loss = self.loss_function(logits, labels, 3, **kwargs)
+    if labels is not None:
+        loss = loss + logits.mean()
+    return loss, logits
+
+
+def _fwd_tuple_output(self, hidden_states, labels=None, return_dict=True, **kwargs):
+    logits = self.lm_head(hidden_states).float()
+    loss = None
+    if labels is not None:
+        loss = self.loss_function(logits, labels, 3, **kwargs)
+    if not return_dict:
+        output = (logits,) + (hidden_states,)
+        return (loss,) + output
+    return loss, logits
+
+
+def test_source_analysis_table():
+    ok = analyse_forward(_fwd_scale_then_cap)
+    assert ok.ok, ok.reason
+    assert ok.variant() == "logits: scale_mul(multiplier), softcap(config.final_logit_softcapping)"
+    assert not analyse_forward(_fwd_cap_then_scale).ok
+    assert "scaled after the softcap" in analyse_forward(_fwd_cap_then_scale).reason
+    assert "logits.clamp" in analyse_forward(_fwd_unknown_op).reason
+    assert "**kwargs" in analyse_forward(_fwd_no_kwargs).reason
+    assert "as logits" in analyse_forward(_fwd_loss_on_other).reason
+    assert "used after the loss" in analyse_forward(_fwd_logits_after).reason
+    tuple_ok = analyse_forward(_fwd_tuple_output)
+    assert tuple_ok.ok and tuple_ok.variant() == "logits: plain lm_head", tuple_ok.reason
+
+
+def test_torch_compile_fullgraph(kernels):
+    """torch.compile(fullgraph=True) traces a patched model in training (fused linear CE) and in
+    eval (fused CE) without graph breaks, with the eager numbers."""
+    import torch._dynamo
+
+    model = _build("llama")
+    model.config.num_hidden_layers = 1
+    model.model.layers = model.model.layers[:1]
+    ids, labels = _inputs()
+    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    eager, eager_grads = _train_step(model, input_ids=ids, labels=labels)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    out = compiled(input_ids=ids, labels=labels)  # fullgraph: any graph break raises
+    out.loss.backward()
+    assert out.logits is None
+    assert_close(out.loss, eager.loss, FP32, "compiled loss")
+    for pname, param in model.named_parameters():
+        assert_close(param.grad, eager_grads[pname], FP32, f"compiled grad {pname}")
+    torch._dynamo.reset()
