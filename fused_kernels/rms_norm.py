@@ -1,0 +1,528 @@
+"""RMSNorm: forward and backward in Triton, with the casting semantics of the transformers modules.
+
+Math (per row of length N, r = rstd):
+    r      = 1 / sqrt(mean(x²) + eps)            in fp32
+    xhat   = x · r
+    w_eff  = offset + weight                     (weight None: y = xhat, offset is not used)
+
+    casting "llama"  (LlamaRMSNorm):  y = w_eff · round_x(xhat)
+        round_x(·) rounds to x.dtype; w_eff is computed in weight.dtype (torch adds `offset + weight`
+        there); y has dtype torch.promote_types(weight.dtype, x.dtype), as torch's multiply gives.
+    casting "gemma"  (GemmaRMSNorm):  y = round_x(xhat · (offset + float(weight)))   all in fp32
+    casting "none":                    y = round_x(xhat · (offset + float(weight)))   all in fp32
+        "none" has no intermediate cast at all: the one rounding is the final cast to x.dtype
+        (numerically the same formula as "gemma"; it exists so that callers can name the intent).
+
+Backward (g = dL/dxhat, c = mean over the row of g · xhat):
+    g  = dy · w_eff        ("llama": rounded to x.dtype, as autograd hands the grad of round_x(xhat)
+                            back in x.dtype; otherwise fp32)
+    dx = r · (g − xhat · c)
+    dw = Σ_rows dy · h     (h = round_x(xhat) for "llama", xhat otherwise), accumulated in fp32
+
+Saved for backward: x (the input itself, no copy) and r (fp32, one per row) — never y.
+
+Bytes moved (B = bytes per element of x; rows×N elements): forward reads x and writes y (2 passes);
+backward reads x and dy and writes dx (3 passes), plus per-program fp32 partial rows of dw
+(programs × N × 4 bytes, written once and summed by torch). Rows longer than the single-pass limit
+are processed in column chunks: each kernel then reads its row twice, the second read coming from L2.
+
+Launch shapes come from one function, `launch_config(n_cols, backward)`, driven by two small tables
+(_FWD_TABLE, _BWD_TABLE) that are the knobs to tune on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
+
+CASTING_MODES = ("llama", "gemma", "none")
+_CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration: the one place to tune.
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    block_n: int  # columns per load; >= n_cols means the whole row is held in registers
+    rows: int  # rows per tile (a power of two): many for short rows, so each load is big enough
+    num_warps: int
+    programs_per_sm: float  # backward only: persistent programs per SM (each writes one dw partial)
+
+    @property
+    def tile(self) -> int:
+        return self.block_n * self.rows
+
+
+# Forward: (largest n_cols, rows per tile, num_warps); backward adds persistent programs per SM.
+# The block is n_cols rounded up to a power of two, so the whole row sits in registers and x is read
+# once. Sizing rule behind the numbers: 2–4 K elements per tile for short rows (8 KiB of bf16 per load
+# and program); 16 fp32 values per thread per held array (x, w in the forward; x, dy, w, dw in the
+# backward) so nothing spills; backward programs per SM = what fits in the register file alongside.
+_FWD_TABLE = (
+    (64, 32, 4),
+    (256, 16, 8),
+    (512, 8, 8),
+    (1024, 4, 8),
+    (2048, 2, 8),
+    (4096, 1, 8),
+    (8192, 1, 16),
+    (16384, 1, 32),
+)
+_BWD_TABLE = (
+    (64, 32, 4, 4),
+    (256, 16, 8, 2),
+    (512, 8, 8, 2),
+    (1024, 4, 8, 2),
+    (2048, 2, 8, 2),
+    (4096, 1, 8, 2),
+    (8192, 1, 16, 1),
+)
+# Rows longer than the last table entry: chunks of block_n columns, each row swept twice.
+# The forward's grid is not persistent: keep its CTAs large (few per SM) so that the rows in flight,
+# ~ 132 SMs × CTAs per SM × n_cols × bytes(x), stay in L2 for the second sweep.
+_FWD_LONG = LaunchConfig(block_n=8192, rows=1, num_warps=16, programs_per_sm=0)
+_BWD_LONG = LaunchConfig(block_n=4096, rows=1, num_warps=16, programs_per_sm=2)
+# Long-row backward: the second sweep re-reads x and dy and read-modify-writes the program's fp32
+# dw partial row; both should still be in L2. Persistent programs are capped so that
+# programs × n_cols × (4 + bytes(x) + bytes(dy)) stays within this budget (H100/H200 L2: 50 MiB).
+L2_BUDGET_BYTES = 32 * 2**20
+
+
+def launch_config(n_cols: int, backward: bool) -> LaunchConfig:
+    """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length."""
+    block_n = max(16, triton.next_power_of_2(n_cols))
+    if backward:
+        for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
+            if n_cols <= max_cols:
+                return LaunchConfig(block_n, rows, num_warps, per_sm)
+        return _BWD_LONG
+    for max_cols, rows, num_warps in _FWD_TABLE:
+        if n_cols <= max_cols:
+            return LaunchConfig(block_n, rows, num_warps, 0)
+    return _FWD_LONG
+
+
+def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
+    """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
+    n_tiles = triton.cdiv(n_rows, cfg.rows)
+    programs = max(1, int(cfg.programs_per_sm * sm_count))
+    if cfg.block_n < n_cols:
+        programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
+    programs = min(programs, n_tiles)
+    # Same number of sweeps with fewer programs where possible: fewer dw partial rows to sum.
+    return triton.cdiv(n_tiles, triton.cdiv(n_tiles, programs))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_type: str, index: Optional[int]) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+    # The CPU interpreter runs programs one after another: few persistent programs keep it cheap.
+    return 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bf16_rtne(v):
+    """fp32 values rounded to the nearest bf16 (ties to even), kept as fp32. The CPU interpreter
+    truncates on fp32 -> bf16 casts where the GPU rounds to nearest even; this bit-exact version is
+    used under the interpreter so that CPU tests see the GPU's roundings."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """fp32 values rounded to DTYPE and back: the intermediate cast of a casting mode."""
+    if EXACT_BF16 and DTYPE == tl.bfloat16:
+        out = _bf16_rtne(v)
+    else:
+        out = v.to(DTYPE).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _for_store(v, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """Values about to be stored to a DTYPE buffer; only the interpreter needs them pre-rounded."""
+    if EXACT_BF16 and DTYPE == tl.bfloat16:
+        v = _bf16_rtne(v)
+    return v
+
+
+@triton.jit
+def _effective_weight(W, cols, col_mask, offset, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                      EXACT_BF16: tl.constexpr):
+    """offset + weight as fp32 values; "llama" rounds the sum to weight.dtype first, as torch does."""
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        if CASTING == 0:
+            w = _rounded(w, W.dtype.element_ty, EXACT_BF16)
+    else:
+        w = tl.full(cols.shape, 1.0, tl.float32)
+    return w
+
+
+@triton.jit
+def _normalised_output(x, rstd, w_eff, X, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                       EXACT_BF16: tl.constexpr):
+    """y (fp32 values, stored by the caller in y's dtype) from a [ROWS, BLOCK] tile of x."""
+    xhat = x * rstd[:, None]
+    if HAS_WEIGHT:
+        if CASTING == 0:
+            xhat = _rounded(xhat, X.dtype.element_ty, EXACT_BF16)
+        xhat = xhat * w_eff[None, :]
+    return xhat
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD,
+    n_rows, n_cols, stride_x, stride_y,
+    eps, offset,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    # One tile of ROWS rows per program: no cross-row state, so a plain grid balances best.
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    x_rows = X + rows.to(tl.int64)[:, None] * stride_x
+    y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
+    cols = tl.arange(0, BLOCK_N)
+    if SINGLE_PASS:
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+        y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
+        tl.store(y_rows + cols[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+    else:
+        # Long rows: sum of squares over column chunks, then a second sweep that re-reads x
+        # (kept in L2 by the first sweep's eviction hint) to write y.
+        sq = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            mask = row_mask[:, None] & (c < n_cols)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+            x = x.to(tl.float32)
+            sq += x * x
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            c = start + cols
+            col_mask = c < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+            x = x.to(tl.float32)
+            w_eff = _effective_weight(W, c, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+            y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
+            tl.store(y_rows + c[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.constexpr):
+    """(xhat, g = dL/dxhat, h = what dw multiplies dy by) for a tile, following the casting mode."""
+    xhat = x * rstd[:, None]
+    g = dy * w_eff[None, :]
+    h = xhat
+    if CASTING == 0:
+        # autograd hands the gradient of round_x(xhat) back in x.dtype; dw sees the rounded xhat.
+        g = _rounded(g, X.dtype.element_ty, EXACT_BF16)
+        h = _rounded(xhat, X.dtype.element_ty, EXACT_BF16)
+    return xhat, g, h
+
+
+@triton.jit
+def _load_tile(X, DY, RSTD, tile, n_rows, n_cols, stride_x, stride_dy, cols, ROWS: tl.constexpr):
+    """x and dy (in their own dtypes) and rstd of one tile; rows past the end load as 0, so a
+    tile index past the last tile costs no memory traffic."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, dy, rstd
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PARTIAL,
+    n_rows, n_cols, stride_dy, stride_x, stride_dx,
+    offset,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    # Persistent: program p takes tiles p, p + P, p + 2P, ... and sums its rows' dy·h into one
+    # fp32 partial row DW_PARTIAL[p, :]; the host sums the P partial rows afterwards.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    partial_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
+    if SINGLE_PASS:
+        col_mask = cols < n_cols
+        w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+        dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        # Software prefetch: the loads of the next tile are issued before this tile's arithmetic
+        # and stores, so each program keeps two tiles of x and dy in flight.
+        x_next, dy_next, rstd_next = _load_tile(X, DY, RSTD, pid, n_rows, n_cols, stride_x, stride_dy, cols, ROWS)
+        for tile in range(pid, n_tiles, n_programs):
+            x, dy, rstd = x_next, dy_next, rstd_next
+            x_next, dy_next, rstd_next = _load_tile(
+                X, DY, RSTD, tile + n_programs, n_rows, n_cols, stride_x, stride_dy, cols, ROWS
+            )
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            mask = (rows < n_rows)[:, None] & col_mask[None, :]
+            x = x.to(tl.float32)
+            dy = dy.to(tl.float32)
+            xhat, g, h = _grad_terms(x, dy, rstd, w_eff, X, CASTING, EXACT_BF16)
+            c = tl.sum(g * xhat, axis=1) / n_cols
+            dx = rstd[:, None] * (g - xhat * c[:, None])
+            dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
+            tl.store(DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx, mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * h
+        if COMPUTE_DW:
+            tl.store(partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    else:
+        # Long rows: one sweep for c = mean(g·xhat), a second (x, dy re-read from L2) for dx and dw;
+        # the partial dw row lives in memory: stored on the program's first tile, added to after.
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            x_rows = X + rows64[:, None] * stride_x
+            dy_rows = DY + rows64[:, None] * stride_dy
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c_idx = start + cols
+                col_mask = c_idx < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+                dy = tl.load(dy_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+                w_eff = _effective_weight(W, c_idx, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+                xhat, g, h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16)
+                acc += g * xhat
+            c = tl.sum(acc, axis=1) / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                c_idx = start + cols
+                col_mask = c_idx < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                dy = tl.load(dy_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                dy = dy.to(tl.float32)
+                w_eff = _effective_weight(W, c_idx, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+                xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, X, CASTING, EXACT_BF16)
+                dx = rstd[:, None] * (g - xhat * c[:, None])
+                dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
+                tl.store(DX + rows64[:, None] * stride_dx + c_idx[None, :], dx, mask=mask)
+                if COMPUTE_DW:
+                    not_first = (c_idx * 0 + tile) != pid  # elementwise: a scalar mask fails in the interpreter
+                    earlier = tl.load(partial_row + c_idx, mask=col_mask & not_first, other=0.0)
+                    tl.store(partial_row + c_idx, earlier + tl.sum(dy * h, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: shapes, dtypes, launches
+# ----------------------------------------------------------------------------------------------
+
+def output_dtype(x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], casting_mode: str) -> torch.dtype:
+    """y's dtype: "llama" multiplies in torch, so promote(weight, x); the others cast to x.dtype."""
+    if casting_mode == "llama" and weight_dtype is not None:
+        return torch.promote_types(weight_dtype, x_dtype)
+    return x_dtype
+
+
+def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the kernels write is allocated here (tests fill it with NaN to catch unwritten
+    elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _row_stride(t2: torch.Tensor) -> int:
+    # A (1, N) or (0, N) view may report any row stride; the kernel never steps by it then.
+    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
+
+
+@torch.library.custom_op("fused_kernels::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32."""
+    out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    y = _new_output(x.shape, out_dtype, x.device)
+    rstd = _new_output(x.shape[:-1], torch.float32, x.device)
+    n_cols = x.shape[-1]
+    x2 = _rows_view(x)
+    n_rows = x2.shape[0]
+    if n_rows == 0:
+        return y, rstd
+    cfg = launch_config(n_cols, backward=False)
+    grid = (triton.cdiv(n_rows, cfg.rows),)
+    count_launch("rms_norm_fwd")
+    _rms_norm_fwd_kernel[grid](
+        x2, x2 if weight is None else weight, y, rstd,
+        n_rows, n_cols, _row_stride(x2), n_cols,
+        eps, offset,
+        CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None,
+        BLOCK_N=cfg.block_n, ROWS=cfg.rows, SINGLE_PASS=cfg.block_n >= n_cols, EXACT_BF16=interpreter_on(),
+        num_warps=cfg.num_warps,
+    )
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _rms_norm_fwd_fake(x, weight, eps, offset, casting_mode):
+    out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_kernels::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (dx, dw). dw has weight's shape and dtype, or is empty when weight is None or
+    compute_dw is False."""
+    n_cols = x.shape[-1]
+    dx = _new_output(x.shape, x.dtype, x.device)
+    compute_dw = compute_dw and weight is not None
+    x2 = _rows_view(x)
+    dy2 = _rows_view(dy)
+    n_rows = x2.shape[0]
+    if not compute_dw:
+        dw = torch.empty(0, dtype=torch.float32, device=x.device)
+    elif n_rows == 0:
+        dw = torch.zeros_like(weight)
+    if n_rows == 0:
+        return dx, dw
+    cfg = launch_config(n_cols, backward=True)
+    bytes_per_col = 4 + x.element_size() + dy.element_size()
+    programs = backward_programs(cfg, n_rows, n_cols, bytes_per_col, _sm_count(x.device.type, x.device.index))
+    partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, x.device)
+    count_launch("rms_norm_bwd")
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2, x2, x2 if weight is None else weight, rstd.contiguous().reshape(-1), dx, partial,
+        n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
+        offset,
+        CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+        BLOCK_N=cfg.block_n, ROWS=cfg.rows, SINGLE_PASS=cfg.block_n >= n_cols, EXACT_BF16=interpreter_on(),
+        num_warps=cfg.num_warps,
+    )
+    if compute_dw:
+        dw = partial.sum(dim=0).to(weight.dtype)
+    return dx, dw
+
+
+@_rms_norm_bwd.register_fake
+def _rms_norm_bwd_fake(dy, x, weight, rstd, offset, casting_mode, compute_dw):
+    dx = x.new_empty(x.shape)
+    if compute_dw and weight is not None:
+        return dx, weight.new_empty(weight.shape)
+    return dx, x.new_empty(0, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _eps, offset, casting_mode = inputs
+    _y, rstd = output
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset = offset
+    ctx.casting_mode = casting_mode
+    ctx.has_weight = weight is not None
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    if dy is None:  # only rstd was used downstream; it carries no gradient
+        out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, ctx.casting_mode)
+        dy = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
+    compute_dw = ctx.has_weight and ctx.needs_input_grad[1]
+    dx, dw = torch.ops.fused_kernels.rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode, compute_dw)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw if compute_dw else None,
+        None,
+        None,
+        None,
+    )
+
+
+_rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional entry
+# ----------------------------------------------------------------------------------------------
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of `x`, differentiable in `x` and `weight`.
+
+    x: float32/bfloat16/float16, any leading shape (zero rows allowed), any strides.
+    weight: shape (x.shape[-1],) float tensor, or None for a weightless norm (y = x·rstd; `offset`
+        is then not used).
+    casting_mode: "llama" (normalise in fp32, round to x.dtype, then multiply by offset + weight in
+        torch's promoted dtype), "gemma" (all in fp32, x·rstd·(offset + weight), cast to x.dtype at the
+        end), or "none" (fp32 throughout, one cast to x.dtype at the end).
+    Output dtype: promote_types(weight.dtype, x.dtype) for "llama" with a weight, else x.dtype.
+    """
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension (the hidden size); got shape {tuple(x.shape)}")
+    if weight is not None:
+        check_float("weight", weight)
+        if tuple(weight.shape) != (x.shape[-1],):
+            raise ValueError(
+                f"weight must have shape (x.shape[-1],) = ({x.shape[-1]},); got {tuple(weight.shape)}"
+            )
+        if weight.device != x.device:
+            raise ValueError(f"weight must be on x's device {x.device}; got {weight.device}")
+    check_choice("casting_mode", casting_mode, CASTING_MODES)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite float >= 0; got {eps!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
+        raise ValueError(f"offset must be a finite float (0.0 for Llama, 1.0 for Gemma); got {offset!r}")
+    if not triton_can_run(x):
+        raise RuntimeError(
+            f"rms_norm runs Triton kernels: x must be on a CUDA device, or on the CPU with "
+            f"TRITON_INTERPRET=1 set before triton is imported (interpreter on: {interpreter_on()}); "
+            f"got device {x.device}"
+        )
+    y, _rstd = torch.ops.fused_kernels.rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode)
+    return y

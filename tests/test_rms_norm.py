@@ -1,0 +1,360 @@
+"""fused_kernels.rms_norm against float64 references that follow the same casting semantics.
+
+The references are the transformers modules rewritten in float64, with their intermediate roundings
+made explicit (`_round`): LlamaRMSNorm rounds the normalised value to x.dtype before the multiply (and
+computes offset + weight in weight.dtype); Gemma and "none" stay in fp32 until the final cast. The
+rounding casts also round the gradients flowing back through them, exactly as torch autograd does in
+the original modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fused_kernels
+from fused_kernels import rms_norm
+from helpers import REL_TOL, assert_close, randn, rel_err
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+rms_norm_module = importlib.import_module("fused_kernels.rms_norm")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MODES = ("llama", "gemma", "none")
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 values to `dtype` and back (autograd rounds the gradient the same way)."""
+    return t.to(dtype).to(torch.float64)
+
+
+def reference(x64, w64, eps, offset, casting_mode, x_dtype, w_dtype):
+    """Float64 RMSNorm with the intermediate roundings of `casting_mode`; x64/w64 hold the values of
+    the low-precision inputs (w64 None: weightless norm, offset unused)."""
+    rstd = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x64 * rstd
+    if w64 is None:
+        return xhat
+    if casting_mode == "llama":
+        return _round(offset + w64, w_dtype) * _round(xhat, x_dtype)
+    return xhat * (offset + w64)
+
+
+def expected_dtype(x_dtype, w_dtype, casting_mode):
+    if casting_mode == "llama" and w_dtype is not None:
+        return torch.promote_types(x_dtype, w_dtype)
+    return x_dtype
+
+
+def tolerance(*dtypes) -> float:
+    return max(REL_TOL[d] for d in dtypes if d is not None)
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Every buffer the op allocates for its kernels to write starts as NaN."""
+    original = rms_norm_module._new_output
+
+    def nan_filled(shape, dtype, device):
+        return original(shape, dtype, device).fill_(float("nan"))
+
+    rms_norm_module._new_output = nan_filled
+    try:
+        yield
+    finally:
+        rms_norm_module._new_output = original
+
+
+def check_against_reference(x, weight, eps, offset, casting_mode, tol=None):
+    """Run forward + backward of rms_norm on (x, weight) and of the float64 reference; compare y,
+    dx, dw. `x` may be a non-contiguous view."""
+    x_dtype = x.dtype
+    w_dtype = None if weight is None else weight.dtype
+    tol = tolerance(x_dtype, w_dtype) if tol is None else tol
+
+    x_in = x.detach().requires_grad_(True)
+    w_in = None if weight is None else weight.detach().clone().requires_grad_(True)
+    with poisoned_outputs():
+        y = rms_norm(x_in, w_in, eps=eps, offset=offset, casting_mode=casting_mode)
+    assert y.dtype == expected_dtype(x_dtype, w_dtype, casting_mode)
+    assert y.shape == x.shape
+
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    w64 = None if weight is None else weight.detach().to(torch.float64).requires_grad_(True)
+    y_ref = reference(x64, w64, eps, offset, casting_mode, x_dtype, w_dtype)
+    assert_close(y, y_ref, x_dtype, "y", tol=tol)
+
+    if x.numel() == 0:
+        return
+    dy = randn(*y.shape, dtype=y.dtype, device=y.device)
+    with poisoned_outputs():
+        y.backward(dy)
+    y_ref.backward(dy.to(torch.float64))
+
+    # dx = rstd·(g − xhat·mean(g·xhat)) cancels almost entirely for hidden 1 (xhat = ±1): measure
+    # its error against the size of the terms that cancel, rstd·|g|, not against the tiny result.
+    rstd64 = torch.rsqrt(x64.detach().pow(2).mean(-1, keepdim=True) + eps)
+    w_eff = 1.0 if w64 is None else (offset + w64.detach())
+    scale = (rstd64 * dy.to(torch.float64) * w_eff).norm().item()
+    dx_err = (x_in.grad.to(torch.float64).cpu() - x64.grad.cpu()).norm().item()
+    assert torch.isfinite(x_in.grad).all(), "dx has NaN/inf"
+    assert x_in.grad.dtype == x_dtype
+    assert dx_err <= tol * max(x64.grad.norm().item(), scale), (
+        f"dx: error {dx_err:.3e} vs |dx_ref| {x64.grad.norm().item():.3e}, scale {scale:.3e} (tol {tol:.0e})"
+    )
+    if weight is not None:
+        assert w_in.grad.dtype == w_dtype
+        assert_close(w_in.grad, w64.grad, x_dtype, "dweight", tol=tol)
+
+
+# --- hypothesis: shapes × dtypes × casting modes × offsets × weight / no weight --------------------
+
+HIDDEN = (1, 7, 64, 100, 257, 4100)
+
+
+@st.composite
+def leading_shapes(draw):
+    hidden = draw(st.sampled_from(HIDDEN))
+    max_rows = 3 if hidden > 1000 else 40
+    if draw(st.booleans()):
+        lead = (draw(st.integers(0, max_rows)),)
+    else:
+        b = draw(st.integers(0, 3))
+        lead = (b, draw(st.integers(0, max_rows // 3)))
+    return (*lead, hidden)
+
+
+@pytest.mark.parametrize("casting_mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@given(
+    shape=leading_shapes(),
+    offset=st.sampled_from([0.0, 1.0]),
+    weight_kind=st.sampled_from(["same", "float32", "none"]),
+    eps=st.sampled_from([1e-6, 1e-5]),
+    scale=st.sampled_from([0.3, 1.0, 5.0]),
+)
+def test_matches_reference(dtype, casting_mode, shape, offset, weight_kind, eps, scale):
+    x = randn(*shape, dtype=dtype, scale=scale)
+    weight = None
+    if weight_kind != "none":
+        w_dtype = dtype if weight_kind == "same" else torch.float32
+        weight = randn(shape[-1], dtype=w_dtype, scale=0.5)
+    check_against_reference(x, weight, eps, offset, casting_mode)
+
+
+def test_llama_rounds_like_transformers():
+    """bf16 x with an fp32 weight: y is fp32 (torch promotion) and equals weight · bf16(xhat)
+    bit for bit up to fp32 rounding; "gemma" keeps xhat in fp32 and returns bf16."""
+    x = randn(6, 96, dtype=torch.bfloat16, scale=3.0)
+    w = randn(96, dtype=torch.float32)
+    y = rms_norm(x, w, 1e-6, 0.0, "llama")
+    xf = x.float()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    expected = w * h
+    assert y.dtype == torch.float32
+    assert rel_err(y, expected) <= 1e-6
+    g = rms_norm(x, w, 1e-6, 1.0, "gemma")
+    assert g.dtype == torch.bfloat16
+
+
+# --- non-contiguous inputs -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("casting_mode", MODES)
+@pytest.mark.parametrize("hidden", (7, 100, 257))
+def test_non_contiguous_x(dtype, casting_mode, hidden):
+    base = randn(5, 3, hidden + 3, dtype=dtype, scale=2.0)
+    sliced = base[:, 1, 2 : hidden + 2]  # unit column stride, row stride 3·(hidden+3): no copy
+    assert not sliced.is_contiguous()
+    weight = randn(hidden, dtype=dtype)
+    check_against_reference(sliced, weight, 1e-6, 1.0, casting_mode)
+    transposed = randn(hidden, 9, dtype=dtype).t()  # column stride 9: the op copies it
+    assert transposed.stride(-1) != 1
+    check_against_reference(transposed, weight, 1e-6, 0.0, casting_mode)
+
+
+def test_non_contiguous_grad_output():
+    """dy from .sum() is an expanded (stride-0) tensor."""
+    x = randn(4, 33, dtype=torch.float32, requires_grad=True)
+    w = randn(33, dtype=torch.float32, requires_grad=True)
+    rms_norm(x, w).sum().backward()
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    reference(x64, w64, 1e-6, 0.0, "llama", torch.float32, torch.float32).sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    assert_close(w.grad, w64.grad, torch.float32, "dw")
+
+
+# --- the long-row (chunked) and persistent multi-tile paths, forced on small shapes -------------
+
+@pytest.mark.parametrize("casting_mode", ("llama", "gemma"))  # "none" shares gemma's kernel code
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize(
+    "config",
+    [
+        # chunked: 150 columns in chunks of 64 (the last one ragged), 2 rows per tile, 3 programs
+        # (1.5 per "SM", 2 on the CPU) → several tiles per program, so each dw partial row is
+        # stored once and then read-modified-written
+        rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5),
+        # single pass with 4 rows per tile and a ragged last tile
+        rms_norm_module.LaunchConfig(block_n=512, rows=4, num_warps=4, programs_per_sm=1),
+    ],
+    ids=["chunked", "single-pass"],
+)
+def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
+    monkeypatch.setattr(rms_norm_module, "launch_config", lambda n_cols, backward: config)
+    x = randn(11, 150, dtype=dtype, scale=2.0)
+    weight = randn(150, dtype=dtype)
+    check_against_reference(x, weight, 1e-6, 1.0, casting_mode)
+    check_against_reference(x, None, 1e-6, 0.0, casting_mode)
+
+
+def test_launch_config_table():
+    """Every row length gets a power-of-two block and row count, and the whole row in one block up
+    to the table's last entry; longer rows are chunked."""
+    for n in (1, 7, 64, 100, 257, 1024, 4095, 4096, 8192, 16384, 65536, 262144):
+        for backward in (False, True):
+            cfg = rms_norm_module.launch_config(n, backward)
+            assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.rows & (cfg.rows - 1) == 0
+            assert cfg.num_warps in (1, 2, 4, 8, 16, 32)
+            if backward:
+                assert cfg.programs_per_sm > 0
+            # fp32 values per thread for one held [rows, block] array: more than 32 would spill
+            assert cfg.tile // (32 * cfg.num_warps) <= 32, (n, backward, cfg)
+    # long-row backward: persistent programs capped by the L2 budget, never more than the tiles
+    cfg = rms_norm_module.launch_config(65536, True)
+    programs = rms_norm_module.backward_programs(cfg, 1024, 65536, 8, sm_count=132)
+    assert 1 <= programs and programs * 65536 * 8 <= rms_norm_module.L2_BUDGET_BYTES
+    assert rms_norm_module.backward_programs(cfg, 3, 65536, 8, sm_count=132) == 3
+
+
+def test_zero_rows():
+    for shape in ((0, 64), (2, 0, 7)):
+        x = randn(*shape, requires_grad=True)
+        w = randn(shape[-1], requires_grad=True)
+        y = rms_norm(x, w)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_counts_launches():
+    fused_kernels.reset_launch_counts()
+    x = randn(3, 16, requires_grad=True)
+    rms_norm(x, randn(16, requires_grad=True)).sum().backward()
+    counts = fused_kernels.launch_counts()
+    assert counts.get("rms_norm_fwd") == 1 and counts.get("rms_norm_bwd") == 1
+
+
+def test_only_x_needs_grad_and_only_weight_needs_grad():
+    x = randn(5, 40, dtype=torch.float32)
+    w = randn(40, dtype=torch.float32)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    reference(x64, w64, 1e-6, 0.0, "gemma", torch.float32, torch.float32).sum().backward()
+
+    x1 = x.clone().requires_grad_(True)
+    rms_norm(x1, w, casting_mode="gemma").sum().backward()
+    assert_close(x1.grad, x64.grad, torch.float32, "dx")
+
+    w1 = w.clone().requires_grad_(True)
+    rms_norm(x, w1, casting_mode="gemma").sum().backward()
+    assert_close(w1.grad, w64.grad, torch.float32, "dw")
+
+
+# --- bad inputs --------------------------------------------------------------------------------
+
+def test_errors_name_the_argument():
+    x = randn(3, 8)
+    w = randn(8)
+    with pytest.raises(TypeError, match="x"):
+        rms_norm(torch.ones(3, 8, dtype=torch.int32), w)
+    with pytest.raises(TypeError, match="weight"):
+        rms_norm(x, torch.ones(8, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x"):
+        rms_norm(x.double(), w)
+    with pytest.raises(ValueError, match=r"weight must have shape \(x.shape\[-1\],\) = \(8,\)"):
+        rms_norm(x, randn(9))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, randn(1, 8))
+    with pytest.raises(ValueError, match="casting_mode.*'llama', 'gemma', 'none'.*'mistral'"):
+        rms_norm(x, w, casting_mode="mistral")
+    with pytest.raises(ValueError, match="x must have a non-empty last dimension"):
+        rms_norm(torch.tensor(1.0), None)
+    with pytest.raises(ValueError, match="x must have a non-empty last dimension"):
+        rms_norm(randn(3, 0), None)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, eps=-1.0)
+
+
+# --- torch.library and torch.compile ----------------------------------------------------------
+
+@pytest.mark.parametrize("casting_mode,with_weight", [("llama", True), ("gemma", True), ("none", False)])
+def test_opcheck(casting_mode, with_weight):
+    x = randn(3, 5, 24, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(24, dtype=torch.float32, requires_grad=True) if with_weight else None
+    torch.library.opcheck(torch.ops.fused_kernels.rms_norm_fwd.default, (x, w, 1e-6, 1.0, casting_mode))
+
+    y, rstd = torch.ops.fused_kernels.rms_norm_fwd(x.detach(), w, 1e-6, 1.0, casting_mode)
+    rstd_ref = torch.rsqrt(x.detach().double().pow(2).mean(-1) + 1e-6)
+    assert rstd.dtype == torch.float32 and rstd.shape == x.shape[:-1]
+    assert_close(rstd, rstd_ref, torch.float32, "rstd")
+
+    dy = randn(*y.shape, dtype=y.dtype)
+    w_plain = None if w is None else w.detach()
+    torch.library.opcheck(
+        torch.ops.fused_kernels.rms_norm_bwd.default,
+        (dy, x.detach(), w_plain, rstd.detach(), 1.0, casting_mode, with_weight),
+    )
+
+
+@pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
+def test_compile_fullgraph_no_graph_breaks(casting_mode):
+    torch._dynamo.reset()
+
+    def block(x, w):
+        h = rms_norm(x, w, eps=1e-5, offset=1.0, casting_mode=casting_mode)
+        return (h * 2.0).sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = randn(2, 5, 48, dtype=torch.bfloat16)
+    w = randn(48, dtype=torch.bfloat16)
+
+    explanation = torch._dynamo.explain(block)(x, w)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+    xe, we = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    xc, wc = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    block(xe, we).sum().backward()
+    out = compiled(xc, wc)
+    out.sum().backward()
+    assert torch.equal(out, block(x, w))
+    assert torch.equal(xc.grad, xe.grad) and torch.equal(wc.grad, we.grad)
+
+
+# --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,hidden", [(16384, 4096), (65536, 1024), (4096, 16384), (1024, 65536)])
+@pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
+def test_gpu_real_sizes(device, rows, hidden, casting_mode):
+    torch.manual_seed(0)
+    x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
+    w = randn(hidden, dtype=torch.bfloat16, device=device, scale=0.5)
+    offset = 1.0 if casting_mode == "gemma" else 0.0
+    x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
+    dy = randn(rows, hidden, dtype=y.dtype, device=device)
+    y.backward(dy)
+
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y_ref = reference(x64, w64, 1e-6, offset, casting_mode, x.dtype, w.dtype)
+    y_ref.backward(dy.double())
+    for name, got, ref in (("y", y, y_ref), ("dx", x_in.grad, x64.grad), ("dw", w_in.grad, w64.grad)):
+        assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+        assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
