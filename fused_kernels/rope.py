@@ -1,0 +1,391 @@
+"""Rotary position embedding (RoPE) for q and k together: one Triton launch forward, one backward.
+
+Math: transformers' Llama `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)`. With r = cos.shape[-1]
+(r <= head_dim, r even) and x one head's vector of one token:
+
+    y[:r] = x[:r] * cos + rotate(x[:r]) * sin          y[r:] = x[r:]       (partial rotary passes r.. through)
+
+    half rotation (default, Llama):   rotate(x) = cat(-x[r/2:], x[:r/2])      pairs (a, b) = (c, c + r/2)
+    interleaved=True (Cohere, GLM):   rotate(x) = stack((-x[1::2], x[::2]), -1).flatten(-2)   pairs (2i, 2i+1)
+
+so for every pair (a, b):  y_a = x_a cos_a - x_b sin_a,   y_b = x_b cos_b + x_a sin_b.
+The backward is the transpose of that linear map:  dx_a = dy_a cos_a + dy_b sin_b,  dx_b = dy_b cos_b - dy_a sin_a,
+i.e. the same kernel with (sin_a, sin_b) replaced by (-sin_b, -sin_a). When the two halves of cos/sin agree
+(every HF model: emb = cat(freqs, freqs), or repeat_interleave for the interleaved form) that is the rotation
+by -sin; the swap keeps the gradient exact for any cos/sin. cos and sin get no gradient.
+
+Maths in fp32; q_out/k_out in q's/k's dtype; cos/sin may have any float dtype (read as given, not first
+rounded to q's dtype as HF does; the difference is below bf16/fp16 resolution).
+
+Layouts: q, k are (batch, heads, seq, head_dim) with unsqueeze_dim=1, (batch, seq, heads, head_dim) with
+unsqueeze_dim=2, read through their strides (a transpose(1, 2) view of a projection output costs no copy).
+q and k may differ in head count (GQA) and head_dim. cos/sin are (batch, seq, r) or (seq, r); a batch or
+seq extent of 1 broadcasts. Outputs are new contiguous tensors of the inputs' logical shapes.
+
+Grid: one program per BLOCK_T tokens of the flattened (batch, seq); it loads cos/sin for its tokens once,
+then walks all q heads and all k heads of those tokens in tiles of BLOCK_H heads x the whole head_dim.
+
+Bytes moved per pass (forward, or backward):  2 * (|q| + |k|) * elem  +  2 * B_cos * seq * r * elem_cos.
+Llama-3-8B shape, q 4x32x4096x128 + k 4x8x4096x128 bf16, cos/sin (4, 4096, 128) bf16: 320 MiB + 8 MiB;
+forward + backward 656 MiB, 0.16 ms at 4.25 TB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels._utils import check_float, count_launch, triton_can_run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, y_ptr,            # input and output of one tensor (q or k), last dim contiguous in both
+    x_tok, y_tok,            # [BLOCK_T] int64 offsets of each token's (batch, seq) in x and y
+    tok_mask,                # [BLOCK_T] which tokens exist
+    n_heads, x_sh, y_sh,     # head count and head strides
+    head_dim, rot,           # channels per head; leading channels rotated (even, <= head_dim)
+    cos_a, cos_b, sin_a, sin_b,  # [BLOCK_T, 1, BLOCK_R] fp32, sin already swapped/negated for backward
+    BLOCK_H: tl.constexpr,   # heads per tile
+    BLOCK_R: tl.constexpr,   # power of two >= rot / 2 (pairs per head)
+    BLOCK_P: tl.constexpr,   # power of two >= head_dim - rot (pass-through channels), 0 if none
+    INTERLEAVED: tl.constexpr,
+):
+    half = rot // 2
+    pair = tl.arange(0, BLOCK_R)
+    pair_mask = pair < half
+    head_ids = tl.arange(0, BLOCK_H)
+    out_ty = y_ptr.dtype.element_ty
+    for h0 in range(0, n_heads, BLOCK_H):
+        heads = (h0 + head_ids).to(tl.int64)
+        th_mask = tok_mask[:, None] & (heads < n_heads)[None, :]            # [T, H]
+        x_row = x_tok[:, None] + heads[None, :] * x_sh                     # [T, H]
+        y_row = y_tok[:, None] + heads[None, :] * y_sh
+        if INTERLEAVED:
+            # Load each pair (2i, 2i+1) as the last axis of size 2: contiguous, vectorisable, then split.
+            two = tl.arange(0, 2)
+            ch = (2 * pair)[:, None] + two[None, :]                          # [R, 2]
+            mask = th_mask[:, :, None, None] & pair_mask[None, None, :, None]
+            x = tl.load(x_ptr + x_row[:, :, None, None] + ch[None, None, :, :], mask=mask, other=0.0)
+            x_a, x_b = tl.split(x.to(tl.float32))
+            y = tl.join(x_a * cos_a - x_b * sin_a, x_b * cos_b + x_a * sin_b)
+            tl.store(y_ptr + y_row[:, :, None, None] + ch[None, None, :, :], y.to(out_ty), mask=mask)
+        else:
+            mask = th_mask[:, :, None] & pair_mask[None, None, :]
+            xa_ptr = x_ptr + x_row[:, :, None] + pair[None, None, :]
+            ya_ptr = y_ptr + y_row[:, :, None] + pair[None, None, :]
+            x_a = tl.load(xa_ptr, mask=mask, other=0.0).to(tl.float32)
+            x_b = tl.load(xa_ptr + half, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ya_ptr, (x_a * cos_a - x_b * sin_a).to(out_ty), mask=mask)
+            tl.store(ya_ptr + half, (x_b * cos_b + x_a * sin_b).to(out_ty), mask=mask)
+        if BLOCK_P > 0:
+            ch_p = rot + tl.arange(0, BLOCK_P)
+            mask_p = th_mask[:, :, None] & (ch_p < head_dim)[None, None, :]
+            v = tl.load(x_ptr + x_row[:, :, None] + ch_p[None, None, :], mask=mask_p, other=0.0)
+            tl.store(y_ptr + y_row[:, :, None] + ch_p[None, None, :], v.to(out_ty), mask=mask_p)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
+    n_tokens, seq_len,
+    n_q_heads, n_k_heads, q_head_dim, k_head_dim, rot,
+    q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,          # input strides: batch, seq, head (head_dim stride is 1)
+    qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,    # output strides
+    c_sb, c_ss, s_sb, s_ss,                      # cos / sin strides: batch, seq (0 where broadcast)
+    BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_PQ: tl.constexpr, BLOCK_PK: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < n_tokens
+    b = tok // seq_len
+    s = tok % seq_len
+
+    # cos/sin of this program's tokens, read once and shared by every q and k head.
+    half = rot // 2
+    pair = tl.arange(0, BLOCK_R)
+    if INTERLEAVED:
+        two = tl.arange(0, 2)
+        ch = (2 * pair)[:, None] + two[None, :]
+        cmask = tok_mask[:, None, None] & (pair < half)[None, :, None]
+        c = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None, None] + ch[None, :, :], mask=cmask, other=0.0)
+        sn = tl.load(sin_ptr + (b * s_sb + s * s_ss)[:, None, None] + ch[None, :, :], mask=cmask, other=0.0)
+        cos_a, cos_b = tl.split(c.to(tl.float32))
+        sin_a, sin_b = tl.split(sn.to(tl.float32))
+    else:
+        cmask = tok_mask[:, None] & (pair < half)[None, :]
+        c_ptr = cos_ptr + (b * c_sb + s * c_ss)[:, None] + pair[None, :]
+        s_ptr = sin_ptr + (b * s_sb + s * s_ss)[:, None] + pair[None, :]
+        cos_a = tl.load(c_ptr, mask=cmask, other=0.0).to(tl.float32)
+        cos_b = tl.load(c_ptr + half, mask=cmask, other=0.0).to(tl.float32)
+        sin_a = tl.load(s_ptr, mask=cmask, other=0.0).to(tl.float32)
+        sin_b = tl.load(s_ptr + half, mask=cmask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # Transpose of the forward map (see the module docstring).
+        sin_a, sin_b = -sin_b, -sin_a
+    cos_a = cos_a[:, None, :]
+    cos_b = cos_b[:, None, :]
+    sin_a = sin_a[:, None, :]
+    sin_b = sin_b[:, None, :]
+
+    _rotate_heads(q_ptr, qo_ptr, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, tok_mask,
+                  n_q_heads, q_sh, qo_sh, q_head_dim, rot, cos_a, cos_b, sin_a, sin_b,
+                  BLOCK_HQ, BLOCK_R, BLOCK_PQ, INTERLEAVED)
+    _rotate_heads(k_ptr, ko_ptr, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, tok_mask,
+                  n_k_heads, k_sh, ko_sh, k_head_dim, rot, cos_a, cos_b, sin_a, sin_b,
+                  BLOCK_HK, BLOCK_R, BLOCK_PK, INTERLEAVED)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launch configuration (the one place to tune)
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    block_t: int   # tokens per program
+    block_hq: int  # q heads per tile
+    block_hk: int  # k heads per tile
+    num_warps: int
+
+
+def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
+    """Block sizes for one launch. Memory-bound: aim at tiles of ~4096 elements (8 KiB bf16 per tile of q or
+    k) so each thread moves a few 16-byte vectors per loop step, and at enough programs to fill the GPU.
+    The Llama shape (16384 tokens, 32/8 heads, head_dim 128) gets 4 tokens x 8 heads, 4 warps, 4096 programs."""
+    d = triton.next_power_of_2(max(head_dim, 2))
+    block_t = 4
+    heads_per_tile = max(1, 4096 // (block_t * d))
+    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), heads_per_tile)
+    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), heads_per_tile)
+    return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side: strides, launch
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _bsh_strides(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a 4-D q/k in the layout unsqueeze_dim names."""
+    if unsqueeze_dim == 1:  # (batch, heads, seq, head_dim)
+        return x.stride(0), x.stride(2), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)  # (batch, seq, heads, head_dim)
+
+
+def _bs_strides(c: torch.Tensor) -> tuple[int, int]:
+    """(batch, seq) strides of cos/sin shaped (seq, r) or (batch, seq, r); 0 where a size-1 extent broadcasts."""
+    if c.dim() == 2:
+        return 0, (c.stride(0) if c.shape[0] != 1 else 0)
+    return (c.stride(0) if c.shape[0] != 1 else 0), (c.stride(1) if c.shape[1] != 1 else 0)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    # The kernel assumes unit stride along the last dim (so loads vectorise); anything else is rare
+    # (an expanded gradient, a strided slice of channels) and gets one copy.
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _new_output(x: torch.Tensor) -> torch.Tensor:
+    """Output buffer for q_out / k_out: contiguous, x's logical shape and dtype. (Tests wrap this to poison it.)"""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool):
+    """Run the kernel over q and k (or the output gradients, when backward) and return new tensors."""
+    if not triton_can_run(q, k, cos, sin):
+        raise RuntimeError(
+            "fused_kernels.rope runs where Triton runs: CUDA tensors, or CPU tensors with TRITON_INTERPRET=1; "
+            f"got q on {q.device}, k on {k.device}, cos on {cos.device}, sin on {sin.device}"
+        )
+    unsqueeze_dim = 1 if unsqueeze_dim in (1, -3) else 2
+    q_out, k_out = _new_output(q), _new_output(k)
+    batch = q.shape[0]
+    seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
+    n_q_heads = q.shape[1] if unsqueeze_dim == 1 else q.shape[2]
+    n_k_heads = k.shape[1] if unsqueeze_dim == 1 else k.shape[2]
+    n_tokens = batch * seq
+    if n_tokens == 0 or (q.numel() == 0 and k.numel() == 0):
+        return q_out, k_out
+    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
+    rot = cos.shape[-1]
+    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, max(q.shape[-1], k.shape[-1]))
+    grid = (triton.cdiv(n_tokens, cfg.block_t),)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin,
+        n_tokens, seq,
+        n_q_heads, n_k_heads, q.shape[-1], k.shape[-1], rot,
+        *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
+        *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
+        *_bs_strides(cos), *_bs_strides(sin),
+        BLOCK_T=cfg.block_t, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
+        BLOCK_R=triton.next_power_of_2(max(rot // 2, 1)),
+        BLOCK_PQ=triton.next_power_of_2(q.shape[-1] - rot) if q.shape[-1] > rot else 0,
+        BLOCK_PK=triton.next_power_of_2(k.shape[-1] - rot) if k.shape[-1] > rot else 0,
+        INTERLEAVED=interleaved, BACKWARD=backward,
+        num_warps=cfg.num_warps,
+    )
+    count_launch("rope_bwd" if backward else "rope_fwd")
+    return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fused_kernels::rope_fwd", mutates_args=())
+def _rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, cos, sin, unsqueeze_dim, interleaved, backward=False)
+
+
+@torch.library.custom_op("fused_kernels::rope_bwd", mutates_args=())
+def _rope_bwd(
+    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    unsqueeze_dim: int, interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved, backward=True)
+
+
+@_rope_fwd.register_fake
+def _rope_fwd_fake(q, k, cos, sin, unsqueeze_dim, interleaved):
+    return _new_output(q), _new_output(k)
+
+
+@_rope_bwd.register_fake
+def _rope_bwd_fake(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved):
+    return _new_output(grad_q_out), _new_output(grad_k_out)
+
+
+def _setup_context(ctx, inputs, output):
+    x_q, x_k, cos, sin, unsqueeze_dim, interleaved = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.unsqueeze_dim = unsqueeze_dim
+    ctx.interleaved = interleaved
+    # Only needed when autograd hands us None for an unused output.
+    ctx.like_q = (x_q.shape, x_q.dtype, x_q.device)
+    ctx.like_k = (x_k.shape, x_k.dtype, x_k.device)
+
+
+def _grad_or_zeros(g, like):
+    if g is not None:
+        return g
+    shape, dtype, device = like
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _rope_fwd_backward(ctx, grad_q_out, grad_k_out):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = torch.ops.fused_kernels.rope_bwd(
+        _grad_or_zeros(grad_q_out, ctx.like_q), _grad_or_zeros(grad_k_out, ctx.like_k),
+        cos, sin, ctx.unsqueeze_dim, ctx.interleaved,
+    )
+    return grad_q, grad_k, None, None, None, None
+
+
+def _rope_bwd_backward(ctx, grad_grad_q, grad_grad_k):
+    # rope_bwd applies the transpose of the rotation; its own gradient is the rotation again.
+    cos, sin = ctx.saved_tensors
+    gq, gk = torch.ops.fused_kernels.rope_fwd(
+        _grad_or_zeros(grad_grad_q, ctx.like_q), _grad_or_zeros(grad_grad_k, ctx.like_k),
+        cos, sin, ctx.unsqueeze_dim, ctx.interleaved,
+    )
+    return gq, gk, None, None, None, None
+
+
+_rope_fwd.register_autograd(_rope_fwd_backward, setup_context=_setup_context)
+_rope_bwd.register_autograd(_rope_bwd_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Functional entry
+# ----------------------------------------------------------------------------------------------------------
+
+_LAYOUTS = {1: "(batch, heads, seq, head_dim)", 2: "(batch, seq, heads, head_dim)"}
+
+
+def _check_args(q, k, cos, sin, unsqueeze_dim, interleaved) -> int:
+    """Validate the arguments; return unsqueeze_dim normalised to 1 or 2."""
+    for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        check_float(name, t)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or unsqueeze_dim not in (1, 2, -3, -2):
+        raise ValueError(
+            "unsqueeze_dim must be 1 (q, k shaped (batch, heads, seq, head_dim)) or 2 (q, k shaped "
+            f"(batch, seq, heads, head_dim)); -3 and -2 mean the same; got {unsqueeze_dim!r}"
+        )
+    ud = 1 if unsqueeze_dim in (1, -3) else 2
+    layout = _LAYOUTS[ud]
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {layout} for unsqueeze_dim={unsqueeze_dim}, got shape {tuple(t.shape)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got cos {tuple(cos.shape)} and sin {tuple(sin.shape)}")
+    if cos.dim() not in (2, 3):
+        raise ValueError(f"cos and sin must be (seq, rot) or (batch, seq, rot), got cos shape {tuple(cos.shape)}")
+    rot = cos.shape[-1]
+    if rot % 2:
+        raise ValueError(f"cos/sin last dim (rot) must be even: channels rotate in pairs; got rot={rot}")
+    for name, t in (("q", q), ("k", k)):
+        if rot > t.shape[-1]:
+            raise ValueError(
+                f"cos/sin last dim (rot={rot}) must be <= {name}'s head_dim ({t.shape[-1]}); "
+                f"a shorter cos rotates the leading rot channels (partial rotary)"
+            )
+    seq_dim = 2 if ud == 1 else 1
+    batch, seq = q.shape[0], q.shape[seq_dim]
+    if k.shape[0] != batch or k.shape[seq_dim] != seq:
+        raise ValueError(
+            f"q and k must share batch and seq in layout {layout}: q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    cos_seq = cos.shape[-2]
+    if cos_seq not in (1, seq):
+        raise ValueError(f"cos/sin seq extent ({cos_seq}) must be 1 or q's seq ({seq}) in layout {layout}; "
+                         f"cos shape {tuple(cos.shape)}, q shape {tuple(q.shape)}")
+    if cos.dim() == 3 and cos.shape[0] not in (1, batch):
+        raise ValueError(f"cos/sin batch extent ({cos.shape[0]}) must be 1 or q's batch ({batch}); "
+                         f"cos shape {tuple(cos.shape)}, q shape {tuple(q.shape)}")
+    devices = {t.device for t in (q, k, cos, sin)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, cos, sin must be on one device, got q {q.device}, k {k.device}, "
+                         f"cos {cos.device}, sin {sin.device}")
+    return ud
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    *,
+    interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embedding to q and k; returns new (q_out, k_out), differentiable in q and k.
+
+    Same numbers as transformers' Llama `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` (maths in fp32,
+    outputs in q's / k's dtype):
+      q, k: (batch, heads, seq, head_dim) with unsqueeze_dim=1, (batch, seq, heads, head_dim) with
+            unsqueeze_dim=2; any strides; q and k may have different head counts (GQA) and head_dims.
+      cos, sin: (batch, seq, rot) or (seq, rot), any float dtype; batch or seq of 1 broadcasts. When
+            rot < head_dim the leading rot channels are rotated and the rest passed through (partial rotary).
+      interleaved: rotate channel pairs (2i, 2i+1) instead of (i, i + rot/2), i.e.
+            rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) as in Cohere and GLM models;
+            cos/sin are then given at full rot size with each frequency repeated for its pair
+            (freqs.repeat_interleave(2, -1)), as those models do before multiplying.
+    """
+    ud = _check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+    return torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, ud, interleaved)
