@@ -1,0 +1,396 @@
+"""Gated linear units, SwiGLU and GeGLU: forward and backward in Triton.
+
+Math (g = gate, u = up, dout = upstream gradient; every step in fp32, rounded once to the input dtype):
+
+    swiglu:          out = silu(g) · u = g σ(g) · u
+                     silu'(g) = σ(g) (1 + g (1 − σ(g)))
+    geglu "tanh":    gelu(g) = ½ g (1 + tanh z),  z = √(2/π) (g + 0.044715 g³)
+                     Because ½ (1 + tanh z) = σ(2z):  gelu(g) = g σ(2z), and
+                     gelu'(g) = σ(2z) + g · 2 σ(2z) (1 − σ(2z)) · √(2/π) (1 + 3 · 0.044715 g²)
+    geglu "none":    gelu(g) = g Φ(g),  Φ(g) = ½ (1 + erf(g / √2))
+                     gelu'(g) = Φ(g) + g φ(g),  φ(g) = exp(−g²/2) / √(2π)
+    backward:        dup = dout · act(g),   dgate = dout · u · act'(g)
+
+HF computes `act_fn(gate) * up` as two rounded steps (act rounded to the input dtype, then the product
+rounded again); we round once, which is closer to the exact value.
+
+The backward recomputes act(g) from g, so autograd saves only gate and up (which the caller holds
+anyway, as the projections' outputs), never the output; dgate and dup come from one kernel.
+
+Bytes moved, for N elements of b bytes: forward 3·N·b (read g, u; write out), backward 5·N·b (read
+dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB, 0.885 ms at 4.25 TB/s.
+
+Layout: contiguous inputs are processed as one flat row. Otherwise each tensor is viewed as
+rows × cols with a row stride and unit column stride — this covers the two halves of a fused
+gate_up_proj output (`gate, up = x.chunk(2, dim=-1)`, row stride 2·cols) without a copy; a tensor that
+cannot be viewed that way (transposed, or leading dims that do not collapse) is copied first.
+Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block chosen by `_block_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
+
+__all__ = ["swiglu", "geglu"]
+
+# Activation selector, a constexpr of the kernels.
+_SILU = 0
+_GELU_TANH = 1
+_GELU_ERF = 2
+_GELU_ACT = {"tanh": _GELU_TANH, "none": _GELU_ERF}
+
+# Constants are written as literals inside the kernels: √(2/π) = 0.7978845608028654,
+# 2√(2/π) = 1.5957691216057308, 1/√2 = 0.7071067811865476, 1/√(2π) = 0.3989422804014327,
+# the GELU-tanh cubic coefficient 0.044715 and 3 × 0.044715 = 0.134145.
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    """act(g) in fp32."""
+    if ACT == 0:
+        a = g * tl.sigmoid(g)
+    elif ACT == 1:
+        a = g * tl.sigmoid((g + 0.044715 * g * g * g) * 1.5957691216057308)
+    else:
+        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    return a
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """(act(g), act'(g)) in fp32, sharing the sigmoid / erf between the two."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        a = g * s
+        da = s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        g2 = g * g
+        s = tl.sigmoid((g + 0.044715 * g * g2) * 1.5957691216057308)
+        a = g * s
+        da = s + g * (2.0 * s * (1.0 - s)) * ((1.0 + 0.134145 * g2) * 0.7978845608028654)
+    else:
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * (tl.exp(-0.5 * g * g) * 0.3989422804014327)
+    return a, da
+
+
+@triton.jit
+def _tile(n_rows, n_cols, n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          WIDE_INDEX: tl.constexpr):
+    """This program's row indices, column indices and bounds mask."""
+    pid = tl.program_id(0)
+    if WIDE_INDEX:  # some offset passes 2**31: do the index arithmetic in int64
+        pid = pid.to(tl.int64)
+    pid_m = pid // n_col_blocks
+    pid_n = pid - pid_m * n_col_blocks
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return rows, cols, mask
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    n_rows, n_cols, n_col_blocks,
+    stride_gate, stride_up, stride_out,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, n_col_blocks, BLOCK_M, BLOCK_N, WIDE_INDEX)
+    gate_offs = rows[:, None] * stride_gate + cols[None, :]
+    up_offs = rows[:, None] * stride_up + cols[None, :]
+    out_offs = rows[:, None] * stride_out + cols[None, :]
+    if EVEN:  # the tile lies inside the tensor: no mask, so loads and stores vectorise freely
+        g = tl.load(gate_ptr + gate_offs).to(tl.float32)
+        u = tl.load(up_ptr + up_offs).to(tl.float32)
+    else:
+        g = tl.load(gate_ptr + gate_offs, mask=mask).to(tl.float32)
+        u = tl.load(up_ptr + up_offs, mask=mask).to(tl.float32)
+    out = (_act(g, ACT) * u).to(out_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(out_ptr + out_offs, out)
+    else:
+        tl.store(out_ptr + out_offs, out, mask=mask)
+
+
+@triton.jit
+def _glu_bwd_kernel(
+    dout_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr,
+    n_rows, n_cols, n_col_blocks,
+    stride_dout, stride_gate, stride_up, stride_grad,
+    ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr, WIDE_INDEX: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, n_col_blocks, BLOCK_M, BLOCK_N, WIDE_INDEX)
+    dout_offs = rows[:, None] * stride_dout + cols[None, :]
+    gate_offs = rows[:, None] * stride_gate + cols[None, :]
+    up_offs = rows[:, None] * stride_up + cols[None, :]
+    grad_offs = rows[:, None] * stride_grad + cols[None, :]
+    if EVEN:
+        do = tl.load(dout_ptr + dout_offs).to(tl.float32)
+        g = tl.load(gate_ptr + gate_offs).to(tl.float32)
+        u = tl.load(up_ptr + up_offs).to(tl.float32)
+    else:
+        do = tl.load(dout_ptr + dout_offs, mask=mask).to(tl.float32)
+        g = tl.load(gate_ptr + gate_offs, mask=mask).to(tl.float32)
+        u = tl.load(up_ptr + up_offs, mask=mask).to(tl.float32)
+    a, da = _act_and_grad(g, ACT)
+    dup = (do * a).to(dup_ptr.dtype.element_ty)
+    dgate = (do * u * da).to(dgate_ptr.dtype.element_ty)
+    if EVEN:
+        tl.store(dgate_ptr + grad_offs, dgate)
+        tl.store(dup_ptr + grad_offs, dup)
+    else:
+        tl.store(dgate_ptr + grad_offs, dgate, mask=mask)
+        tl.store(dup_ptr + grad_offs, dup, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration: the one place the block shape is chosen (tuned on the H200 by
+# scripts/tune_glu.py, which overrides these tables).
+
+# Elements one program handles, by element size in bytes; and warps for a full tile.
+_TILE_ELEMS = {2: 4096, 4: 2048}
+_NUM_WARPS = {"fwd": 8, "bwd": 8}
+# To avoid a masked row tail, the column block may shrink down to tile / this, no further.
+_MAX_TILE_SHRINK = 8
+
+
+# Offsets at or past this need 64-bit index arithmetic in the kernels.
+_INT32_LIMIT = 2**31
+
+
+class _BlockConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> _BlockConfig:
+    """Tile shape and warps for an n_rows × n_cols launch of `direction` ("fwd" or "bwd")."""
+    tile = _TILE_ELEMS[elem_bytes]
+    if n_cols >= tile:
+        # Prefer a power-of-two block that divides the row (14336 = 7 × 2048): no masked tail.
+        block_n = tile
+        while n_cols % block_n and block_n // 2 >= max(1, tile // _MAX_TILE_SHRINK):
+            block_n //= 2
+        if n_cols % block_n:
+            block_n = tile
+    else:
+        block_n = triton.next_power_of_2(n_cols)
+    # Short rows: stack several rows in one tile, but not more rows than there are.
+    block_m = max(1, min(tile // block_n, triton.next_power_of_2(n_rows)))
+    # At least 4 elements per thread; a tiny tile gets fewer warps.
+    num_warps = max(1, min(_NUM_WARPS[direction], (block_m * block_n) // 128))
+    return _BlockConfig(block_m, block_n, num_warps)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+
+
+def _empty_output(shape, like: torch.Tensor) -> torch.Tensor:
+    """Every output buffer comes from here (tests poison it to prove each element is written)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a rows × cols tensor with unit column stride: a view when the strides allow (e.g. a
+    chunk of a wider last dimension), a contiguous copy when they do not (transposed views)."""
+    n_cols = t.shape[-1] if t.dim() > 0 else 1
+    try:
+        t2 = t.view(-1, n_cols)
+    except RuntimeError:  # leading dims that do not collapse into one row stride
+        return t.reshape(-1, n_cols).contiguous()
+    if n_cols > 1 and t2.stride(1) != 1:
+        return t2.contiguous()
+    return t2
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on the tensor's GPU (Triton launches on the current device)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], act: int):
+    """Run `kernel` over same-shaped `inputs` (read) and freshly allocated contiguous `outputs`."""
+    if all(t.is_contiguous() for t in inputs):
+        # One flat row: the longest contiguous run there is, and no row arithmetic.
+        n_rows, n_cols = 1, outputs[0].numel()
+        ins, in_strides = inputs, [0] * len(inputs)
+        out_stride = 0
+    else:
+        ins = [_as_rows(t) for t in inputs]
+        n_rows, n_cols = ins[0].shape
+        in_strides = [t.stride(0) for t in ins]
+        out_stride = n_cols
+    cfg = _block_config(n_rows, n_cols, inputs[0].element_size(), direction)
+    n_row_blocks = triton.cdiv(n_rows, cfg.block_m)
+    n_col_blocks = triton.cdiv(n_cols, cfg.block_n)
+    even = n_rows % cfg.block_m == 0 and n_cols % cfg.block_n == 0
+    # Largest offset any lane computes (masked lanes included), to pick 32- or 64-bit indexing.
+    padded_rows = n_row_blocks * cfg.block_m
+    max_offset = max(abs(s) for s in [*in_strides, out_stride]) * padded_rows + n_col_blocks * cfg.block_n
+    wide = max_offset >= _INT32_LIMIT or n_row_blocks * n_col_blocks >= _INT32_LIMIT
+    with _device_guard(outputs[0]):
+        kernel[(n_row_blocks * n_col_blocks,)](
+            *ins, *outputs,
+            n_rows, n_cols, n_col_blocks,
+            *in_strides, out_stride,
+            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=even, WIDE_INDEX=wide,
+            num_warps=cfg.num_warps,
+        )
+
+
+def _require_triton(op: str, *tensors: torch.Tensor) -> None:
+    if not triton_can_run(*tensors):
+        devices = sorted({str(t.device) for t in tensors})
+        raise RuntimeError(
+            f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
+            f"got tensors on {', '.join(devices)}"
+        )
+
+
+def _forward(op: str, gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    _require_triton(op, gate, up)
+    count_launch(op)
+    out = _empty_output(gate.shape, gate)
+    if out.numel():
+        _launch(_glu_fwd_kernel, "fwd", [gate, up], [out], act)
+    return out
+
+
+def _backward(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int):
+    _require_triton(op, dout, gate, up)
+    count_launch(op)
+    if dout.dtype != gate.dtype:
+        dout = dout.to(gate.dtype)
+    dgate = _empty_output(gate.shape, gate)
+    dup = _empty_output(gate.shape, gate)
+    if dgate.numel():
+        _launch(_glu_bwd_kernel, "bwd", [dout, gate, up], [dgate, dup], act)
+    return dgate, dup
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops. Forward outputs and gradients are always contiguous, in the real and fake versions.
+
+
+@torch.library.custom_op("fused_kernels::swiglu_fwd", mutates_args=())
+def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _forward("swiglu_fwd", gate, up, _SILU)
+
+
+@_swiglu_fwd.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fused_kernels::swiglu_bwd", mutates_args=())
+def _swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _backward("swiglu_bwd", dout, gate, up, _SILU)
+
+
+@_swiglu_bwd.register_fake
+def _(dout, gate, up):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    gate, up = inputs
+    ctx.save_for_backward(gate, up)  # not the output: the backward recomputes silu(gate)
+
+
+def _swiglu_autograd(ctx, dout):
+    gate, up = ctx.saved_tensors
+    return torch.ops.fused_kernels.swiglu_bwd(dout, gate, up)
+
+
+_swiglu_fwd.register_autograd(_swiglu_autograd, setup_context=_swiglu_setup_context)
+
+
+@torch.library.custom_op("fused_kernels::geglu_fwd", mutates_args=())
+def _geglu_fwd(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
+    check_choice("approximate", approximate, tuple(_GELU_ACT))
+    return _forward("geglu_fwd", gate, up, _GELU_ACT[approximate])
+
+
+@_geglu_fwd.register_fake
+def _(gate, up, approximate):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fused_kernels::geglu_bwd", mutates_args=())
+def _geglu_bwd(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_choice("approximate", approximate, tuple(_GELU_ACT))
+    return _backward("geglu_bwd", dout, gate, up, _GELU_ACT[approximate])
+
+
+@_geglu_bwd.register_fake
+def _(dout, gate, up, approximate):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _geglu_setup_context(ctx, inputs, output):
+    gate, up, approximate = inputs
+    ctx.save_for_backward(gate, up)  # not the output: the backward recomputes gelu(gate)
+    ctx.approximate = approximate
+
+
+def _geglu_autograd(ctx, dout):
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.fused_kernels.geglu_bwd(dout, gate, up, ctx.approximate)
+    return dgate, dup, None
+
+
+_geglu_fwd.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional entries
+
+
+def _check_pair(gate: torch.Tensor, up: torch.Tensor) -> None:
+    check_float("gate", gate)
+    check_float("up", up)
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have gate's dtype {gate.dtype}, got {up.dtype}")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.device != gate.device:
+        raise ValueError(f"up must be on gate's device {gate.device}, got {up.device}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32 and rounded once to the inputs' dtype.
+
+    gate and up: same shape and dtype (float32, bfloat16, float16), any layout; strided views such as
+    the halves of `gate_up_proj(x).chunk(2, dim=-1)` are read in place. Returns a contiguous tensor.
+    The backward saves only gate and up.
+    """
+    _check_pair(gate, up)
+    return torch.ops.fused_kernels.swiglu_fwd(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(gate, approximate) * up, computed in fp32 and rounded once to the inputs' dtype.
+
+    approximate: "tanh" (GELU-tanh, HF's gelu_pytorch_tanh, Gemma) or "none" (exact erf GELU).
+    Inputs as for `swiglu`.
+    """
+    check_choice("approximate", approximate, tuple(_GELU_ACT))
+    _check_pair(gate, up)
+    return torch.ops.fused_kernels.geglu_fwd(gate, up, approximate)
