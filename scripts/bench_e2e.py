@@ -1,0 +1,311 @@
+"""End-to-end training-step benchmark: tokens/s and peak memory of whole models, per peer.
+
+Each (model, peer) runs in a fresh Python process (`--worker`): Liger's apply_liger_kernel_to_* and
+our patches swap attributes on transformers' classes and modules for the whole process, and
+torch.compile caches, so sharing one process would leak one peer's patches into the next.
+
+Models (random weights from a config; nothing is downloaded), bf16 parameters, sdpa attention,
+torch.optim.AdamW(fused=True), labels = input ids (the model shifts them):
+  qwen3_0.6b         28 layers, hidden 1024, intermediate 3072, 16 heads / 8 kv heads, head_dim 128,
+                     vocab 151936, tied embeddings; batch 8 x 2048
+  llama3_8b_4layers  Llama-3-8B shape cut to 4 layers: hidden 4096, intermediate 14336, 32 / 8 heads,
+                     vocab 128256; batch 4 x 4096
+  tiny_llama         the CPU dry run: hidden 64, 2 layers, vocab 256; batch 2 x 32
+Peers: hf_eager, torch_compile (torch.compile(model), or each decoder layer with --compile-mode
+layers), liger (rope, rms_norm, swiglu, fused_linear_cross_entropy), ours
+(autopatch.apply(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)),
+ours_compile (ours, then torch.compile).
+
+Per run: a few warm-up steps (they include compilation), then timed steps; tokens/s from the median
+step; peak = torch.cuda.max_memory_allocated over the timed steps (weights, AdamW state, activations:
+the whole training footprint); the loss of the first step (same seed, so the same weights and batch
+for every peer: a peer whose first loss differs is computing something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # the repository root: autopatch and fused_kernels without an install
+    sys.path.insert(1, ROOT)
+
+MODELS = {
+    "qwen3_0.6b": {
+        "model_type": "qwen3",
+        "config": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+        "batch": 8, "seq": 2048,
+    },
+    "llama3_8b_4layers": {
+        "model_type": "llama",
+        "config": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0, tie_word_embeddings=False),
+        "batch": 4, "seq": 4096,
+    },
+    "tiny_llama": {
+        "model_type": "llama",
+        "config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+        "batch": 2, "seq": 32,
+    },
+}
+PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile")
+OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker: one model, one peer, one process
+# ----------------------------------------------------------------------------------------------------
+
+
+def _build_model(spec, device, torch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(spec["model_type"], **spec["config"])
+    cfg.use_cache = False
+    try:
+        cfg._attn_implementation = "sdpa"
+    except Exception:
+        pass
+    with torch.device(device):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        except TypeError:  # older transformers spell it torch_dtype
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.to(device=device, dtype=torch.bfloat16).train()
+
+
+def _apply_liger(model_type):
+    import liger_kernel.transformers as lt
+
+    fn = getattr(lt, f"apply_liger_kernel_to_{model_type}")
+    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    return fn.__name__
+
+
+def _compile(model, mode, torch):
+    if mode == "layers":
+        for layer in model.model.layers:
+            layer.compile()
+        return model
+    return torch.compile(model)
+
+
+def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str, compile_mode: str) -> dict:
+    import torch
+
+    spec = MODELS[model_key]
+    device = torch.device(device_name)
+    batch, seq = spec["batch"], spec["seq"]
+    res = {"model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+           "status": "ok", "compile_mode": compile_mode if "compile" in peer else None}
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    if peer == "liger":
+        res["liger_applied"] = _apply_liger(spec["model_type"])  # class-level patch, before the model exists
+    model = _build_model(spec, device, torch)
+    res["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    if peer.startswith("ours"):
+        import autopatch
+
+        records = autopatch.apply(model, **OUR_TOGGLES)
+        recs = [r.as_dict() if hasattr(r, "as_dict") else str(r) for r in (records or [])]
+        res["patched"] = [f"{r['kernel']}:{r['target']}" for r in recs if isinstance(r, dict) and r.get("patched")]
+        res["not_patched"] = [f"{r['kernel']}:{r['target']}: {r.get('reason', '')}"[:200]
+                              for r in recs if isinstance(r, dict) and not r.get("patched")]
+    if peer.endswith("compile"):
+        model = _compile(model, compile_mode, torch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(device.type == "cuda"))
+    gen = torch.Generator(device=device).manual_seed(1)
+    vocab = spec["config"]["vocab_size"]
+    batches = [torch.randint(0, vocab, (batch, seq), device=device, generator=gen) for _ in range(2)]
+
+    def step(i):
+        ids = batches[i % len(batches)]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses = []
+    warm_s = []
+    for i in range(warmup):
+        t0 = time.perf_counter()
+        losses.append(float(step(i)))
+        warm_s.append(time.perf_counter() - t0)
+    res["warmup_step_s"] = warm_s
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        res["allocated_before_timed_gib"] = torch.cuda.memory_allocated() / 2**30
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
+        timed_losses = []
+        for i in range(steps):
+            starts[i].record()
+            timed_losses.append(step(warmup + i))
+            ends[i].record()
+        torch.cuda.synchronize()
+        step_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    else:
+        step_ms, timed_losses = [], []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            timed_losses.append(step(warmup + i))
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+    losses += [float(x) for x in timed_losses]
+    res["step_ms"] = step_ms
+    res["step_ms_median"] = statistics.median(step_ms)
+    res["tokens_per_s"] = batch * seq / (res["step_ms_median"] * 1e-3)
+    res["loss_first"] = losses[0]
+    res["loss_last"] = losses[-1]
+    res["losses"] = losses
+    res["finite"] = all(x == x and abs(x) != float("inf") for x in losses)
+    res["wall_s"] = time.perf_counter() - t_start
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# Driver: one subprocess per (model, peer), inside a time budget
+# ----------------------------------------------------------------------------------------------------
+
+
+def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
+    """Cheapest and most telling runs first, so a budget cut drops compile peers, not the baselines."""
+    if tiny:
+        order = [("tiny_llama", p) for p in ("hf_eager", "ours", "liger")]
+    else:
+        q, l = "qwen3_0.6b", "llama3_8b_4layers"
+        order = [(q, "hf_eager"), (q, "ours"), (q, "liger"), (l, "hf_eager"), (l, "ours"), (l, "liger"),
+                 (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile")]
+    if models:
+        order = [o for o in order if o[0] in models]
+    if peers:
+        order = [o for o in order if o[1] in peers]
+    return order
+
+
+def _run_worker(model_key, peer, args, timeout_s) -> dict:
+    fd, path = tempfile.mkstemp(prefix=f"e2e_{model_key}_{peer}_", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--worker", "--model", model_key, "--peer", peer,
+           "--steps", str(args.e2e_steps), "--warmup", str(args.e2e_warmup), "--device", args.device,
+           "--compile-mode", args.compile_mode, "--result", path]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the worker and its compile workers: our own process group
+        log, _ = proc.communicate()
+        timed_out = True
+    wall = time.perf_counter() - t0
+    res = None
+    try:
+        with open(path) as f:
+            text = f.read()
+        res = json.loads(text) if text.strip() else None
+    except (OSError, json.JSONDecodeError):
+        res = None
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    tail = "\n".join((log or "").strip().splitlines()[-15:])
+    if res is None:
+        res = {"model": model_key, "peer": peer,
+               "status": "timeout" if timed_out else "crashed",
+               "error": (f"no result within {timeout_s:.0f} s" if timed_out else f"exit code {proc.returncode}"),
+               "log_tail": tail[-2000:]}
+    elif res.get("status") != "ok":
+        res["log_tail"] = tail[-2000:]
+    res["process_wall_s"] = wall
+    return res
+
+
+def run_e2e(args, deadline, on_done=None) -> list[dict]:
+    results = []
+    for model_key, peer in plan(args.tiny, args.e2e_models, args.e2e_peers):
+        left = deadline.left()
+        if left < 20:
+            results.append({"model": model_key, "peer": peer, "status": "skipped", "error": "e2e time budget spent"})
+            continue
+        print(f"[e2e] {model_key} / {peer}  ({left:.0f} s left)", flush=True)
+        res = _run_worker(model_key, peer, args, timeout_s=min(left, args.e2e_run_cap_s))
+        results.append(res)
+        if res.get("status") == "ok":
+            print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
+                  f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, {res['process_wall_s']:.0f} s", flush=True)
+        else:
+            print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
+        if on_done:
+            on_done(results)
+    _ratios(results)
+    return results
+
+
+def _ratios(results: list[dict]) -> None:
+    by_model: dict[str, dict[str, dict]] = {}
+    for r in results:
+        if r.get("status") == "ok":
+            by_model.setdefault(r["model"], {})[r["peer"]] = r
+    for peers in by_model.values():
+        eager = peers.get("hf_eager")
+        for p, r in peers.items():
+            if eager:
+                r["speedup_vs_hf_eager"] = r["tokens_per_s"] / eager["tokens_per_s"]
+            others = [q["tokens_per_s"] for n, q in peers.items() if n != p and not n.startswith("ours")]
+            if others:
+                r["speed_ratio_to_best_peer"] = r["tokens_per_s"] / max(others)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help="internal: run one model/peer and write --result")
+    ap.add_argument("--model", choices=sorted(MODELS))
+    ap.add_argument("--peer", choices=PEERS)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile-mode", choices=("model", "layers"), default="model")
+    ap.add_argument("--result", help="where the worker writes its JSON")
+    a = ap.parse_args(argv)
+    if not a.worker:
+        ap.error("run scripts/bench.py --parts e2e; this entry point is the per-run worker")
+    try:
+        res = worker(a.model, a.peer, a.steps, a.warmup, a.device, a.compile_mode)
+    except BaseException as exc:  # recorded, not raised: the driver reads the file
+        import torch
+
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+        res = {"model": a.model, "peer": a.peer, "status": "oom" if oom else "error",
+               "error": f"{type(exc).__name__}: {str(exc)[:500]}",
+               "traceback": traceback.format_exc(limit=8)[-3000:]}
+        print(res["traceback"], file=sys.stderr)
+    with open(a.result, "w") as f:
+        json.dump(res, f, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
