@@ -20,7 +20,9 @@ rounded to q's dtype as HF does; the difference is below bf16/fp16 resolution).
 Layouts: q, k are (batch, heads, seq, head_dim) with unsqueeze_dim=1, (batch, seq, heads, head_dim) with
 unsqueeze_dim=2, read through their strides (a transpose(1, 2) view of a projection output costs no copy).
 q and k may differ in head count (GQA) and head_dim. cos/sin are (batch, seq, r) or (seq, r); a batch or
-seq extent of 1 broadcasts. Outputs are new contiguous tensors of the inputs' logical shapes.
+seq extent of 1 broadcasts. Outputs are new dense tensors with the inputs' shapes and dim order in memory
+(a transpose(1, 2) view in gives the same kind of view out, as HF's elementwise maths does), and the
+gradients of q and k take q's and k's dim order, so autograd passes them to the leaves without a copy.
 
 Grid: one program per BLOCK_T tokens of the flattened (batch, seq); it loads cos/sin for its tokens once,
 then walks all q heads and all k heads of those tokens in tiles of BLOCK_H heads x the whole head_dim.
@@ -196,20 +198,32 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def _new_output(x: torch.Tensor) -> torch.Tensor:
-    """Output buffer for q_out / k_out: contiguous, x's logical shape and dtype. (Tests wrap this to poison it.)"""
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def memory_order(x: torch.Tensor) -> list[int]:
+    """x's dims from outermost to innermost in memory (by stride; ties keep dim order). The identity when
+    head_dim is not innermost, since the kernel writes head_dim with unit stride."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    return order if order[-1] == x.dim() - 1 else list(range(x.dim()))
 
 
-def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool):
-    """Run the kernel over q and k (or the output gradients, when backward) and return new tensors."""
+def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """A dense buffer of x's shape and dtype with its dims laid out in `order` (outermost first).
+    Outputs copy their input's layout, as HF's elementwise maths does: q_out of a transpose(1, 2) view is
+    the same kind of view, and the gradient of q has q's strides, so autograd hands it to a
+    (batch, seq, heads, head_dim) leaf without the copy it makes for a gradient of another layout.
+    (Tests wrap this to poison the buffer.)"""
+    return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
+
+
+def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool, q_order, k_order):
+    """Run the kernel over q and k (or the output gradients, when backward) into new tensors laid out in
+    q_order / k_order, and return them."""
     if not triton_can_run(q, k, cos, sin):
         raise RuntimeError(
             "fused_kernels.rope runs where Triton runs: CUDA tensors, or CPU tensors with TRITON_INTERPRET=1; "
             f"got q on {q.device}, k on {k.device}, cos on {cos.device}, sin on {sin.device}"
         )
     unsqueeze_dim = 1 if unsqueeze_dim in (1, -3) else 2
-    q_out, k_out = _new_output(q), _new_output(k)
+    q_out, k_out = _new_output(q, q_order), _new_output(k, k_order)
     batch = q.shape[0]
     seq = q.shape[2] if unsqueeze_dim == 1 else q.shape[1]
     n_q_heads = q.shape[1] if unsqueeze_dim == 1 else q.shape[2]
@@ -248,30 +262,32 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
 def _rope_fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, cos, sin, unsqueeze_dim, interleaved, backward=False)
+    return _launch(q, k, cos, sin, unsqueeze_dim, interleaved, False, memory_order(q), memory_order(k))
 
 
 @torch.library.custom_op("fused_kernels::rope_bwd", mutates_args=())
 def _rope_bwd(
     grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    unsqueeze_dim: int, interleaved: bool,
+    unsqueeze_dim: int, interleaved: bool, q_order: list[int], k_order: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved, backward=True)
+    """Gradients of q and k, laid out like q and k were (q_order, k_order: memory_order of each)."""
+    return _launch(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved, True, q_order, k_order)
 
 
 @_rope_fwd.register_fake
 def _rope_fwd_fake(q, k, cos, sin, unsqueeze_dim, interleaved):
-    return _new_output(q), _new_output(k)
+    return _new_output(q, memory_order(q)), _new_output(k, memory_order(k))
 
 
 @_rope_bwd.register_fake
-def _rope_bwd_fake(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved):
-    return _new_output(grad_q_out), _new_output(grad_k_out)
+def _rope_bwd_fake(grad_q_out, grad_k_out, cos, sin, unsqueeze_dim, interleaved, q_order, k_order):
+    return _new_output(grad_q_out, q_order), _new_output(grad_k_out, k_order)
 
 
 def _setup_context(ctx, inputs, output):
-    x_q, x_k, cos, sin, unsqueeze_dim, interleaved = inputs
+    x_q, x_k, cos, sin, unsqueeze_dim, interleaved = inputs[:6]
     ctx.save_for_backward(cos, sin)
+    ctx.q_order, ctx.k_order = memory_order(x_q), memory_order(x_k)
     ctx.unsqueeze_dim = unsqueeze_dim
     ctx.interleaved = interleaved
     # Only needed when autograd hands us None for an unused output.
@@ -290,7 +306,7 @@ def _rope_fwd_backward(ctx, grad_q_out, grad_k_out):
     cos, sin = ctx.saved_tensors
     grad_q, grad_k = torch.ops.fused_kernels.rope_bwd(
         _grad_or_zeros(grad_q_out, ctx.like_q), _grad_or_zeros(grad_k_out, ctx.like_k),
-        cos, sin, ctx.unsqueeze_dim, ctx.interleaved,
+        cos, sin, ctx.unsqueeze_dim, ctx.interleaved, ctx.q_order, ctx.k_order,
     )
     return grad_q, grad_k, None, None, None, None
 
@@ -302,7 +318,7 @@ def _rope_bwd_backward(ctx, grad_grad_q, grad_grad_k):
         _grad_or_zeros(grad_grad_q, ctx.like_q), _grad_or_zeros(grad_grad_k, ctx.like_k),
         cos, sin, ctx.unsqueeze_dim, ctx.interleaved,
     )
-    return gq, gk, None, None, None, None
+    return gq, gk, None, None, None, None, None, None
 
 
 _rope_fwd.register_autograd(_rope_fwd_backward, setup_context=_setup_context)

@@ -104,8 +104,8 @@ def poisoned_outputs():
     """Make every output buffer the op allocates start as NaN, so unwritten elements fail the comparison."""
     original = rope_module._new_output
 
-    def poisoned(x):
-        return poison_(original(x))
+    def poisoned(*args):
+        return poison_(original(*args))
 
     rope_module._new_output = poisoned
     try:
@@ -326,7 +326,35 @@ def test_opcheck(interleaved, device):
     cos, sin = make_cos_sin(2, 3, 8, "batch", torch.float32, device)
     torch.library.opcheck(torch.ops.fused_kernels.rope_fwd.default, (q, k, cos, sin, 2, interleaved))
     g_q, g_k = torch.randn(q.shape, device=device), torch.randn(k.shape, device=device)
-    torch.library.opcheck(torch.ops.fused_kernels.rope_bwd.default, (g_q, g_k, cos, sin, 2, interleaved))
+    q_order, k_order = rope_module.memory_order(q), rope_module.memory_order(k)
+    assert q_order == [0, 2, 1, 3] and k_order == [0, 1, 2, 3]
+    torch.library.opcheck(
+        torch.ops.fused_kernels.rope_bwd.default, (g_q, g_k, cos, sin, 2, interleaved, q_order, k_order)
+    )
+
+
+def test_outputs_and_gradients_keep_the_input_layout(device):
+    """HF's pattern: q, k are transpose(1, 2) views of (batch, seq, heads, dim) projections. The outputs
+    are views of the same kind, and the gradients reaching q and k have q's and k's strides (so the
+    leaves' AccumulateGrad takes them without a copy); a contiguous q gives contiguous results."""
+    q_leaf = torch.randn(2, 5, 4, 16, device=device, requires_grad=True)
+    k_leaf = torch.randn(2, 5, 2, 16, device=device, requires_grad=True)
+    q, k = q_leaf.transpose(1, 2), k_leaf.transpose(1, 2)
+    cos, sin = make_cos_sin(2, 5, 16, "batch1", torch.float32, device)
+    q_out, k_out = fused_kernels.rope(q, k, cos, sin)
+    assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
+    g_q, g_k = torch.randn(q_out.shape, device=device), torch.randn(k_out.shape, device=device)  # contiguous
+    grad_q, grad_k = torch.autograd.grad((q_out, k_out), (q, k), (g_q, g_k))
+    assert grad_q.stride() == q.stride() and grad_k.stride() == k.stride()
+    ref_q, ref_k = reference_rope(q.detach(), k.detach(), cos, sin)
+    assert_close(q_out, ref_q, torch.float32, "q_out")
+    assert_close(k_out, ref_k, torch.float32, "k_out")
+
+    q2 = torch.randn(2, 4, 5, 16, device=device, requires_grad=True)
+    q2_out, _ = fused_kernels.rope(q2, k, cos, sin)
+    assert q2_out.is_contiguous()
+    (grad_q2,) = torch.autograd.grad(q2_out, q2, torch.randn(2, 5, 4, 16, device=device).transpose(1, 2))
+    assert grad_q2.is_contiguous()
 
 
 def test_torch_compile_fullgraph(device):
