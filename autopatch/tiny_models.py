@@ -1,0 +1,225 @@
+"""Tiny random models of any transformers causal-LM architecture, built from its own config class.
+
+Used by the coverage matrix (scripts/coverage_matrix.py), its CI subset and `doctor`: nothing is
+downloaded, every size is shrunk so a forward and backward take milliseconds on the CPU. The sizes
+are data (SHRINK); the generic retries below are what makes ~150 architectures build without a line
+of per-model code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+from types import ModuleType
+
+import torch
+
+# attribute name -> tiny value; applied only where the architecture's config has that attribute.
+SHRINK: dict[str, object] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "n_layer": 4,
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "kv_channels": 16,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "sliding_window": 16,
+    "attention_chunk_size": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 32,
+    "mamba_d_state": 8,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "ssm_state_size": 8,
+    "state_size": 8,
+    "n_groups": 1,
+    "time_step_rank": 8,
+    "conv_kernel": 4,
+    "num_nextn_predict_layers": 0,
+    "rotary_dim": 8,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# Probabilities that would make a tiny model stochastic or skip layers: switch them off.
+ZERO = re.compile(r".*(dropout|drop_rate|dropout_rate|_pdrop|pdrop)$")
+ID_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
+LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types")
+
+
+@dataclasses.dataclass
+class Architecture:
+    model_dir: str  # "llama"
+    module_name: str  # "transformers.models.llama.modeling_llama"
+    class_name: str  # "LlamaForCausalLM"
+
+
+def causal_lm_architectures() -> list[Architecture]:
+    """Every `*ForCausalLM` class in the installed transformers, found by reading modeling sources
+    (no import, no hand-typed list)."""
+    import transformers
+
+    root = os.path.dirname(transformers.models.__file__)
+    found = []
+    for model_dir in sorted(os.listdir(root)):
+        folder = os.path.join(root, model_dir)
+        if not os.path.isdir(folder) or model_dir == "auto":
+            continue
+        for fname in sorted(os.listdir(folder)):
+            if not (fname.startswith("modeling_") and fname.endswith(".py")):
+                continue
+            with open(os.path.join(folder, fname), encoding="utf-8") as f:
+                src = f.read()
+            for m in re.finditer(r"^class (\w+ForCausalLM)\(", src, re.M):
+                found.append(Architecture(model_dir, f"transformers.models.{model_dir}.{fname[:-3]}", m.group(1)))
+    return found
+
+
+def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
+    default = config_cls()
+    values = default.to_dict()
+    kwargs: dict = {}
+    for name, value in values.items():
+        if name in SHRINK and not isinstance(value, (dict, list)) and value is not None:
+            kwargs[name] = SHRINK[name]
+        elif ZERO.match(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            kwargs[name] = type(value)(0)
+        elif isinstance(value, dict) and name.endswith("_config") and hasattr(default, name):
+            sub = getattr(default, name)
+            if hasattr(sub, "to_dict") and type(sub).__name__.endswith("Config"):
+                kwargs[name] = _shrunk_kwargs(type(sub), n_layers)
+    if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: the rotary embedding is sized by head_dim
+    if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA expands k/v to every head
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        if name in kwargs:
+            kwargs[name] = n_layers
+    for name in LAYER_LISTS:
+        value = values.get(name)
+        if isinstance(value, (list, str)) and len(value) > 0:
+            kwargs[name] = _cut_layer_pattern(value, n_layers)
+    return kwargs
+
+
+def _cut_layer_pattern(pattern, n_layers: int):
+    """Keep the first n entries of a per-layer pattern, making sure an attention layer is among
+    them (hybrid models put attention late)."""
+    items = list(pattern)
+    cut = items[:n_layers]
+    attention = [x for x in items if "attention" in str(x).lower() or str(x) in ("*", "attn")]
+    if attention and not any(x in attention for x in cut):
+        cut[-1] = attention[0]
+    return "".join(cut) if isinstance(pattern, str) else cut
+
+
+# Overrides that most often clash with an architecture's own validation; dropped one at a time
+# (the config then keeps its default for that field) when the full set does not build and run.
+RISKY = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "top_k", "moe_topk", "rotary_dim",
+         "intermediate_size", "mamba_d_head", "mamba_n_heads", "kv_lora_rank", "q_lora_rank",
+         "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window", "num_attention_heads")
+
+
+def config_variants(config_cls, n_layers: int = 4):
+    """Candidate tiny kwargs for `config_cls`, best first: all overrides, then each risky one
+    dropped, then a deeper stack (hybrid models whose first layers hold no attention)."""
+    kwargs = _shrunk_kwargs(config_cls, n_layers)
+    yield kwargs
+    for key in RISKY:
+        if key in kwargs:
+            yield {k: v for k, v in kwargs.items() if k != key}
+    mla = [k for k in ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank") if k in kwargs]
+    if mla:
+        yield {k: v for k, v in kwargs.items() if k not in mla}
+    yield _shrunk_kwargs(config_cls, 8)
+
+
+def _finish(config):
+    for name in ZERO_AFTER:
+        if hasattr(config, name) and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
+    if hasattr(config, "_attn_implementation"):
+        try:
+            config._attn_implementation = "eager"
+        except Exception:  # noqa: BLE001 - some configs freeze it; eager is only a preference
+            pass
+    return config
+
+
+ZERO_AFTER = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
+def smoke_inputs(model, batch: int = 2, seq: int = 8, seed: int = 0):
+    """Random token ids inside the tiny vocabulary (above the special ids), labels = ids."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None) or 256
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, min(vocab, 256), (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+
+
+def build_tiny(arch: Architecture, dtype=torch.float32, seed: int = 0, check: bool = True):
+    """Import the architecture's module and build a tiny random model; with `check`, the first
+    config variant whose model also runs a forward and backward wins. Raises RuntimeError with the
+    first variant's error when none does."""
+    module: ModuleType = importlib.import_module(arch.module_name)
+    model_cls = getattr(module, arch.class_name)
+    config_cls = model_cls.config_class
+    first_error = None
+    for kwargs in config_variants(config_cls):
+        try:
+            config = _finish(config_cls(**kwargs))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = model_cls(config).to(dtype)
+                if check:
+                    model(**smoke_inputs(model)).loss.backward()
+                    model.zero_grad(set_to_none=True)
+            return model
+        except Exception as exc:  # noqa: BLE001 - try the next variant, report the first error
+            if first_error is None:
+                first_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    raise RuntimeError(f"could not build a tiny {arch.class_name}: {first_error}")
