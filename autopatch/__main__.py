@@ -192,7 +192,10 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]):
 
     try:
         _prepare_environment(args)
-        load_settings()  # stop now, before the script runs, on any bad setting
+        # stop now, before the script runs, on any bad setting; the flags again, so that an error
+        # names the flag rather than the variable it was copied to
+        load_settings(kernels=args.kernels, env_file=args.env_file, report=args.report,
+                      strict=True if args.strict else None)
     except ConfigError as exc:
         _fail("run", f"configuration error: {exc}")
 
@@ -226,8 +229,9 @@ def _user_traceback(tb, skip_files):
 def _die_like_python(exc: BaseException, skip_files) -> None:
     """Print an uncaught exception as the interpreter does, then exit as it does (1, or by SIGINT
     for KeyboardInterrupt)."""
-    tb = _user_traceback(exc.__traceback__, skip_files)
-    sys.excepthook(type(exc), exc, tb)
+    # the default excepthook prints exc.__traceback__, whatever tb it is given
+    exc.__traceback__ = _user_traceback(exc.__traceback__, skip_files)
+    sys.excepthook(type(exc), exc, exc.__traceback__)
     if isinstance(exc, KeyboardInterrupt):
         import atexit
         import signal
@@ -252,7 +256,7 @@ def _run_script(script: str, script_args: list[str]):
     sys.argv = [script, *script_args]
     _set_path0(os.path.dirname(os.path.realpath(script)) if os.path.isfile(script) else path)
     keep = sys.modules.get("__main__")  # noqa: F841 - our own module stays alive while we run
-    skip = {os.path.abspath(__file__), runpy.__file__}
+    skip = {os.path.abspath(__file__), runpy.__file__, "<frozen runpy>"}
     if not os.path.isfile(path):  # a directory or zip file with __main__.py: runpy knows how
         try:
             runpy.run_path(path, run_name="__main__")
@@ -289,24 +293,25 @@ def _run_script(script: str, script_args: list[str]):
 
 
 def _run_module(module: str, module_args: list[str]):
-    import importlib.util
+    """What `python -m module` does: runpy._run_module_as_main (the function CPython's -m calls, so
+    errors, argv[0] and tracebacks match), in a fresh __main__ module rather than ours."""
     import runpy
+    import types
 
     sys.argv = ["-m", *module_args]  # runpy puts the module's file in argv[0], as python -m does
     _set_path0(os.getcwd())
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    sys.modules["__main__"].__builtins__ = __import__("builtins")
+    run_as_main = getattr(runpy, "_run_module_as_main", None)
     try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as exc:
-        _fail("run", f"{exc}" if str(exc) else f"No module named {module!r}", code=1)
-    if spec is None:
-        _fail("run", f"No module named {module!r}", code=1)
-    skip = {os.path.abspath(__file__), runpy.__file__}
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if run_as_main is not None:
+            run_as_main(module, alter_argv=True)
+        else:  # pragma: no cover - every CPython 3.x has it; public fallback
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit:
         raise
     except BaseException as exc:
-        _die_like_python(exc, skip)
+        _die_like_python(exc, {os.path.abspath(__file__)})
     return None
 
 
