@@ -3,6 +3,7 @@
     python3 scripts/bench.py --out bench.json                       # kernels, then end-to-end
     BENCH_PARTS=kernels python3 scripts/bench.py --out bench.json   # or --parts kernels / e2e
     python3 scripts/bench.py --table bench.json                     # print the tables of a result file
+    python3 scripts/bench.py --merge k.json e.json --out benchmarks/h200.json   # join two calls' results
     TRITON_INTERPRET=1 python3 scripts/bench.py --device cpu --tiny --out /tmp/b.json   # CPU dry run
 
 Parts (each inside its own wall-clock budget; what the budget does not reach is recorded as skipped):
@@ -55,6 +56,8 @@ def parse_args(argv=None):
                     help="e2e torch.compile peers: the whole model, or each decoder layer (compiles faster)")
     ap.add_argument("--cpu-compile", action="store_true", help="also run the torch.compile peer on the CPU dry run")
     ap.add_argument("--table", metavar="JSON", help="print the tables of an existing result file and exit")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="merge result files of separate calls (e.g. one with kernels, one with e2e) into --out")
     a = ap.parse_args(argv)
 
     def split(s):
@@ -100,18 +103,18 @@ def format_tables(data: dict, mode: str = "fwdbwd") -> str:
     if kernels:
         peers = [p for p in KERNEL_PEER_ORDER if any(p in k.get("peers", {}) for k in kernels)]
         lines.append(f"\nkernels, {mode}: ms/peak MiB beyond inputs+grads; ours/best = our time over the best peer's")
-        head = f"{'case':34s} {'floor':>7s} " + " ".join(f"{p[:13]:>13s}" for p in peers) + f" {'ours/best':>9s} {'%ceil':>6s}"
+        head = f"{'case':36s} {'floor':>7s} " + " ".join(f"{p[:14]:>14s}" for p in peers) + f" {'ours/best':>9s} {'%ceil':>6s}"
         lines.append(head)
         for k in kernels:
             if "skipped" in k:
-                lines.append(f"{k['case'][:34]:34s} skipped: {k['skipped']}")
+                lines.append(f"{k['case'][:36]:36s} skipped: {k['skipped']}")
                 continue
             if mode not in k.get("modes", []):
                 continue
             floor = k.get("floor", {}).get(mode, {}).get("ms")
             floor_s = "-" if floor is None else f"{floor:.3f}"
-            row = f"{k['case'][:34]:34s} {floor_s:>7s} "
-            row += " ".join(f"{_cell(k['peers'].get(p), mode):>13s}" for p in peers)
+            row = f"{k['case'][:36]:36s} {floor_s:>7s} "
+            row += " ".join(f"{_cell(k['peers'].get(p), mode):>14s}" for p in peers)
             best = k.get("best", {}).get(mode, {})
             ratio = best.get("ours_ratio")
             ours = k["peers"].get("ours", {}).get("modes", {}).get(mode, {})
@@ -131,11 +134,45 @@ def format_tables(data: dict, mode: str = "fwdbwd") -> str:
     return "\n".join(lines)
 
 
+def merge(paths: list[str]) -> dict:
+    """One result from several calls: kernel cases and e2e runs from each file (a later file's entry
+    replaces an earlier one of the same case or model/peer), ceilings and meta from the first file with
+    kernels, every file's meta kept under meta.sources."""
+    out: dict = {"meta": {}, "ceilings": {}, "kernels": [], "e2e": []}
+    kernels: dict = {}
+    e2e: dict = {}
+    sources = []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        sources.append(dict(d.get("meta", {}), file=os.path.basename(path)))
+        if d.get("kernels") and not out["ceilings"]:
+            out["ceilings"] = d.get("ceilings", {})
+            out["meta"] = dict(d.get("meta", {}))
+        for k in d.get("kernels") or []:
+            kernels[k["case"]] = k
+        for r in d.get("e2e") or []:
+            e2e[(r.get("model"), r.get("peer"))] = r
+    if not out["meta"] and sources:
+        out["meta"] = dict(sources[0])
+    out["meta"]["sources"] = sources
+    out["kernels"] = list(kernels.values())
+    out["e2e"] = list(e2e.values())
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.merge:
+        from bench_common import write_json
+
+        data = merge(a.merge)
+        write_json(a.out, data)
+        print(format_tables(data))
+        return 0
     if a.table:
         with open(a.table) as f:
             data = json.load(f)

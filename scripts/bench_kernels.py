@@ -256,7 +256,7 @@ def rope_case(batch, q_heads, kv_heads, seq, dim, tags):
     floors = {"fwd": {"bytes": 2 * qk + cs}, "bwd": {"bytes": 2 * qk + cs}, "fwdbwd": {"bytes": 4 * qk + 2 * cs}}
     params = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "seq": seq, "head_dim": dim,
               "layout": "q,k stored (batch, seq, heads, dim), passed as transpose(1, 2) views like HF attention"}
-    return Case(f"rope q {batch}x{q_heads}x{seq}x{dim} k {batch}x{kv_heads}x{seq}x{dim}", "rope", tags, params,
+    return Case(f"rope {batch}x{q_heads}/{kv_heads}x{seq}x{dim}", "rope", tags, params,
                 make, floors)
 
 
