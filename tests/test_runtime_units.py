@@ -1,0 +1,203 @@
+"""In-process units of the runtime: the report (stderr line, strict refusals, table, JSON), apply()'s
+keywords and module discovery, and the hooks' module listing and model-type lookup. Rules are
+replaced by a fake one where the point is the plumbing, not the detection."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from autopatch import _api, hooks, report, rules
+from autopatch.config import load_settings
+from autopatch.names import KERNEL_NAMES
+from autopatch.report import Record
+
+LLAMA = "transformers.models.llama.modeling_llama"
+
+
+@pytest.fixture
+def fresh_report(monkeypatch):
+    monkeypatch.setattr(report, "_records", [])
+    monkeypatch.setattr(report, "_fallback_noticed", set())
+    monkeypatch.setattr(report, "_strict", False)
+    monkeypatch.setattr(report, "_meta", {})
+
+
+# --------------------------------------------------------------------------- report
+def test_summary_line():
+    recs = [
+        Record("rms_norm", LLAMA, "LlamaRMSNorm", True, "offset=0 casting=llama"),
+        Record("rope", LLAMA, "apply_rotary_pos_emb", True, "half"),
+        Record("swiglu", LLAMA, "LlamaMLP", True),
+        Record("fused_linear_cross_entropy", LLAMA, "LlamaForCausalLM.forward", True),
+        Record("cross_entropy", LLAMA, "LlamaForCausalLM.forward", False, reason="off"),
+    ]
+    assert report.summary_line(LLAMA, recs, lambda k: k != "cross_entropy") == (
+        "autopatch: modeling_llama: rms_norm (LlamaRMSNorm), rope, swiglu (LlamaMLP), "
+        "fused_linear_cross_entropy (LlamaForCausalLM)"
+    )
+    assert report.summary_line(LLAMA, []) is None
+    refused = [Record("rms_norm", LLAMA, "OddNorm", False, reason="matched no variant")]
+    line = report.summary_line(LLAMA, refused, lambda k: True)
+    assert line.startswith("autopatch: modeling_llama: nothing patched; left alone: rms_norm (OddNorm)")
+    assert report.summary_line(LLAMA, refused, lambda k: False) is None  # off: not worth a line
+
+
+def test_refusals_count_enabled_kernels_and_rule_errors():
+    recs = [
+        Record("rms_norm", LLAMA, "A", True),
+        Record("rms_norm", LLAMA, "B", False, reason="no match"),
+        Record("geglu", LLAMA, "C", False, reason="geglu is off"),
+        Record("glu_mlp", LLAMA, "*", False, reason="rule raised KeyError: 'x'"),
+    ]
+    got = report.refusals(recs, lambda k: k != "geglu")
+    assert [r.target for r in got] == ["B", "*"]
+
+
+def test_format_table():
+    recs = [Record("rms_norm", LLAMA, "LlamaRMSNorm", True, "offset=0 casting=llama"),
+            Record("rope", LLAMA, "apply_rotary_pos_emb", False, reason="interleaved rotation")]
+    lines = report.format_table(recs).splitlines()
+    assert lines[0] == LLAMA
+    assert lines[1].split() == ["kernel", "target", "result"]
+    assert lines[2].split()[:3] == ["rms_norm", "LlamaRMSNorm", "patched:"] and lines[2].endswith("casting=llama")
+    assert lines[3].endswith("left alone: interleaved rotation")
+
+
+def test_json_report(tmp_path, fresh_report):
+    report.add([Record("rope", LLAMA, "apply_rotary_pos_emb", True, "half")])
+    report.set_meta(settings={"kernels": ["rope"]})
+    written = report.write_json(str(tmp_path / "r-{pid}.json"))
+    assert written.endswith(f"r-{__import__('os').getpid()}.json")
+    data = json.loads(open(written).read())
+    assert data["records"] == [{"kernel": "rope", "module": LLAMA, "target": "apply_rotary_pos_emb",
+                                "patched": True, "variant": "half", "reason": ""}]
+    assert data["settings"] == {"kernels": ["rope"]} and data["argv"] == sys.argv
+    assert "torch" in data["versions"]
+
+
+def test_fallback_notice_once_and_strict(capsys, fresh_report):
+    report.fallback_notice("rope", "apply_rotary_pos_emb got cpu tensors")
+    report.fallback_notice("rope", "again")
+    err = capsys.readouterr().err
+    assert err.count("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code") == 1
+    assert "again" not in err
+    report.set_strict(True)
+    with pytest.raises(report.StrictModeError, match="AUTOPATCH_STRICT.*rms_norm: got cpu tensors"):
+        report.fallback_notice("rms_norm", "got cpu tensors")
+
+
+# --------------------------------------------------------------------------- apply()
+def test_apply_keywords():
+    assert _api.resolve_toggles({}) == {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
+                                        "cross_entropy": False, "fused_linear_cross_entropy": True}
+    liger = {"rope": True, "rms_norm": False, "swiglu": True, "cross_entropy": True,
+             "fused_linear_cross_entropy": False}
+    got = _api.resolve_toggles(liger)
+    assert {k: got[k] for k in liger} == liger and got["geglu"] is True
+    with pytest.raises(TypeError, match=r"'layer_norm'.*valid kernel keywords: " + ", ".join(KERNEL_NAMES)):
+        _api.resolve_toggles({"layer_norm": True})
+    with pytest.raises(TypeError, match="rope must be True or False, got 'yes'"):
+        _api.resolve_toggles({"rope": "yes"})
+
+
+FAKE_MODELING = "transformers_modules.fake_org.modeling_fake"
+
+
+@pytest.fixture
+def fake_world(monkeypatch, fresh_report):
+    """A fake modeling module with a tiny model, and a fake rule that records what it was asked."""
+    modeling = types.ModuleType(FAKE_MODELING)
+
+    class FakeMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(4, 4)
+
+    class FakeModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = FakeMLP()
+            self.norm = torch.nn.LayerNorm(4)
+
+    for cls in (FakeMLP, FakeModel):
+        cls.__module__ = FAKE_MODELING
+        setattr(modeling, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, FAKE_MODELING, modeling)
+
+    class FakeRule:
+        name = "fake"
+        kernels = KERNEL_NAMES
+        seen: list = []
+        refuse = False
+
+        def patch_module(self, module, enabled):
+            self.seen.append((module.__name__, {k: enabled(k) for k in KERNEL_NAMES}))
+            if self.refuse:
+                return [Record("rms_norm", module.__name__, "FakeNorm", False, reason="no variant matched")]
+            return [Record("swiglu", module.__name__, "FakeMLP", True, "swiglu")]
+
+    rule = FakeRule()
+    rule_module = types.ModuleType("fake_rule_module")
+    rule_module.RULE = rule
+    monkeypatch.setitem(sys.modules, "fake_rule_module", rule_module)
+    monkeypatch.setattr(rules, "RULE_MODULES", ("fake_rule_module",))
+    monkeypatch.setattr(hooks, "_settings", load_settings({}))
+    return modeling, rule
+
+
+def test_apply_runs_rules_over_the_models_modules(fake_world, capsys):
+    modeling, rule = fake_world
+    model = modeling.FakeModel()
+    assert _api.modules_of(model) == [modeling]  # torch.nn's modules are not modeling modules
+    records = _api.apply(model, rope=False, cross_entropy=True)
+    assert records == [Record("swiglu", FAKE_MODELING, "FakeMLP", True, "swiglu")]
+    assert report.records() == records
+    name, seen = rule.seen[-1]
+    assert name == FAKE_MODELING
+    assert seen == {"rope": False, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": True,
+                    "fused_linear_cross_entropy": True}
+    assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        _api.apply(model, rotary=True)
+
+
+def test_apply_strict_raises_on_refusal(fake_world, monkeypatch):
+    modeling, rule = fake_world
+    rule.refuse = True
+    assert _api.apply(modeling.FakeModel())[0].patched is False  # not strict: recorded, no error
+    monkeypatch.setattr(hooks, "_settings", load_settings({"AUTOPATCH_STRICT": "true"}))
+    with pytest.raises(report.StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched"):
+        _api.apply(modeling.FakeModel())
+
+
+# --------------------------------------------------------------------------- hooks' helpers
+def test_modeling_module_names_lists_without_importing():
+    before = {m for m in sys.modules if m.startswith("transformers.models.")}
+    names = hooks.modeling_module_names()
+    assert {m for m in sys.modules if m.startswith("transformers.models.")} == before
+    assert LLAMA in names and "transformers.models.gemma2.modeling_gemma2" in names
+    assert len(names) > 300 and len(set(names)) == len(names)
+    assert not [n for n in names if n.startswith("transformers.models.auto.")]
+    assert all(n.rpartition(".")[2].startswith("modeling_") for n in names)
+
+
+def test_model_types_of(monkeypatch):
+    config_mod = types.ModuleType("transformers.models.foo3.configuration_foo3")
+
+    class Foo3Config:
+        model_type = "foo3"
+
+    class Foo3TextConfig:
+        model_type = "foo3_text"
+
+    for cls in (Foo3Config, Foo3TextConfig):
+        cls.__module__ = config_mod.__name__
+        setattr(config_mod, cls.__name__, cls)
+    monkeypatch.setitem(sys.modules, config_mod.__name__, config_mod)
+    assert hooks.model_types_of(types.ModuleType("transformers.models.foo3.modeling_foo3")) == ["foo3", "foo3_text"]
+    assert hooks.model_types_of(types.ModuleType("transformers.models.bar.modeling_bar")) == ["bar"]
