@@ -113,8 +113,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 ARCHS = {
     # name: (modeling module, class, config class, config overrides, what it exercises)
     "llama": ("llama", "LlamaForCausalLM", "LlamaConfig", dict(head_dim=16)),
-    "llama_tied": ("llama", "LlamaForCausalLM", "LlamaConfig", dict(head_dim=16, tie_word_embeddings=True)),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
+    # gemma2 and cohere tie lm_head to the input embeddings (their configs' default)
     "gemma2": ("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(head_dim=16, final_logit_softcapping=3.0)),
     "cohere": ("cohere", "CohereForCausalLM", "CohereConfig", dict(logit_scale=0.5)),
     "granite": ("granite", "GraniteForCausalLM", "GraniteConfig", dict(logits_scaling=3.0)),
@@ -183,6 +183,9 @@ def _scenarios():
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_patched_model_matches_original(arch, kernels):
     model = _build(arch)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    assert tied == (arch in ("gemma2", "cohere")), "tied embeddings are covered by gemma2 and cohere"
+    assert (model.lm_head.bias is not None) == (arch == "phi")
     scenarios = _scenarios()
     ids, labels = _inputs()
     refs = {name: _train_step(model, **kw) for name, kw in scenarios.items()}
@@ -382,6 +385,25 @@ def test_fallback_when_triton_cannot_run(kernels, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("autopatch: fused_linear_cross_entropy:") == 1
     assert err.count("autopatch: cross_entropy:") == 1
+
+
+def test_lm_head_with_hooks_keeps_original_path(kernels, capsys):
+    """An lm_head that is not a plain nn.Linear call (here: a forward hook, as accelerate or FSDP
+    add) is run as the model defines it; the loss is still the fused CE on the full logits."""
+    model = _build("llama")
+    ids, labels = _inputs()
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    flce = _launches(kernels, "fused_linear_cross_entropy")
+    out, grads = _train_step(model, input_ids=ids, labels=labels)
+    assert _launches(kernels, "fused_linear_cross_entropy") == flce
+    assert seen == [(BATCH, SEQ, VOCAB)] * 2 and out.logits is not None
+    assert_close(out.loss, ref.loss, FP32, "hooked lm_head loss")
+    for pname, ref_grad in ref_grads.items():
+        assert_close(grads[pname], ref_grad, FP32, f"hooked lm_head grad {pname}")
+    assert "lm_head is not a plain nn.Linear" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

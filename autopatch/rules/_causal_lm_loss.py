@@ -94,7 +94,8 @@ def fused_causal_lm_loss(
     ForCausalLMLoss's mean gives NaN."""
     fk = _kernels()
     if not fk.triton_can_run(logits):
-        report.fallback_notice("cross_entropy", f"logits on {logits.device.type}")
+        if not torch.compiler.is_compiling():
+            report.fallback_notice("cross_entropy", f"logits on {logits.device.type}")
         return _original_causal_lm_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -282,23 +283,43 @@ def make_forward(original_forward, patch: LossPatch):
 
 
 def _start_fused_call(model, patch: LossPatch):
-    """A FusedLinearLossCall when the fused path applies to this call, else None."""
+    """A FusedLinearLossCall when the fused path applies to this call, else None (the original
+    forward runs, with the fused CE if that kernel is on)."""
     if patch.base_loss_property.fget(model) is not _original_causal_lm_loss():
         return None  # a user-set loss_function or a config loss_type other than ForCausalLM
     lm_head = model._modules.get("lm_head")
     if not _plain_linear(lm_head):
+        _notice_once(
+            f"{type(model).__name__}.lm_head is not a plain nn.Linear here (a subclass, hooks, accelerate "
+            "or FSDP wrapping); lm_head and the loss run as the model defines them"
+        )
         return None
     if not _kernels().triton_can_run(lm_head.weight):
-        report.fallback_notice("fused_linear_cross_entropy", f"lm_head weight on {lm_head.weight.device.type}")
+        if not torch.compiler.is_compiling():
+            report.fallback_notice("fused_linear_cross_entropy", f"lm_head weight on {lm_head.weight.device.type}")
         return None
     values = logit_transform_values(model, patch.transforms)
     if values is None:
-        report.fallback_notice(
-            "fused_linear_cross_entropy",
-            f"{type(model).__name__}: a logits scale/softcap is not a plain number",
+        _notice_once(
+            f"{type(model).__name__}: a logits scale or softcap is not a plain number; lm_head and the loss "
+            "run as the model defines them"
         )
         return None
     return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1])
+
+
+_noticed: set[str] = set()
+
+
+def _notice_once(detail: str) -> None:
+    """One stderr line per distinct reason the fused linear CE did not apply (skipped while
+    torch.compile traces: printing would break the graph)."""
+    if torch.compiler.is_compiling() or detail in _noticed:
+        return
+    _noticed.add(detail)
+    import sys
+
+    print(f"autopatch: fused_linear_cross_entropy: {detail}", file=sys.stderr)
 
 
 def make_lm_head_property():
