@@ -162,6 +162,44 @@ def test_llama_rounds_like_transformers():
     assert g.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_same_numbers_as_the_transformers_modules(dtype):
+    """Against LlamaRMSNorm and Gemma3RMSNorm themselves, in low precision, forward and backward:
+    each casting mode is much closer to its own module than the other mode is (the modes differ by
+    where they round), so a swapped or missing rounding cannot pass."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hidden = 96
+    llama = LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
+    gemma = Gemma3RMSNorm(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        llama.weight.copy_(randn(hidden, scale=1.0))
+        gemma.weight.copy_(randn(hidden, scale=1.0))
+    x = randn(16, hidden, dtype=dtype, scale=3.0)
+    dy = randn(16, hidden, dtype=dtype)
+
+    def run(fn, weight):
+        x_in = x.clone().requires_grad_(True)
+        y = fn(x_in)
+        y.backward(dy)
+        return y.detach(), x_in.grad, weight.grad
+
+    for module, offset, mode, other in ((llama, 0.0, "llama", "gemma"), (gemma, 1.0, "gemma", "llama")):
+        expected = run(module, module.weight)
+        module.weight.grad = None
+        for casting, bound in ((mode, None), (other, "looser")):
+            w = module.weight.detach().clone().requires_grad_(True)
+            got = run(lambda t, w=w, c=casting: rms_norm(t, w, 1e-6, offset, c), w)
+            errs = [rel_err(g, e) for g, e in zip(got, expected)]
+            if bound is None:
+                assert got[0].dtype == expected[0].dtype
+                assert max(errs) <= REL_TOL[dtype], (mode, errs)
+                own = errs[0]
+            else:
+                assert errs[0] > 3 * own, f"{casting} matches {mode}'s module as well as {mode}: {errs[0]} vs {own}"
+
+
 # --- non-contiguous inputs -------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
@@ -200,7 +238,7 @@ def test_non_contiguous_grad_output():
         # chunked: 150 columns in chunks of 64 (the last one ragged), 2 rows per tile, 3 programs
         # (1.5 per "SM", 2 on the CPU) → several tiles per program, so each dw partial row is
         # stored once and then read-modified-written
-        rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5),
+        rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True),
         # single pass with 4 rows per tile and a ragged last tile
         rms_norm_module.LaunchConfig(block_n=512, rows=4, num_warps=4, programs_per_sm=1),
     ],
@@ -214,14 +252,25 @@ def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
     check_against_reference(x, None, 1e-6, 0.0, casting_mode)
 
 
+@pytest.mark.parametrize("hidden", (9000, 20000))
+def test_long_rows_default_config(hidden):
+    """The shipped long-row configs: 9000 is one chunk in the backward (held whole in the forward),
+    20000 is chunked in both (a full chunk of 16384 and a ragged one)."""
+    assert rms_norm_module.launch_config(hidden, True).chunked
+    x = randn(3, hidden, dtype=torch.bfloat16, scale=2.0)
+    weight = randn(hidden, dtype=torch.bfloat16)
+    check_against_reference(x, weight, 1e-6, 0.0, "llama")
+
+
 def test_launch_config_table():
-    """Every row length gets a power-of-two block and row count, and the whole row in one block up
-    to the table's last entry; longer rows are chunked."""
+    """Every row length gets a power-of-two block and row count; a row is held whole (block >= row)
+    unless its config says chunked."""
     for n in (1, 7, 64, 100, 257, 1024, 4095, 4096, 8192, 16384, 65536, 262144):
         for backward in (False, True):
             cfg = rms_norm_module.launch_config(n, backward)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.rows & (cfg.rows - 1) == 0
             assert cfg.num_warps in (1, 2, 4, 8, 16, 32)
+            assert cfg.chunked or cfg.block_n >= n
             if backward:
                 assert cfg.programs_per_sm > 0
             # fp32 values per thread for one held [rows, block] array: more than 32 would spill
