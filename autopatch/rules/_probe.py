@@ -4,7 +4,7 @@ config class), random CPU inputs from a local generator, and comparing outputs.
 
 Everything here runs while a user's program imports a modeling module, so it must be cheap
 (milliseconds), must not leave any trace in global state — the global RNG above all: building a
-module runs its weight init on the global generator, so every build happens inside `quiet_rng()`,
+module runs its weight init on the global generator, so every build happens inside `probing()`,
 which restores the state afterwards — and must build on the CPU in float32 whatever default device or
 dtype the user has set.
 """
@@ -39,8 +39,6 @@ _TINY_CONFIG_VALUES = {
     "num_attention_heads": HEADS,
     "num_key_value_heads": KV_HEADS,
     "head_dim": HEAD_DIM,
-    "num_hidden_layers": 1,
-    "vocab_size": 64,
     "n_embd": HIDDEN,
     "d_model": HIDDEN,
 }
@@ -119,9 +117,10 @@ _config_cache: dict[type, object] = {}
 
 
 def tiny_config(config_cls):
-    """A default instance of `config_cls` shrunk to probe sizes (cached per class). The config is
-    built with defaults and then shrunk attribute by attribute: configs validate their keyword
-    arguments differently, setting attributes that already exist works for all of them."""
+    """A default instance of `config_cls` shrunk to probe sizes (cached per class), sub-configs
+    (text_config, vision_config, ...) shrunk too. The config is built with defaults and then shrunk
+    attribute by attribute: configs validate their keyword arguments differently, setting attributes
+    that already exist works for all of them."""
     if config_cls in _config_cache:
         return _config_cache[config_cls]
     config = None
@@ -131,20 +130,69 @@ def tiny_config(config_cls):
         except Exception:  # noqa: BLE001 - some configs need arguments; then we cannot probe from one
             config = None
         if config is not None:
-            for name, value in _TINY_CONFIG_VALUES.items():
-                if hasattr(config, name):
-                    try:
-                        setattr(config, name, value)
-                    except Exception:  # noqa: BLE001 - a validated attribute refusing the value
-                        pass
-            for name in ("hidden_dropout", "hidden_dropout_prob", "resid_pdrop", "dropout", "activation_dropout"):
-                if isinstance(getattr(config, name, None), float):
-                    try:
-                        setattr(config, name, 0.0)
-                    except Exception:  # noqa: BLE001
-                        pass
+            for part in [config, *sub_configs(config)]:
+                for name, value in _TINY_CONFIG_VALUES.items():
+                    _set_existing(part, name, value)
+                for name in ("hidden_dropout", "hidden_dropout_prob", "resid_pdrop", "dropout", "activation_dropout"):
+                    _set_existing(part, name, 0.0, only_type=float)
     _config_cache[config_cls] = config
     return config
+
+
+def sub_configs(config) -> list:
+    """The configs nested in a composite config, text_config first."""
+    try:
+        from transformers import PretrainedConfig
+    except Exception:  # noqa: BLE001
+        return []
+    found = []
+    try:
+        items = list(vars(config).items())
+    except TypeError:
+        return []
+    for name, value in sorted(items, key=lambda kv: kv[0] != "text_config"):
+        if isinstance(value, PretrainedConfig) and value is not config:
+            found.append(value)
+    return found
+
+
+def probe_configs(cls: type, module: ModuleType) -> list:
+    """Tiny configs to build `cls` from, best first: the config class its __init__ annotates, the one
+    its name prefix points to, then their sub-configs."""
+    try:
+        from transformers import PretrainedConfig
+    except Exception:  # noqa: BLE001
+        return []
+    classes = []
+    params = positional_params(cls.__init__) or []
+    if params and isinstance(params[0].annotation, type) and issubclass(params[0].annotation, PretrainedConfig):
+        classes.append(params[0].annotation)
+    by_prefix = config_class_for(cls, module)
+    if by_prefix is not None and by_prefix not in classes:
+        classes.append(by_prefix)
+    if not classes:  # e.g. Qwen2MLP inside qwen2_vl: no name to go by, try the module's configs
+        classes = [v for v in list(vars(module).values())
+                   if isinstance(v, type) and issubclass(v, PretrainedConfig) and v is not PretrainedConfig]
+    configs = [c for c in (tiny_config(k) for k in classes) if c is not None]
+    for config in list(configs):
+        configs.extend(sub for sub in sub_configs(config) if all(sub is not c for c in configs))
+    return configs
+
+
+def _set_existing(config, name: str, value, only_type=None) -> None:
+    """config.name = value if the config has that attribute (of that type); configs that refuse
+    (validated or per-layer attributes) keep theirs."""
+    try:
+        current = getattr(config, name)
+        if only_type is not None and not isinstance(current, only_type):
+            return
+        if isinstance(current, (list, tuple)):  # a per-layer value (Gemma3n's intermediate_size)
+            if not all(isinstance(v, type(value)) for v in current):
+                return
+            value = type(current)([value] * len(current))
+        setattr(config, name, value)
+    except Exception:  # noqa: BLE001 - missing, refused or ambiguous attribute
+        pass
 
 
 @contextlib.contextmanager
@@ -163,16 +211,24 @@ def quiet():
 
 
 @contextlib.contextmanager
-def quiet_rng():
+def probing():
     """Restore the global CPU RNG afterwards (module construction draws from it), build on the CPU,
-    without autograd, quietly."""
-    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), quiet():
-        yield
+    without autograd, quietly, on one thread: the probes' matrices are tiny, and a thread pool
+    waiting on busy cores costs 10-20 ms per op instead of microseconds."""
+    threads = torch.get_num_threads()
+    try:
+        if threads != 1:
+            torch.set_num_threads(1)
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), quiet():
+            yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
     """Instantiate `cls` with the first argument set that works. Returns (instance, None) or
-    (None, reason). Call inside quiet_rng()."""
+    (None, reason). Call inside probing()."""
     errors = []
     for make_args in attempts:
         try:
@@ -186,7 +242,7 @@ def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
         return instance.float().eval(), None
-    reason = errors[-1] if errors else "no way to build it"
+    reason = errors[0] if errors else "no way to build it"
     return None, f"could not build a probe instance ({reason[:160]})"
 
 

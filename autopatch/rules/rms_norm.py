@@ -107,20 +107,15 @@ def _candidates(weighted: bool):
 
 
 def _build(cls: type, module: ModuleType):
-    def config_args():
-        config_cls = _probe.config_class_for(cls, module)
-        config = _probe.tiny_config(config_cls) if config_cls is not None else None
-        if config is None:
-            raise TypeError("no config class to build from")
-        return (config,), {}
-
     attempts = [
         lambda: ((_probe.HIDDEN,), {"eps": _probe.EPS}),
         lambda: ((_probe.HIDDEN, _probe.EPS), {}),
         lambda: ((_probe.HIDDEN,), {}),
         lambda: ((), {"eps": _probe.EPS}),
-        config_args,
     ]
+    params = _probe.positional_params(cls.__init__) or []
+    if params and "config" in params[0].name:  # built from a config: the sizes come from it
+        attempts = [lambda c=config: ((c,), {}) for config in _probe.probe_configs(cls, module)] + attempts
     return _probe.try_build(cls, attempts)
 
 
@@ -137,7 +132,7 @@ def detect(cls: type, module: ModuleType) -> Verdict:
     extra = _probe.forward_extra_args(cls)
     if extra:
         return Verdict(target, None, extra)
-    with _probe.quiet_rng():
+    with _probe.probing():
         instance, why = _build(cls, module)
         if instance is None:
             return Verdict(target, None, why)
@@ -147,8 +142,12 @@ def detect(cls: type, module: ModuleType) -> Verdict:
 def _probe_instance(target: str, cls: type, instance) -> Verdict:
     if any(True for _ in instance.children()):
         return Verdict(target, None, "has submodules")
-    if any(True for _ in instance.buffers()):
-        return Verdict(target, None, "has buffers")
+    gen = _probe.generator(0)
+    for name, buf in instance.named_buffers():
+        # a buffer the forward reads (a fixed scale) must show up in the numbers: fill it randomly
+        if not buf.dtype.is_floating_point:
+            return Verdict(target, None, f"has a non-float buffer {name!r}")
+        buf.copy_(_probe.randn(tuple(buf.shape), gen, torch.float64).to(buf.dtype))
     params = dict(instance.named_parameters())
     weight_attr = None
     if params:
@@ -162,7 +161,6 @@ def _probe_instance(target: str, cls: type, instance) -> Verdict:
     if not eps_attrs:
         return Verdict(target, None, f"no epsilon attribute ({', '.join(EPS_ATTRS)})")
 
-    gen = _probe.generator(0)
     rows = 15
     scale = torch.linspace(0.25, 2.0, rows, dtype=torch.float64).reshape(3, 5, 1)
     x32 = (_probe.randn((3, 5, hidden), gen, torch.float64) * scale).float()

@@ -194,7 +194,7 @@ def detect(fn) -> Verdict:
     gen = _probe.generator(0)
     taken: dict[str, list] = {}  # size class -> [(inputs, outputs), ...]
     errors = []
-    with _probe.quiet_rng():
+    with _probe.probing():
         for rotary, unsqueeze_dim in _probe_calls(rest):
             q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim)
             try:

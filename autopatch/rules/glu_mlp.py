@@ -1,0 +1,339 @@
+"""Gated MLPs -> fused_kernels.swiglu / fused_kernels.geglu (kernels "swiglu", "geglu").
+
+Detection. Candidates are the classes a modeling module defines whose __init__ mentions `down_proj`
+and either `gate_proj` + `up_proj` or a fused `gate_up_proj`. One instance is built from a tiny
+config of the module's own config class (Llama4TextMLP -> Llama4TextConfig). It must hold exactly
+the projections as plain nn.Linear modules (a 3-D `gate_up_proj` parameter is an MoE expert container:
+left alone for now) plus the activation in `act_fn` / `activation_fn` / `act`, and nothing else — no
+dropout, no norm, no parameters of its own. Its forward is run in float64 on random weights and inputs
+against
+
+    down(act(gate(x)) * up(x))        act in {silu, gelu_tanh, gelu_erf}
+    gate, up = gate_up(x).chunk(2)    for the fused projection, in either order
+
+and exactly one candidate must match. The activation is then read from each instance at run time —
+not from the config name: the same class runs SiLU in one checkpoint and GELU in another — by probing
+the activation object once (cached by its type and settings): SiLU -> swiglu, GELU-tanh -> geglu
+approximate="tanh", GELU-erf -> geglu approximate="none", anything else (or a disabled kernel) -> the
+original forward.
+
+Patch. The class's `forward` is replaced by one that calls the instance's own projections (so LoRA
+wrappers around them keep working) and the fused gate kernel; tensors Triton cannot run on go to the
+original forward, with one notice per process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from types import ModuleType
+from typing import Callable
+
+import torch
+from torch import nn
+
+from autopatch import patching
+from autopatch.report import Record, fallback_notice
+from autopatch.rules import _probe
+
+ACT_ATTRS = ("act_fn", "activation_fn", "act")
+PROBE_TOL = 1e-6  # float64 probe; gelu tanh vs erf differ by ~1e-4 here, a wrong layout by O(1)
+
+# activation kind -> (kernel name, keyword arguments of the kernel call)
+KINDS = {
+    "silu": ("swiglu", {}),
+    "gelu_tanh": ("geglu", {"approximate": "tanh"}),
+    "gelu_erf": ("geglu", {"approximate": "none"}),
+}
+
+
+def _gelu_tanh(t):
+    return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t.pow(3))))
+
+
+def _gelu_erf(t):
+    return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
+
+
+ACT_REFERENCES = {"silu": lambda t: t * torch.sigmoid(t), "gelu_tanh": _gelu_tanh, "gelu_erf": _gelu_erf}
+
+
+# --- activations --------------------------------------------------------------------------------
+
+_act_kinds: dict[object, str | None] = {}
+
+
+def _act_key(act):
+    """What decides an activation's behaviour: a plain function is itself; a module is its type and
+    its simple settings (nn.GELU's `approximate`, a clipped GELU's min/max, ...)."""
+    if isinstance(act, nn.Module):
+        settings = tuple(sorted(
+            (k, v) for k, v in vars(act).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, type(None)))
+        ))
+        return (type(act), settings)
+    return act
+
+
+def classify_activation(act) -> str | None:
+    """'silu' | 'gelu_tanh' | 'gelu_erf' | None, by running `act` on a fixed float64 grid (wide
+    enough that a clipped GELU shows its clip)."""
+    if isinstance(act, nn.Module) and (any(True for _ in act.parameters()) or any(True for _ in act.buffers())):
+        return None
+    if not callable(act):
+        return None
+    t = torch.cat((torch.linspace(-6.0, 6.0, 97, dtype=torch.float64),
+                   torch.tensor([-30.0, -15.0, 15.0, 30.0], dtype=torch.float64)))
+    try:
+        with torch.no_grad(), _probe.quiet():
+            out = act(t.clone())
+    except Exception:  # noqa: BLE001 - not an elementwise activation we know
+        return None
+    found = [kind for kind, ref in ACT_REFERENCES.items() if _probe.rel_err(out, ref(t)) <= PROBE_TOL]
+    return found[0] if len(found) == 1 else None
+
+
+def activation_kind(act) -> str | None:
+    try:
+        key = _act_key(act)
+        hash(key)
+    except Exception:  # noqa: BLE001 - unhashable settings: classify every time
+        return classify_activation(act)
+    if key not in _act_kinds:
+        _act_kinds[key] = classify_activation(act)
+    return _act_kinds[key]
+
+
+# --- detection ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str  # activation kind of the probe instance
+    fused: bool  # one gate_up_proj instead of gate_proj + up_proj
+    gate_first: bool  # fused: gate_up_proj(x).chunk(2) == (gate, up)
+    act_attr: str
+
+    @property
+    def kernel(self) -> str:
+        return KINDS[self.kind][0]
+
+    def describe(self) -> str:
+        kernel, kwargs = KINDS[self.kind]
+        text = kernel + "".join(f" {k}={v}" for k, v in kwargs.items())
+        if self.fused:
+            text += " fused gate_up_proj (" + ("gate, up" if self.gate_first else "up, gate") + ")"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    target: str
+    variant: Variant | None
+    reason: str = ""
+
+
+def looks_like_glu_mlp(cls: type) -> bool:
+    init = vars(cls).get("__init__")
+    if init is None:
+        return False
+    try:
+        source = inspect.getsource(init)
+    except (OSError, TypeError):
+        return False
+    return "down_proj" in source and ("gate_up_proj" in source or ("gate_proj" in source and "up_proj" in source))
+
+
+def _build(cls, module):
+    attempts = []
+    for config in _probe.probe_configs(cls, module):
+        attempts += [
+            lambda c=config: ((c,), {}),
+            lambda c=config: ((c,), {"intermediate_size": _probe.INTERMEDIATE}),
+            lambda c=config: ((_probe.INTERMEDIATE, c), {}),
+            lambda c=config: ((c, 0), {}),  # (config, layer_idx)
+        ]
+    attempts += [
+        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE), {}),
+        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, "silu"), {}),
+        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, _probe.HIDDEN, "silu"), {}),  # (in, hidden, out, act)
+    ]
+    return _probe.try_build(cls, attempts)
+
+
+def detect(cls: type, module: ModuleType) -> Verdict:
+    target = cls.__name__
+    extra = _probe.forward_extra_args(cls)
+    with _probe.probing():
+        instance, why = _build(cls, module)
+        if instance is None:
+            return Verdict(target, None, extra or why)
+        if _is_expert_container(instance):
+            return Verdict(target, None, "MoE expert container with 3-D parameters (left alone for now)")
+        if extra:
+            return Verdict(target, None, extra)
+        return _probe_instance(target, cls, instance)
+
+
+def _is_expert_container(instance) -> bool:
+    return any(
+        isinstance(getattr(instance, name, None), torch.Tensor) and getattr(instance, name).dim() == 3
+        for name in ("gate_up_proj", "gate_proj", "up_proj", "down_proj")
+    )
+
+
+def _structure(instance) -> tuple[bool | None, str, str]:
+    """(fused, act_attr, reason): reason '' when the instance is a plain gated MLP."""
+    fused = getattr(instance, "gate_up_proj", None) is not None
+    projections = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    for name in projections:
+        proj = getattr(instance, name, None)
+        if type(proj) is not nn.Linear:
+            return None, "", f"{name} is {type(proj).__name__}, not a plain nn.Linear"
+    act_attr = next((a for a in ACT_ATTRS if getattr(instance, a, None) is not None), "")
+    if not act_attr:
+        return None, "", f"no activation attribute ({', '.join(ACT_ATTRS)})"
+    extra = [n for n, _ in instance.named_children() if n not in projections and n != act_attr]
+    if extra:
+        return None, "", f"has other submodules ({', '.join(extra)})"
+    own = [n for n, _ in instance.named_parameters(recurse=False)] + [n for n, _ in instance.named_buffers(recurse=False)]
+    if own:
+        return None, "", f"has its own parameters/buffers ({', '.join(own)})"
+    return fused, act_attr, ""
+
+
+def _reference(instance, x, fused: bool, gate_first: bool, act):
+    if fused:
+        a, b = instance.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = (a, b) if gate_first else (b, a)
+    else:
+        gate, up = instance.gate_proj(x), instance.up_proj(x)
+    return instance.down_proj(act(gate) * up)
+
+
+def _probe_instance(target, cls, instance) -> Verdict:
+    fused, act_attr, reason = _structure(instance)
+    if reason:
+        return Verdict(target, None, reason)
+    kind = activation_kind(getattr(instance, act_attr))
+    if kind is None:
+        act = getattr(instance, act_attr)
+        return Verdict(target, None, f"activation {type(act).__name__} is not SiLU, GELU-tanh or GELU-erf")
+    gen = _probe.generator(0)
+    instance.double()
+    for p in instance.parameters():
+        p.copy_(_probe.randn(tuple(p.shape), gen, torch.float64, scale=0.3))
+    first = instance.gate_up_proj if fused else instance.gate_proj
+    x = _probe.randn((2, 3, first.in_features), gen, torch.float64)
+    try:
+        out = cls.forward(instance, x)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict(target, None, f"probe failed ({_probe.describe_exc(exc)})")
+    matches = []
+    for gate_first in ((True, False) if fused else (True,)):
+        for act_kind, act in ACT_REFERENCES.items():
+            ref = _reference(instance, x, fused, gate_first, act)
+            if _probe.rel_err(out, ref) <= PROBE_TOL:
+                matches.append(Variant(act_kind, fused, gate_first, act_attr))
+    if len(matches) == 1:
+        if matches[0].kind != kind:  # the forward does not use its activation attribute as probed
+            return Verdict(target, None, f"forward computes {matches[0].kind} but {act_attr} is {kind}")
+        return Verdict(target, matches[0])
+    if not matches:
+        return Verdict(target, None, "matches no gated-MLP formula down(act(gate(x)) * up(x))")
+    return Verdict(target, None, "ambiguous: matches " + "; ".join(v.describe() for v in matches))
+
+
+# --- the patched forward ------------------------------------------------------------------------
+
+
+def _kernels():
+    import fused_kernels
+
+    return fused_kernels
+
+
+def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str):
+    fused, gate_first, act_attr = variant.fused, variant.gate_first, variant.act_attr
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else kwargs.get(input_name)
+        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1:
+            return original_forward(self, *args, **kwargs)
+        kind = activation_kind(getattr(self, act_attr, None))
+        if kind is None or KINDS[kind][0] not in kernels_on:
+            return original_forward(self, *args, **kwargs)
+        fk = _kernels()
+        if not fk.triton_can_run(x):
+            fallback_notice(KINDS[kind][0], f"{type(self).__name__} got {x.device.type} tensors")
+            return original_forward(self, *args, **kwargs)
+        if fused:
+            a, b = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = (a, b) if gate_first else (b, a)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        kernel, kernel_kwargs = KINDS[kind]
+        if kernel == "swiglu":
+            hidden = fk.swiglu(gate, up)
+        else:
+            hidden = fk.geglu(gate, up, **kernel_kwargs)
+        return self.down_proj(hidden)
+
+    forward.__name__ = "forward"
+    forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
+    forward.__doc__ = getattr(original_forward, "__doc__", None)
+    forward.__wrapped__ = original_forward
+    forward._autopatch_variant = variant.describe()
+    return forward
+
+
+# --- the rule -----------------------------------------------------------------------------------
+
+_verdicts: dict[type, Verdict] = {}
+
+
+class _Rule:
+    name = "glu_mlp"
+    kernels = ("swiglu", "geglu")
+
+    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        try:
+            classes = [c for c in _probe.defined_classes(module) if looks_like_glu_mlp(c)]
+        except Exception as exc:  # noqa: BLE001
+            return [Record("swiglu", module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        records = []
+        for cls in classes:
+            try:
+                records.append(self._patch_class(cls, module, enabled))
+            except Exception as exc:  # noqa: BLE001 - never raise into an import
+                records.append(Record("swiglu", module.__name__, cls.__name__, False,
+                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
+        return records
+
+    def _patch_class(self, cls, module, enabled) -> Record:
+        verdict = _verdicts.get(cls)
+        if verdict is None:
+            verdict = _verdicts[cls] = detect(cls, module)
+        if verdict.variant is None:
+            return Record("swiglu", module.__name__, verdict.target, False, reason=verdict.reason)
+        variant = verdict.variant
+        record = lambda patched, reason="": Record(  # noqa: E731
+            variant.kernel, module.__name__, verdict.target, patched, variant.describe(), reason)
+        if patching.is_patched(cls, "forward"):
+            return record(True)
+        if not enabled(variant.kernel):
+            return record(False, f"kernel {variant.kernel} disabled")
+        try:
+            _kernels()
+        except Exception as exc:  # noqa: BLE001
+            return record(False, f"fused_kernels could not be imported ({_probe.describe_exc(exc)})")
+        kernels_on = frozenset(k for k in self.kernels if enabled(k))
+        original = cls.forward
+        params = _probe.positional_params(original) or []
+        input_name = params[0].name if params else "hidden_state"
+        patching.replace(cls, "forward", make_forward(original, variant, kernels_on, input_name))
+        return record(True)
+
+
+RULE = _Rule()
