@@ -389,8 +389,16 @@ def test_compile_fullgraph_no_graph_breaks(casting_mode):
 # --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,hidden", [(16384, 4096), (65536, 1024), (4096, 16384), (1024, 65536)])
-@pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
+@pytest.mark.parametrize(
+    "rows,hidden,casting_mode",
+    [
+        (16384, 4096, "llama"),
+        (16384, 4096, "gemma"),
+        (65536, 1024, "llama"),
+        (4096, 16384, "llama"),  # chunked backward (one chunk)
+        (1024, 65536, "gemma"),  # chunked forward and backward
+    ],
+)
 def test_gpu_real_sizes(device, rows, hidden, casting_mode):
     torch.manual_seed(0)
     x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
