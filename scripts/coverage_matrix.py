@@ -52,13 +52,13 @@ LAUNCH_PREFIX = {
 TOL = 1e-5  # fp32 relative (DESIGN.md)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
+    """‖a − b‖ / max(‖b‖, floor); NaN/inf in `a` gives inf."""
     a = a.detach().double()
     b = b.detach().double()
     if not torch.isfinite(a).all():
         return float("inf")
-    denom = b.norm().item()
-    return (a - b).norm().item() / max(denom, 1e-12)
+    return (a - b).norm().item() / max(b.norm().item(), floor)
 
 
 def _run(model, inputs):
@@ -83,8 +83,11 @@ def _compare(ref, got) -> tuple[bool, str]:
     checks = [("logits", _rel(logits_g, logits_r))]
     if set(grads_r) != set(grads_g):
         return False, f"gradient sets differ: {sorted(set(grads_r) ^ set(grads_g))[:3]}"
+    # Some gradients are zero in exact arithmetic (e.g. a key-projection bias: softmax ignores a
+    # constant shift) and hold only rounding noise; measure those against the whole gradient's size.
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in grads_r.values())).item() if grads_r else 0.0
     for name in grads_r:
-        checks.append((f"grad {name}", _rel(grads_g[name], grads_r[name])))
+        checks.append((f"grad {name}", _rel(grads_g[name], grads_r[name], floor=1e-3 * total)))
     for what, err in checks:
         if err > worst[1]:
             worst = (what, err)
