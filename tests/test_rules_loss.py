@@ -240,6 +240,9 @@ def test_llama_edges(kernels):
     params = list(inspect.signature(type(model).forward).parameters)
     positional = [None] * (params.index("labels") - 2) + [labels]  # after self, input_ids
     ref_positional, ref_grads = _train_step_positional(model, ids, positional)
+    # a caller's ignore_index reaches the loss through the forward's **kwargs
+    labels_minus1 = torch.where(labels == -100, -1, labels)
+    ref_ignore, ref_ignore_grads = _train_step(model, input_ids=ids, labels=labels_minus1, ignore_index=-1)
 
     loss_rule.RULE.patch_module(_module(arch), ALL_ON)
 
@@ -260,6 +263,19 @@ def test_llama_edges(kernels):
     assert_close(out_positional.loss, ref_positional.loss, FP32, "positional labels loss")
     for pname, ref_grad in ref_grads.items():
         assert_close(grads[pname], ref_grad, FP32, f"positional labels grad {pname}")
+    out_ignore, grads = _train_step(model, input_ids=ids, labels=labels_minus1, ignore_index=-1)
+    assert out_ignore.logits is None
+    assert_close(out_ignore.loss, ref_ignore.loss, FP32, "ignore_index=-1 loss")
+    for pname, ref_grad in ref_ignore_grads.items():
+        assert_close(grads[pname], ref_grad, FP32, f"ignore_index=-1 grad {pname}")
+
+    # another loss type chosen by the config is kept, on full logits
+    from transformers.loss.loss_utils import ForMaskedLMLoss
+
+    model.loss_type = "ForMaskedLM"
+    assert model.loss_function is ForMaskedLMLoss
+    assert model(input_ids=ids, labels=labels).logits is not None
+    model.loss_type = "ForCausalLM"
 
     # a loss the user set on the instance is used as is, and on full logits
     seen = {}
