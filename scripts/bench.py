@@ -50,8 +50,8 @@ def parse_args(argv=None):
                     help="comma list of kernel peers to run (hf_eager always runs: it is the reference)")
     ap.add_argument("--e2e-models", default=os.environ.get("BENCH_E2E_MODELS", ""), help="comma list")
     ap.add_argument("--e2e-peers", default=os.environ.get("BENCH_E2E_PEERS", ""), help="comma list")
-    ap.add_argument("--e2e-steps", type=int, default=10)
-    ap.add_argument("--e2e-warmup", type=int, default=3)
+    ap.add_argument("--e2e-steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
+    ap.add_argument("--e2e-warmup", type=int, default=None, help="warm-up steps (default 3; 1 with --tiny)")
     ap.add_argument("--compile-mode", choices=("model", "layers"), default=os.environ.get("BENCH_COMPILE_MODE", "model"),
                     help="e2e torch.compile peers: the whole model, or each decoder layer (compiles faster)")
     ap.add_argument("--cpu-compile", action="store_true", help="also run the torch.compile peer on the CPU dry run")
@@ -68,6 +68,10 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"--parts: unknown part(s) {sorted(bad)}; valid: kernels, e2e")
     a.only, a.peers = split(a.only), split(a.peers)
+    if a.e2e_steps is None:
+        a.e2e_steps = 2 if a.tiny else 10
+    if a.e2e_warmup is None:
+        a.e2e_warmup = 1 if a.tiny else 3
     a.e2e_models, a.e2e_peers = split(a.e2e_models), split(a.e2e_peers)
     return a
 

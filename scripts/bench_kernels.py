@@ -427,7 +427,7 @@ def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadli
         if not isinstance(exc, torch.cuda.OutOfMemoryError):
             res["traceback"] = traceback.format_exc(limit=6)[-1500:]
         del inp
-        free_memory(device)
+        free_memory(device, full=True)
         return res, None
 
     leaves, go, args = inp.leaves, inp.grad_out, inp.args
@@ -443,6 +443,7 @@ def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadli
             res["modes"][mode] = {"error": "skipped: kernel time budget spent"}
             continue
         m: dict = {}
+        out = None
         try:
             # Peak memory, one call.
             _clear_grads(leaves)
@@ -472,11 +473,12 @@ def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadli
         except Exception as exc:
             m["error"] = _short(exc)
         finally:
+            out = None  # an exception between fwd() and its backward must not keep the graph alive
             _clear_grads(leaves)
             free_memory(device)
         res["modes"][mode] = m
     del inp, leaves, go, args
-    free_memory(device)
+    free_memory(device, full=True)
     return res, new_ref
 
 
