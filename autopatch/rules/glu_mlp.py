@@ -38,6 +38,7 @@ from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
 
 ACT_ATTRS = ("act_fn", "activation_fn", "act")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take
 PROBE_TOL = 1e-6  # float64 probe; gelu tanh vs erf differ by ~1e-4 here, a wrong layout by O(1)
 
 # activation kind -> (kernel name, keyword arguments of the kernel call)
@@ -132,6 +133,7 @@ class Verdict:
     target: str
     variant: Variant | None
     reason: str = ""
+    kernel: str = "swiglu"  # the kernel a refusal is recorded under: the one its activation would use
 
 
 def looks_like_glu_mlp(cls: type) -> bool:
@@ -220,6 +222,7 @@ def _probe_instance(target, cls, instance) -> Verdict:
     if kind is None:
         act = getattr(instance, act_attr)
         return Verdict(target, None, f"activation {type(act).__name__} is not SiLU, GELU-tanh or GELU-erf")
+    hint = KINDS[kind][0]
     gen = _probe.generator(0)
     instance.double()
     for p in instance.parameters():
@@ -238,11 +241,11 @@ def _probe_instance(target, cls, instance) -> Verdict:
                 matches.append(Variant(act_kind, fused, gate_first, act_attr))
     if len(matches) == 1:
         if matches[0].kind != kind:  # the forward does not use its activation attribute as probed
-            return Verdict(target, None, f"forward computes {matches[0].kind} but {act_attr} is {kind}")
-        return Verdict(target, matches[0])
+            return Verdict(target, None, f"forward computes {matches[0].kind} but {act_attr} is {kind}", hint)
+        return Verdict(target, matches[0], "", hint)
     if not matches:
-        return Verdict(target, None, "matches no gated-MLP formula down(act(gate(x)) * up(x))")
-    return Verdict(target, None, "ambiguous: matches " + "; ".join(v.describe() for v in matches))
+        return Verdict(target, None, "matches no gated-MLP formula down(act(gate(x)) * up(x))", hint)
+    return Verdict(target, None, "ambiguous: matches " + "; ".join(v.describe() for v in matches), hint)
 
 
 # --- the patched forward ------------------------------------------------------------------------
@@ -273,6 +276,9 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             gate, up = (a, b) if gate_first else (b, a)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate.dtype != up.dtype or gate.dtype not in _FLOAT_DTYPES or gate.shape != up.shape:
+            # float64 or mixed dtypes: the kernel does not take them; this is the probed formula
+            return self.down_proj(getattr(self, act_attr)(gate) * up)
         kernel, kernel_kwargs = KINDS[kind]
         if kernel == "swiglu":
             hidden = fk.swiglu(gate, up)
@@ -316,7 +322,7 @@ class _Rule:
         if verdict is None:
             verdict = _verdicts[cls] = detect(cls, module)
         if verdict.variant is None:
-            return Record("swiglu", module.__name__, verdict.target, False, reason=verdict.reason)
+            return Record(verdict.kernel, module.__name__, verdict.target, False, reason=verdict.reason)
         variant = verdict.variant
         record = lambda patched, reason="": Record(  # noqa: E731
             variant.kernel, module.__name__, verdict.target, patched, variant.describe(), reason)

@@ -38,6 +38,7 @@ from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
 
 KERNEL = "rms_norm"
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel takes
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 
 # Tolerances of the probe (relative L2 error of the original against a candidate).
@@ -231,6 +232,13 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             return original_forward(self, *args, **kwargs)
         weight = getattr(self, weight_attr) if weight_attr is not None else None
         if weight_attr is not None and weight is None:  # built without a scale: not what we probed
+            return original_forward(self, *args, **kwargs)
+        if (
+            x.dtype not in _FLOAT_DTYPES
+            or x.dim() == 0
+            or x.shape[-1] == 0
+            or (weight is not None and (weight.dtype not in _FLOAT_DTYPES or tuple(weight.shape) != (x.shape[-1],)))
+        ):  # float64, or shapes the original broadcasts some other way: its own code decides
             return original_forward(self, *args, **kwargs)
         fk = _kernels()
         if not fk.triton_can_run(x, *(() if weight is None else (weight,))):

@@ -246,6 +246,26 @@ def _kernels():
     return fused_kernels
 
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernel_takes(q, k, cos, sin, unsqueeze_dim) -> bool:
+    """Whether these arguments are a call the probe vouched for and the kernel accepts; anything else
+    (float64, other ranks, a head layout we did not probe) runs the original function."""
+    if not all(isinstance(t, torch.Tensor) and t.dtype in _FLOAT_DTYPES for t in (q, k, cos, sin)):
+        return False
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3):
+        return False
+    if q.shape[-1] != k.shape[-1] or cos.shape != sin.shape or cos.shape[-1] > q.shape[-1]:
+        return False
+    seq_dim = 2 if unsqueeze_dim == 1 else 1
+    if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim]:
+        return False
+    if cos.shape[-2] not in (1, q.shape[seq_dim]):
+        return False
+    return cos.dim() == 2 or cos.shape[0] in (1, q.shape[0])
+
+
 def make_wrapper(original: Callable, verdict: Verdict):
     spec, sizes = verdict.variant, verdict.sizes
     rest_params, defaults = verdict.rest_params, dict(verdict.defaults)
@@ -258,12 +278,7 @@ def make_wrapper(original: Callable, verdict: Verdict):
         values.update(zip(rest_params, args))
         values.update(kwargs)
         unsqueeze_dim = values.get("unsqueeze_dim", 1)
-        if (
-            not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin))
-            or q.shape[-1] != k.shape[-1]
-            or cos.shape != sin.shape
-            or size_class(cos.shape[-1], q.shape[-1]) not in sizes
-        ):
+        if not _kernel_takes(q, k, cos, sin, unsqueeze_dim) or size_class(cos.shape[-1], q.shape[-1]) not in sizes:
             return original(q, k, cos, sin, *args, **kwargs)
         fk = _kernels()
         if not fk.triton_can_run(q, k, cos, sin):
