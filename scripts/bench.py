@@ -43,7 +43,8 @@ def parse_args(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and the tiny model: checks the harness")
     ap.add_argument("--kernel-budget-s", type=float, default=float(os.environ.get("BENCH_KERNEL_BUDGET_S", 240)))
     ap.add_argument("--e2e-budget-s", type=float, default=float(os.environ.get("BENCH_E2E_BUDGET_S", 200)))
-    ap.add_argument("--e2e-run-cap-s", type=float, default=240, help="longest one model/peer run may take")
+    ap.add_argument("--e2e-run-cap-s", type=float, default=float(os.environ.get("BENCH_E2E_RUN_CAP_S", 240)),
+                    help="longest one model/peer run may take (env BENCH_E2E_RUN_CAP_S)")
     ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
                     help="comma list of substrings: kernel cases whose name contains one (e.g. 'rms_norm,flce')")
     ap.add_argument("--peers", default=os.environ.get("BENCH_PEERS", ""),

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import traceback
 from typing import Callable
 
@@ -547,9 +548,11 @@ def run_kernels(device: torch.device, ceilings: dict, deadline: Deadline, tiny: 
                             "skipped": "kernel time budget spent"})
             continue
         print(f"[kernels] {i + 1}/{len(cases)} {case.name}  ({deadline.left():.0f} s left)", flush=True)
+        t0 = time.monotonic()
         entry = run_case(case, device, ceilings, deadline, peers_filter=peers, cpu_compile=cpu_compile)
+        entry["wall_s"] = round(time.monotonic() - t0, 1)
         results.append(entry)
-        print("          " + _one_line(entry), flush=True)
+        print(f"          [{entry['wall_s']:.0f} s] " + _one_line(entry), flush=True)
         if on_case_done:
             on_case_done(results)
     return results

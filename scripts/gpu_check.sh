@@ -10,6 +10,12 @@
 #   (c) runs `pytest -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log), time-boxed
 #   (d) runs scripts/bench.py (JSON: $OUT/bench.json, log: $OUT/bench.log), time-boxed per part
 #   (e) prints the compact table last
+# Everything in one call fits only in part (the budget drops the sweep tail and the compiled e2e peers).
+# The full set takes two calls, each followed by fetching $OUT/bench.json:
+#   TOTAL_BUDGET_S=530 TEST_BUDGET_S=150 BENCH_PARTS=kernels bash scripts/gpu_check.sh   -> k.json
+#   GPU_TESTS=0 TOTAL_BUDGET_S=530 BENCH_PARTS=e2e bash scripts/gpu_check.sh             -> e.json
+#   then here: python3 scripts/bench.py --merge k.json e.json --out benchmarks/h200-DATE.json
+#              .venv/bin/python scripts/plot.py benchmarks/h200-DATE.json
 # A failing or timed-out test run does not stop the benchmark. Exit status: 1 if the tests failed or
 # timed out, else 2 if the benchmark failed, else 0.
 #
@@ -19,7 +25,8 @@
 #   TEST_BUDGET_S=100      time box of the test run
 #   BENCH_PARTS=kernels,e2e
 #   BENCH_KERNEL_BUDGET_S, BENCH_E2E_BUDGET_S   default: what is left, split 55 % / 45 %
-#   BENCH_ONLY, BENCH_PEERS, BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers)
+#   BENCH_ONLY, BENCH_PEERS, BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers),
+#   BENCH_E2E_RUN_CAP_S (240: the longest one model/peer run may take)
 #   HYPOTHESIS_PROFILE=gpu (tests/conftest.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
