@@ -1,0 +1,272 @@
+"""The rope rule (autopatch.rules.rope) on real transformers modeling modules: the detected variant of
+each module's `apply_rotary_pos_emb` (or why it is left alone), the rebound function against the
+original on random q, k, cos, sin — forward and gradients, fp32 at 1e-5 and bf16 at 1e-2 — with the
+kernels counted, and tiny one-layer models whose attention goes through the rebound global."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+from helpers import assert_close
+
+pytest.importorskip("transformers")
+
+import fused_kernels  # noqa: E402
+from autopatch import patching, report  # noqa: E402
+from autopatch.rules import rope  # noqa: E402
+
+RULE = rope.RULE
+TARGET = "apply_rotary_pos_emb"
+
+
+def everything(kernel: str) -> bool:
+    return True
+
+
+@pytest.fixture(autouse=True)
+def restore():
+    yield
+    patching.restore_all()
+
+
+def modeling(name: str):
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+CASES = [
+    ("llama", "half rot=full", None),
+    ("qwen3", "half rot=full", None),
+    ("mistral", "half rot=full", None),
+    ("gemma3", "half rot=full", None),
+    ("stablelm", "half rot=full", None),  # partial rotary happens in the caller: the function is standard
+    ("phi3", "half partial", None),
+    ("gpt_neox", "half partial", None),
+    ("glm", "glm", None),
+    ("glm4", "glm", None),
+    ("cohere", "interleaved", None),
+    ("gpt_oss", "half-size cos", None),
+    ("nanochat", "half sin=-sin", None),
+    ("openai_privacy_filter", "interleaved half-size cos", None),
+    ("deepseek_v4", None, "parameters (x, cos, sin, unsqueeze_dim) are not (q, k, cos, sin"),
+    ("dinov3_vit", None, "takes **kwargs"),
+    ("codegen", None, "are not (q, k, cos, sin"),
+]
+
+
+@pytest.mark.parametrize("model,variant,reason", CASES, ids=[c[0] for c in CASES])
+def test_verdicts_on_real_modules(model, variant, reason):
+    module = modeling(model)
+    before = getattr(module, TARGET)
+    (record,) = RULE.patch_module(module, everything)
+    assert record.kernel == "rope" and record.target == TARGET and record.module == module.__name__
+    if variant is None:
+        assert not record.patched and reason in record.reason, record
+        assert getattr(module, TARGET) is before
+    else:
+        assert record.patched and record.variant == variant, record
+        patched = getattr(module, TARGET)
+        assert patched is not before and patching.original(module, TARGET) is before
+        assert RULE.patch_module(module, everything) == [record]  # idempotent
+        assert getattr(module, TARGET) is patched
+
+
+def _run(fn, q, k, cos, sin, grads, **kwargs):
+    q = q.detach().clone().requires_grad_(True)
+    k = k.detach().clone().requires_grad_(True)
+    q_out, k_out = fn(q, k, cos, sin, **kwargs)
+    torch.autograd.backward((q_out, k_out), grads)
+    return q_out, k_out, q.grad, k.grad
+
+
+# (model, rotary size of cos, head layout); cos/sin are random, not a cos table: the kernel must
+# use every element the way the original does
+NUMERIC = [
+    ("llama", 16, 1),
+    ("llama", 16, 2),
+    ("phi3", 8, 1),
+    ("phi3", 6, 1),
+    ("glm", 8, 1),
+    ("glm4", 16, 1),
+    ("cohere", 16, 1),
+    ("gpt_oss", 8, 1),
+    ("nanochat", 16, 1),
+    ("openai_privacy_filter", 8, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model,rotary,layout", NUMERIC, ids=[f"{m}-r{r}-u{u}" for m, r, u in NUMERIC])
+def test_rebound_function_matches_original(model, rotary, layout, dtype):
+    module = modeling(model)
+    (record,) = RULE.patch_module(module, everything)
+    assert record.patched
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(11)
+    b, s, d = 2, 6, 16
+    q_shape, k_shape = ((b, 4, s, d), (b, 2, s, d)) if layout == 1 else ((b, s, 4, d), (b, s, 2, d))
+    q = torch.randn(*q_shape, generator=gen).to(dtype)
+    k = torch.randn(*k_shape, generator=gen).to(dtype)
+    cos = torch.randn(b, s, rotary, generator=gen).to(dtype)
+    sin = torch.randn(b, s, rotary, generator=gen).to(dtype)
+    grads = (torch.randn(*q_shape, generator=gen).to(dtype), torch.randn(*k_shape, generator=gen).to(dtype))
+    kwargs = {} if layout == 1 else {"unsqueeze_dim": 2}
+
+    before = fused_kernels.launch_counts()
+    out = _run(getattr(module, TARGET), q, k, cos, sin, grads, **kwargs)
+    after = fused_kernels.launch_counts()
+    assert after.get("rope_fwd", 0) > before.get("rope_fwd", 0), "the fused forward did not run"
+    assert after.get("rope_bwd", 0) > before.get("rope_bwd", 0), "the fused backward did not run"
+    ref = _run(original, q, k, cos, sin, grads, **kwargs)
+    for name, a, r in zip(("q_out", "k_out", "q.grad", "k.grad"), out, ref):
+        assert a.dtype == r.dtype
+        assert_close(a, r, dtype, f"{model} {name}")
+
+
+def test_sizes_the_probe_did_not_see_run_the_original():
+    """gpt_oss takes only half-size cos: a full-size cos goes to the original (which raises as it
+    always did); float64 goes to the original too (the kernel does not take it)."""
+    module = modeling("gpt_oss")
+    RULE.patch_module(module, everything)
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 2, 3, 16, generator=gen), torch.randn(1, 1, 3, 16, generator=gen)
+    full = torch.randn(1, 3, 16, generator=gen)
+    with pytest.raises(RuntimeError):
+        original(q, k, full, full)
+    with pytest.raises(RuntimeError):
+        getattr(module, TARGET)(q, k, full, full)
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    half = torch.randn(1, 3, 8, generator=gen, dtype=torch.float64)
+    q64, k64 = q.double(), k.double()
+    out = getattr(module, TARGET)(q64, k64, half, half)
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
+    for a, r in zip(out, original(q64, k64, half, half)):
+        assert torch.equal(a, r)
+
+
+def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
+    module = modeling("llama")
+    RULE.patch_module(module, everything)
+    gen = torch.Generator().manual_seed(4)
+    q, k, cos, sin = (torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen),
+                      torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(report, "_fallback_noticed", set())
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    out = module.apply_rotary_pos_emb(q, k, cos, sin)
+    module.apply_rotary_pos_emb(q, k, cos, sin)
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
+    for a, r in zip(out, patching.original(module, TARGET)(q, k, cos, sin)):
+        assert torch.equal(a, r)
+    assert capsys.readouterr().err.count("autopatch: rope:") == 1
+
+
+def test_probing_leaves_the_global_rng_alone():
+    module = modeling("cohere")
+    rope._verdicts.pop(patching.original(module, TARGET), None)
+    torch.manual_seed(99)
+    state = torch.get_rng_state()
+    RULE.patch_module(module, everything)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_disabled_kernel_is_reported_not_patched():
+    module = modeling("mistral")
+    before = module.apply_rotary_pos_emb
+    (record,) = RULE.patch_module(module, lambda k: k != "rope")
+    assert not record.patched and "disabled" in record.reason and record.variant == "half rot=full"
+    assert module.apply_rotary_pos_emb is before
+
+
+def test_signature_and_keywords_are_kept():
+    import inspect
+
+    module = modeling("glm")
+    RULE.patch_module(module, everything)
+    assert list(inspect.signature(module.apply_rotary_pos_emb).parameters) == ["q", "k", "cos", "sin", "unsqueeze_dim"]
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(3, 2, 4, 16, generator=gen), torch.randn(3, 2, 1, 16, generator=gen)  # (b, s, h, d)
+    cos, sin = torch.randn(3, 2, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    out = module.apply_rotary_pos_emb(q=q, k=k, cos=cos, sin=sin, unsqueeze_dim=2)
+    ref = patching.original(module, TARGET)(q, k, cos, sin, 2)
+    for a, r in zip(out, ref):
+        assert_close(a, r, torch.float32, "keywords")
+
+
+def test_look_alikes_are_left_alone():
+    fake = types.ModuleType("fake_modeling_rope")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # rotates by 2*angle-ish: cos applied twice
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        h = q.shape[-1] // 2
+        rot = lambda x: torch.cat((-x[..., h:], x[..., :h]), -1)  # noqa: E731
+        return q * cos * cos + rot(q) * sin, k * cos * cos + rot(k) * sin
+
+    apply_rotary_pos_emb.__module__ = fake.__name__
+    fake.apply_rotary_pos_emb = apply_rotary_pos_emb
+    (record,) = RULE.patch_module(fake, everything)
+    assert not record.patched and "matches no rotary variant" in record.reason
+    assert fake.apply_rotary_pos_emb is apply_rotary_pos_emb
+
+    other = types.ModuleType("fake_modeling_rope_positions")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # noqa: F811
+        if position_ids is not None:
+            cos, sin = cos * 0.5, sin * 0.5
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        h = q.shape[-1] // 2
+        rot = lambda x: torch.cat((-x[..., h:], x[..., :h]), -1)  # noqa: E731
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    apply_rotary_pos_emb.__module__ = other.__name__
+    other.apply_rotary_pos_emb = apply_rotary_pos_emb
+    (record,) = RULE.patch_module(other, everything)
+    assert not record.patched and record.reason == "uses position_ids"
+
+
+# --- through real attention: tiny one-layer models, only the rope rule applied --------------------
+
+MODELS = [
+    ("llama", "LlamaForCausalLM", {}),
+    ("glm", "GlmForCausalLM", {}),
+    ("cohere", "CohereForCausalLM", {}),
+    ("phi3", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
+    ("gpt_oss", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+]
+
+
+@pytest.mark.parametrize("model,causal_lm,extra", MODELS, ids=[m[0] for m in MODELS])
+def test_tiny_model_through_patched_attention(model, causal_lm, extra):
+    from transformers import AutoConfig
+
+    module = modeling(model)
+    config = AutoConfig.for_model(
+        model, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=1, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra,
+    )
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = getattr(module, causal_lm)(config).float()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        net.zero_grad(set_to_none=True)
+        out = net(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+
+    logits_ref, grads_ref = step()
+    (record,) = RULE.patch_module(module, everything)
+    assert record.patched, record
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    logits, grads = step()
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) > before
+    assert_close(logits, logits_ref, torch.float32, f"{model} logits")
+    assert set(grads) == set(grads_ref)
+    for name in grads:
+        assert_close(grads[name], grads_ref[name], torch.float32, f"{model} grad {name}")
