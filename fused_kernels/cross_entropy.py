@@ -32,15 +32,24 @@ Kernels (one file, three launch plans, chosen by `_plan`; FUSED_KERNELS_CE_PATH 
   "coop"     (CUDA, long rows) the row is split into S chunks of `chunk` classes; one program per
              (row, chunk) keeps its chunk in registers, publishes its partial max / sum-exp, waits
              at a per-row counter until the row's S partials are in, then writes its gradient
-             from registers: each logit is read from HBM exactly once. Programs take their
-             (row, chunk) from an atomic ticket in the order they start, so the programs a waiting
-             program waits for have already started; it needs S programs resident at once (checked).
+             from registers: each logit is read from HBM exactly once. Deadlock-free: programs
+             take their (row, chunk) from an atomic ticket when they start, so the claimed tasks
+             are always a prefix; every row wholly inside it finishes and frees its slots, and
+             only the last row's (< S) programs can be waiting, so S resident programs suffice
+             (checked against the SM count, else "twophase").
   "twophase" the same chunk kernel run as two launches (partials, then gradient): no in-kernel
              waiting, the logits are read twice. The CPU interpreter runs programs one after
              another, so the CPU tests check the chunk kernel's math through this plan.
+Auto: "row" for V <= row_max (8192) and on the CPU, else "coop". Environment (read at import):
+FUSED_KERNELS_CE_PATH=auto|row|coop|twophase, FUSED_KERNELS_CE_ROW_MAX, FUSED_KERNELS_CE_BLOCK
+(row loop block, 8192), FUSED_KERNELS_CE_CHUNK (4096), FUSED_KERNELS_CE_CHUNK_WARPS (0: chunk/1024).
 The kernels take the gradient buffer separately from the logits; fused_linear_cross_entropy passes
 the same tensor for both (gradient written in place over its logits chunk): every program reads
 what it needs (including z_y) before any program writes over it.
+
+Out-of-range targets are flagged by the kernels (and treated as ignored there); the forward checks
+the flag once at its end, the one host sync it makes. Pass the logits in the model's dtype: an
+upcast copy (HF's `logits.float()`) doubles the bytes for nothing, the kernels compute in fp32.
 """
 
 from __future__ import annotations
