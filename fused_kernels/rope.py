@@ -56,6 +56,7 @@ def _rotate_heads(
     n_heads, x_sh, y_sh,     # head count and head strides
     head_dim, rot,           # channels per head; leading channels rotated (even, <= head_dim)
     cos_a, cos_b, sin_a, sin_b,  # [BLOCK_T, 1, BLOCK_R] fp32, sin already swapped/negated for backward
+    BLOCK_T: tl.constexpr,   # tokens per program
     BLOCK_H: tl.constexpr,   # heads per tile
     BLOCK_R: tl.constexpr,   # power of two >= rot / 2 (pairs per head)
     BLOCK_P: tl.constexpr,   # power of two >= head_dim - rot (pass-through channels), 0 if none
@@ -72,14 +73,14 @@ def _rotate_heads(
         x_row = x_tok[:, None] + heads[None, :] * x_sh                     # [T, H]
         y_row = y_tok[:, None] + heads[None, :] * y_sh
         if INTERLEAVED:
-            # Load each pair (2i, 2i+1) as the last axis of size 2: contiguous, vectorisable, then split.
-            two = tl.arange(0, 2)
-            ch = (2 * pair)[:, None] + two[None, :]                          # [R, 2]
-            mask = th_mask[:, :, None, None] & pair_mask[None, None, :, None]
-            x = tl.load(x_ptr + x_row[:, :, None, None] + ch[None, None, :, :], mask=mask, other=0.0)
-            x_a, x_b = tl.split(x.to(tl.float32))
+            # Load the rot channels as one contiguous (vectorisable) run, then view it as pairs and split.
+            ch = tl.arange(0, 2 * BLOCK_R)
+            mask = th_mask[:, :, None] & (ch < rot)[None, None, :]
+            x = tl.load(x_ptr + x_row[:, :, None] + ch[None, None, :], mask=mask, other=0.0)
+            x_a, x_b = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_T, BLOCK_H, BLOCK_R, 2]))
             y = tl.join(x_a * cos_a - x_b * sin_a, x_b * cos_b + x_a * sin_b)
-            tl.store(y_ptr + y_row[:, :, None, None] + ch[None, None, :, :], y.to(out_ty), mask=mask)
+            y = tl.reshape(y, [BLOCK_T, BLOCK_H, 2 * BLOCK_R])
+            tl.store(y_ptr + y_row[:, :, None] + ch[None, None, :], y.to(out_ty), mask=mask)
         else:
             mask = th_mask[:, :, None] & pair_mask[None, None, :]
             xa_ptr = x_ptr + x_row[:, :, None] + pair[None, None, :]
@@ -117,13 +118,12 @@ def _rope_kernel(
     half = rot // 2
     pair = tl.arange(0, BLOCK_R)
     if INTERLEAVED:
-        two = tl.arange(0, 2)
-        ch = (2 * pair)[:, None] + two[None, :]
-        cmask = tok_mask[:, None, None] & (pair < half)[None, :, None]
-        c = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None, None] + ch[None, :, :], mask=cmask, other=0.0)
-        sn = tl.load(sin_ptr + (b * s_sb + s * s_ss)[:, None, None] + ch[None, :, :], mask=cmask, other=0.0)
-        cos_a, cos_b = tl.split(c.to(tl.float32))
-        sin_a, sin_b = tl.split(sn.to(tl.float32))
+        ch = tl.arange(0, 2 * BLOCK_R)
+        cmask = tok_mask[:, None] & (ch < rot)[None, :]
+        c = tl.load(cos_ptr + (b * c_sb + s * c_ss)[:, None] + ch[None, :], mask=cmask, other=0.0)
+        sn = tl.load(sin_ptr + (b * s_sb + s * s_ss)[:, None] + ch[None, :], mask=cmask, other=0.0)
+        cos_a, cos_b = tl.split(tl.reshape(c.to(tl.float32), [BLOCK_T, BLOCK_R, 2]))
+        sin_a, sin_b = tl.split(tl.reshape(sn.to(tl.float32), [BLOCK_T, BLOCK_R, 2]))
     else:
         cmask = tok_mask[:, None] & (pair < half)[None, :]
         c_ptr = cos_ptr + (b * c_sb + s * c_ss)[:, None] + pair[None, :]
@@ -142,10 +142,10 @@ def _rope_kernel(
 
     _rotate_heads(q_ptr, qo_ptr, b * q_sb + s * q_ss, b * qo_sb + s * qo_ss, tok_mask,
                   n_q_heads, q_sh, qo_sh, q_head_dim, rot, cos_a, cos_b, sin_a, sin_b,
-                  BLOCK_HQ, BLOCK_R, BLOCK_PQ, INTERLEAVED)
+                  BLOCK_T, BLOCK_HQ, BLOCK_R, BLOCK_PQ, INTERLEAVED)
     _rotate_heads(k_ptr, ko_ptr, b * k_sb + s * k_ss, b * ko_sb + s * ko_ss, tok_mask,
                   n_k_heads, k_sh, ko_sh, k_head_dim, rot, cos_a, cos_b, sin_a, sin_b,
-                  BLOCK_HK, BLOCK_R, BLOCK_PK, INTERLEAVED)
+                  BLOCK_T, BLOCK_HK, BLOCK_R, BLOCK_PK, INTERLEAVED)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -162,14 +162,20 @@ class RopeConfig:
 
 
 def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
-    """Block sizes for one launch. Memory-bound: aim at tiles of ~4096 elements (8 KiB bf16 per tile of q or
-    k) so each thread moves a few 16-byte vectors per loop step, and at enough programs to fill the GPU.
-    The Llama shape (16384 tokens, 32/8 heads, head_dim 128) gets 4 tokens x 8 heads, 4 warps, 4096 programs."""
+    """Block sizes for one launch (n_tokens = batch * seq; head_dim = the larger of q's and k's).
+
+    Memory-bound streaming: each loop step of a program moves a tile of ~4096 elements of q (or k),
+    as many heads of as few tokens as fit, so that a thread issues a few 16-byte vector loads per step, the
+    cos/sin a thread keeps in registers (one token's channels) stay few, and the grid has many programs.
+    Llama-3-8B (16384 tokens, 32/8 heads, head_dim 128): 1 token x 32 q heads (x 8 k heads), 4 warps,
+    16384 programs, 80 registers per thread (ptxas, sm_90a); 4 tokens x 8 heads took 121.
+    scripts/tune_rope.py sweeps these on a GPU."""
+    tile_elems = 4096
     d = triton.next_power_of_2(max(head_dim, 2))
-    block_t = 4
-    heads_per_tile = max(1, 4096 // (block_t * d))
-    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), heads_per_tile)
-    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), heads_per_tile)
+    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), max(1, tile_elems // d))
+    block_t = max(1, tile_elems // (block_hq * d))
+    block_t = min(block_t, triton.next_power_of_2(max(n_tokens, 1)))
+    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
     return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
 
 
