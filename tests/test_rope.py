@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fused_kernels
-from tests.helpers import assert_close, poison_
+from helpers import assert_close, poison_
 
 rope_module = importlib.import_module("fused_kernels.rope")  # the module; `fused_kernels.rope` is the function
 
