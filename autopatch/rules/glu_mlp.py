@@ -137,13 +137,19 @@ class Verdict:
 
 
 def looks_like_glu_mlp(cls: type) -> bool:
-    init = vars(cls).get("__init__")
-    if init is None:
-        return False
-    try:
-        source = inspect.getsource(init)
-    except (OSError, TypeError):
-        return False
+    """Its __init__, or one it inherits and extends, mentions the gated-MLP projections."""
+    sources = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            sources.append(inspect.getsource(init))
+        except (OSError, TypeError):
+            continue
+    source = "\n".join(sources)
     return "down_proj" in source and ("gate_up_proj" in source or ("gate_proj" in source and "up_proj" in source))
 
 
@@ -160,6 +166,7 @@ def _build(cls, module):
         lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE), {}),
         lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, "silu"), {}),
         lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, _probe.HIDDEN, "silu"), {}),  # (in, hidden, out, act)
+        lambda: ((), {}),  # everything defaulted
     ]
     return _probe.try_build(cls, attempts)
 
