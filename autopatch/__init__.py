@@ -1,5 +1,5 @@
 """autopatch: fused Triton kernels put into Hugging Face Transformers models from environment
-variables alone. Public API: apply(model, **toggles), applied(), settings().
+variables alone. Public API: apply(model, **toggles), applied(), enable(), settings().
 
 This file is imported by the start-up .pth line in every interpreter of the environment, so it
 imports nothing heavy: the API functions load their modules on first call."""
@@ -22,6 +22,18 @@ def applied():
     return records()
 
 
+def enable():
+    """Register the import hooks now, as start-up does when FUSED_KERNELS / AUTOPATCH_* are set when
+    the interpreter starts. For variables set later in the process (a notebook's `%env`, or
+    os.environ in the script): modeling modules imported already are patched at once, later ones
+    as they load. Idempotent. A bad setting raises autopatch.config.ConfigError here."""
+    from autopatch._startup import start
+    from autopatch.config import load_settings
+
+    load_settings()  # raise to the caller now, rather than stop the program from the hook
+    start()
+
+
 def settings():
     """The validated settings from the environment / env file (autopatch.config.Settings)."""
     from autopatch.config import load_settings
@@ -29,4 +41,4 @@ def settings():
     return load_settings()
 
 
-__all__ = ["apply", "applied", "settings", "__version__"]
+__all__ = ["apply", "applied", "enable", "settings", "__version__"]

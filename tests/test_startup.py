@@ -324,3 +324,30 @@ def test_launcher_chains_to_shadowed_sitecustomize(tmp_path):
     out = run([PY, "-c", "import sitecustomize; print(sitecustomize.__file__)"],
               env=clean_env(PYTHONPATH=LAUNCHER), cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == str(LAUNCHER / "sitecustomize.py")
+
+
+# --------------------------------------------------------------------------- enable() after start-up
+ENABLE_LATE = """
+import os
+import transformers.models.llama.modeling_llama as llama   # imported before any variable was set
+import autopatch
+from autopatch import patching
+from autopatch.config import ConfigError
+os.environ["FUSED_KERNELS"] = "rms_nrom"
+try:
+    autopatch.enable()
+except ConfigError as exc:
+    print("raised:", exc)
+os.environ["FUSED_KERNELS"] = "rms_norm"                    # e.g. %env in a notebook
+autopatch.enable()
+print("patched:", patching.is_patched(llama.LlamaRMSNorm, "forward"))
+"""
+
+
+def test_enable_after_startup(tmp_path):
+    out = run([PY, script(tmp_path / "late.py", ENABLE_LATE)], env=clean_env(TRITON_INTERPRET="1"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("raised: FUSED_KERNELS (environment): unknown kernel 'rms_nrom'")
+    assert lines[1] == "patched: True"
+    assert "autopatch: modeling_llama: rms_norm (LlamaRMSNorm)" in out.stderr
