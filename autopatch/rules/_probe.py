@@ -241,6 +241,11 @@ def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
         except Exception as exc:  # noqa: BLE001 - next attempt
             errors.append(f"{type(exc).__name__}: {exc}")
             continue
+        tensors = list(instance.parameters()) + list(instance.buffers())
+        if any(t.device.type != "cpu" for t in tensors):
+            # built under a meta-device context (accelerate's init_empty_weights patches parameter
+            # registration): give it CPU storage; the probes overwrite every value they read
+            instance = instance.to_empty(device="cpu")
         return instance.float().eval(), None
     reason = errors[0] if errors else "no way to build it"
     return None, f"could not build a probe instance ({reason[:160]})"

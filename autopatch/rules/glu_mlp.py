@@ -84,8 +84,8 @@ def classify_activation(act) -> str | None:
         return None
     if not callable(act):
         return None
-    t = torch.cat((torch.linspace(-6.0, 6.0, 97, dtype=torch.float64),
-                   torch.tensor([-30.0, -15.0, 15.0, 30.0], dtype=torch.float64)))
+    t = torch.cat((torch.linspace(-6.0, 6.0, 97, dtype=torch.float64, device="cpu"),
+                   torch.tensor([-30.0, -15.0, 15.0, 30.0], dtype=torch.float64, device="cpu")))
     try:
         with torch.no_grad(), _probe.quiet():
             out = act(t.clone())
