@@ -234,17 +234,17 @@ class _Request:
     cwd: Path
     origins: dict[tuple, str] = dataclasses.field(default_factory=dict)
 
-    def env_file_choice(self) -> tuple[Path | None, str, bool]:
-        """(path, how it was chosen, whether it was named explicitly)."""
+    def env_file_choice(self) -> tuple[Path | None, str]:
+        """(path, how it was chosen). A named file must exist; the default one is read if it does."""
         if self.flags.get("env_file"):
-            return Path(self.flags["env_file"]), "--env-file", True
+            return Path(self.flags["env_file"]), "--env-file"
         named = self.environ.get("AUTOPATCH_ENV_FILE", "").strip()
         if named:
-            return Path(named), "AUTOPATCH_ENV_FILE (environment)", True
+            return Path(named), "AUTOPATCH_ENV_FILE (environment)"
         default = self.cwd / DEFAULT_ENV_FILE
         if default.is_file():
-            return default, f"./{DEFAULT_ENV_FILE}", False
-        return None, "", False
+            return default, f"./{DEFAULT_ENV_FILE}"
+        return None, ""
 
 
 _request: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("autopatch_config_request", default=None)
@@ -289,7 +289,7 @@ class _EnvFileSource(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        path, chosen_by, _explicit = self.request.env_file_choice()
+        path, chosen_by = self.request.env_file_choice()
         if path is None:
             return {}
         if not path.is_absolute():

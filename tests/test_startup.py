@@ -277,7 +277,7 @@ def test_run_flags_reach_env_file_and_report(tmp_path):
     sub = tmp_path / "sub"
     sub.mkdir()
     out = run([PY, "-m", "autopatch", "run", "--env-file", "../my.env", "--report", "r.json", "--strict",
-               "../p.py"], cwd=sub)
+               os.path.relpath(probe, sub)], cwd=sub)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout)
     assert seen["AUTOPATCH_ENV_FILE"] == str(envfile)  # absolute, for children in other directories
