@@ -22,6 +22,7 @@ from helpers import assert_close
 transformers = pytest.importorskip("transformers")
 
 from autopatch import patching, report  # noqa: E402
+from autopatch.rules import _causal_lm_loss as loss_runtime  # noqa: E402
 from autopatch.rules import loss as loss_rule  # noqa: E402
 from autopatch.rules._causal_lm_source import analyse_forward  # noqa: E402
 
@@ -403,9 +404,27 @@ def test_fallback_when_triton_cannot_run(kernels, monkeypatch, capsys):
     assert err.count("autopatch: cross_entropy:") == 1
 
 
-def test_lm_head_with_hooks_keeps_original_path(kernels, capsys):
+def test_float64_model_keeps_original_loss(kernels, capsys, monkeypatch):
+    """The kernels take fp32/bf16/fp16; a float64 model (debugging, references) runs the original."""
+    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    model = _build("llama").double()
+    ids, labels = _inputs()
+    ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    before = kernels.launch_counts()
+    out, grads = _train_step(model, input_ids=ids, labels=labels)
+    assert kernels.launch_counts() == before and out.logits is not None
+    assert torch.equal(out.loss, ref.loss)
+    for pname, ref_grad in ref_grads.items():
+        assert torch.equal(grads[pname], ref_grad), pname
+    err = capsys.readouterr().err
+    assert "dtype torch.float64" in err
+
+
+def test_lm_head_with_hooks_keeps_original_path(kernels, capsys, monkeypatch):
     """An lm_head that is not a plain nn.Linear call (here: a forward hook, as accelerate or FSDP
     add) is run as the model defines it; the loss is still the fused CE on the full logits."""
+    monkeypatch.setattr(loss_runtime, "_noticed", set())
     model = _build("llama")
     ids, labels = _inputs()
     seen = []

@@ -42,6 +42,8 @@ from autopatch import report
 from autopatch.rules._causal_lm_source import Transform
 
 CALL_ATTR = "_autopatch_flce_call"
+# what the kernels take (fused_kernels._utils.FLOAT_DTYPES); float64 models keep the original loss
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kernels():
@@ -93,9 +95,14 @@ def fused_causal_lm_loss(
     difference: a batch whose every target is ignored gives 0 (the kernel's convention), where
     ForCausalLMLoss's mean gives NaN."""
     fk = _kernels()
-    if not fk.triton_can_run(logits):
+    usable = logits.dtype in KERNEL_DTYPES
+    if not usable:
+        _notice_once("cross_entropy", f"logits of dtype {logits.dtype}; transformers' ForCausalLMLoss runs instead")
+    elif not fk.triton_can_run(logits):
+        usable = False
         if not torch.compiler.is_compiling():
             report.fallback_notice("cross_entropy", f"logits on {logits.device.type}")
+    if not usable:
         return _original_causal_lm_loss()(
             logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
@@ -290,8 +297,15 @@ def _start_fused_call(model, patch: LossPatch):
     lm_head = model._modules.get("lm_head")
     if not _plain_linear(lm_head):
         _notice_once(
+            "fused_linear_cross_entropy",
             f"{type(model).__name__}.lm_head is not a plain nn.Linear here (a subclass, hooks, accelerate "
-            "or FSDP wrapping); lm_head and the loss run as the model defines them"
+            "or FSDP wrapping); lm_head and the loss run as the model defines them",
+        )
+        return None
+    if lm_head.weight.dtype not in KERNEL_DTYPES:
+        _notice_once(
+            "fused_linear_cross_entropy",
+            f"lm_head weight of dtype {lm_head.weight.dtype}; lm_head and the loss run as the model defines them",
         )
         return None
     if not _kernels().triton_can_run(lm_head.weight):
@@ -301,8 +315,9 @@ def _start_fused_call(model, patch: LossPatch):
     values = logit_transform_values(model, patch.transforms)
     if values is None:
         _notice_once(
+            "fused_linear_cross_entropy",
             f"{type(model).__name__}: a logits scale or softcap is not a plain number; lm_head and the loss "
-            "run as the model defines them"
+            "run as the model defines them",
         )
         return None
     return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1])
@@ -311,15 +326,16 @@ def _start_fused_call(model, patch: LossPatch):
 _noticed: set[str] = set()
 
 
-def _notice_once(detail: str) -> None:
-    """One stderr line per distinct reason the fused linear CE did not apply (skipped while
-    torch.compile traces: printing would break the graph)."""
+def _notice_once(kernel: str, detail: str) -> None:
+    """One stderr line per distinct reason a fused loss did not apply for reasons other than where
+    Triton runs (report.fallback_notice covers those). Skipped while torch.compile traces: printing
+    would break the graph."""
     if torch.compiler.is_compiling() or detail in _noticed:
         return
     _noticed.add(detail)
     import sys
 
-    print(f"autopatch: fused_linear_cross_entropy: {detail}", file=sys.stderr)
+    print(f"autopatch: {kernel}: {detail}", file=sys.stderr)
 
 
 def make_lm_head_property():
