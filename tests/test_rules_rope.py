@@ -126,6 +126,30 @@ def test_rebound_function_matches_original(model, rotary, layout, dtype):
         assert_close(a, r, dtype, f"{model} {name}")
 
 
+@pytest.mark.parametrize("model,out_dtype", [("llama", torch.float32), ("cohere", torch.bfloat16)])
+def test_mixed_dtypes_follow_the_original(model, out_dtype):
+    """bf16 q/k with fp32 cos/sin (autocast): Llama's maths promotes to fp32, Cohere's returns q's
+    dtype; the patched function does the same, through the kernel."""
+    module = modeling(model)
+    RULE.patch_module(module, everything)
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 4, 5, 16, generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 2, 5, 16, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 5, 16, generator=gen)
+    grads = (torch.randn(2, 4, 5, 16, generator=gen).to(out_dtype), torch.randn(2, 2, 5, 16, generator=gen).to(out_dtype))
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    out = _run(getattr(module, TARGET), q, k, cos, sin, grads)
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) > before
+    ref = _run(original, q, k, cos, sin, grads)
+    # outputs in the original's dtype; gradients of the bf16 leaves in bf16
+    for name, a, r, tol_dtype in zip(("q_out", "k_out", "q.grad", "k.grad"), out, ref,
+                                     (out_dtype, out_dtype, torch.bfloat16, torch.bfloat16)):
+        assert a.dtype == r.dtype
+        assert_close(a, r, tol_dtype, f"{model} {name}")
+    assert out[0].dtype == out_dtype
+
+
 def test_sizes_the_probe_did_not_see_run_the_original():
     """gpt_oss takes only half-size cos: a full-size cos goes to the original (which raises as it
     always did); float64 goes to the original too (the kernel does not take it)."""

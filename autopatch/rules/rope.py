@@ -130,6 +130,10 @@ class Verdict:
     reason: str = ""
     rest_params: tuple = ()  # names after (q, k, cos, sin), in order
     defaults: tuple = ()  # ((name, default), ...)
+    # when cos/sin have another dtype than q/k (fp32 tables, bf16 q under autocast): "promote" (the
+    # original returns torch's promoted dtype, Llama), "keep" (it returns q's dtype, Cohere), or
+    # "original" (something else: such calls run the original function)
+    mixed: str = "original"
 
     def describe(self) -> str:
         if self.variant is None:
@@ -158,8 +162,9 @@ def _signature(fn) -> tuple[str, tuple, tuple]:
 
 
 def _probe_calls(rest_params):
-    """(size_key, kwargs-maker) for every probe: three cos sizes x the head layouts the function
-    takes. q: 3 heads, k: 1 head (GQA), head size 16, batch 2, 5 positions."""
+    """(rotary size, unsqueeze_dim) of every probe: cos/sin covering all, half and a quarter of the
+    head, in each head layout the function takes. q: 3 heads, k: 1 head (GQA), head size 16,
+    batch 2, 5 positions, cos/sin (batch, seq, rotary)."""
     layouts = [1, 2] if "unsqueeze_dim" in rest_params else [1]
     return [(rotary, unsqueeze_dim) for rotary in (16, 8, 4) for unsqueeze_dim in layouts]
 
@@ -220,12 +225,31 @@ def detect(fn) -> Verdict:
         for spec in _VARIANTS:
             if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
                 matches.append(spec)
+        mixed = _mixed_dtype_behaviour(fn, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
     sizes = frozenset(taken)
     if len(matches) == 1:
-        return Verdict(matches[0], sizes, "", rest, defaults)
+        return Verdict(matches[0], sizes, "", rest, defaults, mixed)
     if not matches:
         return Verdict(None, sizes, "matches no rotary variant (" + ", ".join(s.name for s in _VARIANTS) + ")")
     return Verdict(None, sizes, "ambiguous: matches " + ", ".join(s.name for s in matches))
+
+
+def _mixed_dtype_behaviour(fn, case) -> str:
+    """Run the original with float32 q/k and float64 cos/sin and see what dtype comes back."""
+    (q, k, cos, sin, unsqueeze_dim), _ = case
+    kwargs = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": unsqueeze_dim}
+    try:
+        out = _pair(fn(q.float(), k.float(), cos, sin, **kwargs))
+    except Exception:  # noqa: BLE001
+        return "original"
+    if out is None:
+        return "original"
+    dtypes = {t.dtype for t in out}
+    if dtypes == {torch.float64}:
+        return "promote"
+    if dtypes == {torch.float32}:
+        return "keep"
+    return "original"
 
 
 def _matches(spec, args, out) -> bool:
@@ -254,20 +278,19 @@ def _kernel_takes(q, k, cos, sin, unsqueeze_dim) -> bool:
     (float64, other ranks, a head layout we did not probe) runs the original function."""
     if not all(isinstance(t, torch.Tensor) and t.dtype in _FLOAT_DTYPES for t in (q, k, cos, sin)):
         return False
-    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() not in (2, 3):
+    # cos/sin (batch, seq, rot) as probed; a 2-D cos would broadcast against heads in HF's maths
+    if unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
         return False
     if q.shape[-1] != k.shape[-1] or cos.shape != sin.shape or cos.shape[-1] > q.shape[-1]:
         return False
     seq_dim = 2 if unsqueeze_dim == 1 else 1
     if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim]:
         return False
-    if cos.shape[-2] not in (1, q.shape[seq_dim]):
-        return False
-    return cos.dim() == 2 or cos.shape[0] in (1, q.shape[0])
+    return cos.shape[1] in (1, q.shape[seq_dim]) and cos.shape[0] in (1, q.shape[0])
 
 
 def make_wrapper(original: Callable, verdict: Verdict):
-    spec, sizes = verdict.variant, verdict.sizes
+    spec, sizes, mixed = verdict.variant, verdict.sizes, verdict.mixed
     rest_params, defaults = verdict.rest_params, dict(verdict.defaults)
 
     @functools.wraps(original)
@@ -280,10 +303,16 @@ def make_wrapper(original: Callable, verdict: Verdict):
         unsqueeze_dim = values.get("unsqueeze_dim", 1)
         if not _kernel_takes(q, k, cos, sin, unsqueeze_dim) or size_class(cos.shape[-1], q.shape[-1]) not in sizes:
             return original(q, k, cos, sin, *args, **kwargs)
+        if (cos.dtype != q.dtype or cos.dtype != k.dtype) and (mixed == "original" or q.dtype != k.dtype):
+            return original(q, k, cos, sin, *args, **kwargs)
         fk = _kernels()
         if not fk.triton_can_run(q, k, cos, sin):
             fallback_notice(KERNEL, f"apply_rotary_pos_emb got {q.device.type} tensors")
             return original(q, k, cos, sin, *args, **kwargs)
+        if mixed == "promote" and cos.dtype != q.dtype:
+            # the original computes, and returns, in torch's promoted dtype (bf16 q, fp32 cos -> fp32)
+            q = q.to(torch.promote_types(q.dtype, cos.dtype))
+            k = k.to(torch.promote_types(k.dtype, cos.dtype))
         cos, sin = spec.prepare(cos, sin, q.shape[-1])
         if spec.interleaved:
             return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
