@@ -318,7 +318,13 @@ def test_kernels_toggle_separately(kernels):
     assert_close(out.loss, ref.loss, FP32, "CE-only loss")
     for pname, ref_grad in ref_grads.items():
         assert_close(grads[pname], ref_grad, FP32, f"CE-only grad {pname}")
+    # a later call that also turns the fused linear CE on adds it to the same class
+    records = loss_rule.RULE.patch_module(module, ALL_ON)
+    assert all(r.patched for r in records) and cls.forward is not original_forward
+    out, _ = _train_step(model, input_ids=ids, labels=labels)
+    assert out.logits is None and _launches(kernels, "fused_linear_cross_entropy") > flce
     patching.restore_all()
+    assert cls.forward is original_forward and "lm_head" not in vars(cls)
 
     # fused_linear_cross_entropy only: eval keeps transformers' own loss
     records = loss_rule.RULE.patch_module(module, lambda k: k == "fused_linear_cross_entropy")
