@@ -122,9 +122,12 @@ def _build(cls: type, module: ModuleType):
 
 def _run(fn, *args):
     try:
-        return fn(*args), None
+        out = fn(*args)
     except Exception as exc:  # noqa: BLE001 - the probe reports it
         return None, _probe.describe_exc(exc)
+    if not isinstance(out, torch.Tensor):
+        return None, f"returned {type(out).__name__}, not a tensor"
+    return out, None
 
 
 def detect(cls: type, module: ModuleType) -> Verdict:
