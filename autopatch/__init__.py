@@ -27,10 +27,13 @@ def enable():
     the interpreter starts. For variables set later in the process (a notebook's `%env`, or
     os.environ in the script): modeling modules imported already are patched at once, later ones
     as they load. Idempotent. A bad setting raises autopatch.config.ConfigError here."""
-    from autopatch._startup import start
     from autopatch.config import load_settings
 
     load_settings()  # raise to the caller now, rather than stop the program from the hook
+    # Imported only after validation: importing _startup with a variable set registers the hooks,
+    # and the hook on an already-imported transformers would stop the program instead of raising.
+    from autopatch._startup import start
+
     start()
 
 

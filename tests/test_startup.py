@@ -9,6 +9,8 @@ import json
 import os
 import re
 import subprocess
+import time
+import sysconfig
 import sys
 import textwrap
 from pathlib import Path
@@ -49,19 +51,30 @@ LIST_MODULES = ("import sys, json; print(json.dumps(sorted(m for m in sys.module
 def test_no_variable_imports_nothing_and_is_fast(tmp_path):
     out = run([PY, "-c", LIST_MODULES], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == ["autopatch", "autopatch._startup"]
+    assert json.loads(out.stdout) == []  # the .pth line checks os.environ and imports nothing
     assert out.stderr == ""
-    # -X importtime: cumulative microseconds of `import autopatch._startup` (the .pth line), best
-    # of a few runs. Wall time on a shared machine inflates with the run queue, so the 5 ms bound
-    # is scaled by the load per CPU when that exceeds 1 (unloaded, it measures ~2 ms here).
+    # The installed .pth line is what every idle interpreter pays: time it in-process, best of a
+    # few batches (wall time on a shared machine inflates with the run queue: scale by the load).
+    pth = Path(sysconfig.get_paths()["purelib"]) / "autopatch.pth"
+    line = pth.read_text(encoding="utf-8").strip()
+    assert line.startswith("import ") and "autopatch._startup" in line
     load = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-    costs = []
-    for _ in range(5):
-        timed = run([PY, "-X", "importtime", "-c", "pass"], cwd=tmp_path)
-        match = re.search(r"import time:\s+\d+ \|\s+(\d+) \|\s+autopatch\._startup$", timed.stderr, re.M)
-        assert match, timed.stderr[-2000:]
-        costs.append(int(match.group(1)))
-    assert min(costs) < 5000 * load, f"start-up costs {costs} us, want < 5000 us x load {load:.1f}"
+    code = compile(line, str(pth), "exec")
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        costs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(100):
+                exec(code, {})
+            costs.append((time.perf_counter() - t0) / 100)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert min(costs) < 0.005 * load, f"the .pth line costs {min(costs) * 1e3:.3f} ms, want < 5 ms x load {load:.1f}"
 
 
 def test_variable_set_but_no_transformers_loads_no_settings(tmp_path):
