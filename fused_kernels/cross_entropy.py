@@ -455,13 +455,16 @@ def grad_coef(target: torch.Tensor, ignore_index: int, reduction: str, divisor: 
     if divisor_value >= 0:  # num_items_in_batch given as a number
         return torch.full((1,), 1.0 / divisor_value if divisor_value else 0.0, dtype=torch.float32, device=device)
     if reduction == "mean":
-        count = (target != ignore_index).sum().to(torch.float32).reshape(1)
-        return 1.0 / count.clamp(min=1.0)
+        count = (target != ignore_index).sum(dtype=torch.float32).reshape(1)
+        return count.clamp_(min=1.0).reciprocal_()
     return torch.ones((1,), dtype=torch.float32, device=device)
 
 
 def raise_if_flagged(flag: torch.Tensor, target: torch.Tensor, v: int, ignore_index: int) -> None:
-    """The one host sync of the forward: did any kernel see a target outside [0, V)?"""
+    """The one host sync of the forward: did any kernel see a target outside [0, V)? Skipped while a
+    CUDA graph is being captured (no sync allowed there; such rows count as ignored)."""
+    if flag.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     if int(flag.item()):
         bad = target[(target != ignore_index) & ((target < 0) | (target >= v))]
         raise ValueError(

@@ -350,7 +350,7 @@ def test_gpu_real_size_accuracy_memory_time(path):
             weight.grad = None
             fused_kernels.fused_linear_cross_entropy(hidden, weight, target).backward()
 
-        ms = triton.testing.do_bench(step, warmup=2, rep=20)
+        ms = triton.testing.do_bench(step, warmup=50, rep=400)
 
     # fp32 reference, chunk by chunk to fit.
     w32 = weight.detach().float()
