@@ -485,7 +485,9 @@ def require_triton(op: str, *tensors: torch.Tensor) -> None:
 def reduce_loss(loss_rows: torch.Tensor, coef: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return loss_rows
-    return (loss_rows.sum() * coef).reshape(())
+    # .sum() of the 1-element product, not .reshape(()): a custom op must not return a view (an
+    # in-place `loss += aux_loss`, as MoE models do, would be refused by autograd).
+    return (loss_rows.sum() * coef).sum()
 
 
 # ----------------------------------------------------------------------------------------------
