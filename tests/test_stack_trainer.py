@@ -1,0 +1,91 @@
+"""Hugging Face Trainer with autopatch: a tiny Llama trained 2 optimizer steps (batch 2, gradient
+accumulation 2, variable-length padded batches with ignored labels) by tests/stack_worker.py.
+
+  - plain, in this process (nothing patched, no kernel runs): the reference;
+  - FUSED_KERNELS=all in a fresh process that imports nothing from autopatch: same per-step losses and
+    final parameters (float32: 1e-5 relative), the fused linear CE and the other kernels ran, so
+    Trainer's num_items_in_batch (counted over both micro-batches) reached the fused loss;
+  - autopatch.apply(trainer.model, **liger_kernel_config) in this process, with a config that takes
+    the fused cross_entropy instead of the fused linear CE: the same again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stack_worker
+from helpers import assert_close
+from test_e2e_env import clean_env
+
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+REPO = Path(__file__).resolve().parents[1]
+F32 = torch.float32
+# What a user passes as TrainingArguments(liger_kernel_config=...): the fused CE on the full logits here,
+# so the in-process run covers the other loss path than FUSED_KERNELS=all's fused linear CE.
+LIGER_KERNEL_CONFIG = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": True,
+                       "fused_linear_cross_entropy": False}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    from autopatch import patching
+
+    patching.restore_all()  # a plain reference whatever ran before in this process
+    result = stack_worker.train_with_trainer(str(tmp_path_factory.mktemp("plain")))
+    assert result["launches"] == {}, "the plain Trainer run must not touch the kernels"
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["accepts_loss_kwargs"], "Trainer must pass num_items_in_batch to the model"
+    return result
+
+
+def assert_same_training(got: dict, ref: dict, what: str) -> None:
+    assert len(got["losses"]) == len(ref["losses"]), f"{what}: {got['losses']} vs {ref['losses']}"
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        assert_close(torch.tensor(a), torch.tensor(b), F32, f"{what}: loss of step {step}")
+    assert set(got["params"]) == set(ref["params"])
+    for name, value in ref["params"].items():
+        assert_close(got["params"][name], value, F32, f"{what}: parameter {name} after training")
+
+
+def test_trainer_patched_by_environment_alone(plain, tmp_path):
+    out = tmp_path / "trainer.pt"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "stack_worker.py"), "trainer", str(out), str(tmp_path / "run")],
+        env=clean_env(FUSED_KERNELS="all"), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
+    got = torch.load(out, weights_only=False)
+    assert_same_training(got, plain, "Trainer, FUSED_KERNELS=all")
+    assert got["accepts_loss_kwargs"], "the patched forward must keep the signature Trainer inspects"
+    launches = got["launches"]
+    # 2 steps x 2 micro-batches: every one through the fused linear CE, forward and backward
+    assert launches.get("fused_linear_cross_entropy_fwd") == 4, launches
+    assert launches.get("fused_linear_cross_entropy_bwd") == 4, launches
+    for kernel in ("rms_norm", "rope", "swiglu"):
+        assert launches.get(f"{kernel}_fwd", 0) > 0 and launches.get(f"{kernel}_bwd", 0) > 0, (kernel, launches)
+    patched = {r["kernel"] for r in got["records"] if r["patched"] and r["module"].endswith("modeling_llama")}
+    assert patched >= {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"}, patched
+    assert "autopatch: modeling_llama:" in proc.stderr
+
+
+def test_trainer_model_with_apply_liger_kernel_config(plain, tmp_path):
+    from autopatch import patching
+
+    try:
+        got = stack_worker.train_with_trainer(str(tmp_path), apply_config=LIGER_KERNEL_CONFIG)
+    finally:
+        patching.restore_all()
+    assert_same_training(got, plain, "Trainer, autopatch.apply(trainer.model, **liger_kernel_config)")
+    launches = got["launches"]
+    assert launches.get("cross_entropy_fwd") == 4 and launches.get("cross_entropy_bwd") == 4, launches
+    assert "fused_linear_cross_entropy_fwd" not in launches, "fused_linear_cross_entropy=False in the config"
+    for kernel in ("rms_norm", "rope", "swiglu"):
+        assert launches.get(f"{kernel}_fwd", 0) > 0, (kernel, launches)
