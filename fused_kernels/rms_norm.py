@@ -28,8 +28,15 @@ forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the ta
 held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
 second sweep reading from L2 (and the backward read-modify-writes its partial dw row there).
 
-Launch shapes come from one function, `launch_config(n_cols, backward)`, driven by the small tables
-_FWD_TABLE/_BWD_TABLE and the long-row configs _FWD_LONG/_BWD_LONG: the knobs to tune on a GPU.
+Launch shapes. On a GPU, triton.autotune picks rows per tile, warps, single-pass vs chunked and
+(backward) persistent programs per SM among `candidate_configs`, keyed on the row length, the casting
+mode, the dtypes and the row count's power-of-two bucket; the first call per key times the candidates
+(about a second), later calls reuse the winner. Under the CPU interpreter the small tables
+_FWD_TABLE/_BWD_TABLE/_FWD_LONG/_BWD_LONG give one config per row length (`heuristic_config`).
+`launch_config` says which applies; replacing it forces a config (tests, scripts/tune_rms_norm.py).
+
+Dispatch: eager calls go through a torch.autograd.Function (a few µs of Python), torch.compile traces
+the custom ops fused_kernels::rms_norm_fwd / rms_norm_bwd; both run `_forward_impl` / `_backward_impl`.
 "none" casting: see above; weight None: y = x·r in x.dtype, no dw.
 """
 
@@ -44,14 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on
 
 CASTING_MODES = ("llama", "gemma", "none")
 _CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
 
 
 # ----------------------------------------------------------------------------------------------
-# Launch configuration: the one place to tune.
+# Launch configuration
 # ----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -59,16 +66,27 @@ class LaunchConfig:
     block_n: int  # columns per load (a power of two)
     rows: int  # rows per tile (a power of two): many for short rows, so each load is big enough
     num_warps: int
-    programs_per_sm: float  # backward only: persistent programs per SM (each writes one dw partial)
+    # Persistent programs per SM (the backward always: each program writes one dw partial row; the
+    # forward when > 0, else one program per tile).
+    programs_per_sm: float
     # False: block_n >= n_cols and the row is held in registers (x read once per kernel).
     # True: the row is swept twice in chunks of block_n columns (second sweep from L2).
     chunked: bool = False
+    # Software pipelining of the tile (or chunk) loop: num_stages - 1 tiles in flight (1: none).
+    num_stages: int = 1
 
     @property
     def tile(self) -> int:
         return self.block_n * self.rows
 
+    def meta(self) -> dict:
+        """The kernel's constexpr arguments that this config sets."""
+        return dict(BLOCK_N=self.block_n, ROWS=self.rows, SINGLE_PASS=not self.chunked,
+                    PROGRAMS_PER_SM=self.programs_per_sm, NUM_STAGES=self.num_stages)
 
+
+# The heuristic tables: what the CPU interpreter runs (one config per row length, so it stays fast),
+# and the reference the autotuned configs are compared with in scripts/tune_rms_norm.py.
 # Forward: (largest n_cols, rows per tile, num_warps); backward adds persistent programs per SM.
 # The block is n_cols rounded up to a power of two, so the whole row sits in registers and x is read
 # once. Sizing rule behind the numbers: 2–4 K elements per tile for short rows (8 KiB of bf16 per load
@@ -105,13 +123,14 @@ _BWD_LONG = LaunchConfig(block_n=16384, rows=1, num_warps=32, programs_per_sm=1,
 L2_BUDGET_BYTES = 32 * 2**20
 
 
-def launch_config(n_cols: int, backward: bool) -> LaunchConfig:
-    """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length."""
+def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
+    """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
+    from the tables above."""
     block_n = max(16, triton.next_power_of_2(n_cols))
     if backward:
         for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
             if n_cols <= max_cols:
-                return LaunchConfig(block_n, rows, num_warps, per_sm)
+                return LaunchConfig(block_n, rows, num_warps, per_sm, num_stages=2)
         return _BWD_LONG
     for max_cols, rows, num_warps in _FWD_TABLE:
         if n_cols <= max_cols:
@@ -119,15 +138,132 @@ def launch_config(n_cols: int, backward: bool) -> LaunchConfig:
     return _FWD_LONG
 
 
-def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
-    """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
-    n_tiles = triton.cdiv(n_rows, cfg.rows)
-    programs = max(1, int(cfg.programs_per_sm * sm_count))
-    if cfg.chunked:
+def launch_config(n_cols: int, backward: bool) -> Optional[LaunchConfig]:
+    """The config a launch must use, or None to let triton.autotune choose among `candidate_configs`
+    (on a GPU, where the best choice depends on the chip). The interpreter always gets the heuristic
+    config: one program shape per row length keeps CPU tests fast. Tests and scripts/tune_rms_norm.py
+    replace this function to force a config."""
+    return heuristic_config(n_cols, backward) if interpreter_on() else None
+
+
+# Autotuning: the candidate space. Rows up to these lengths may be held whole in registers (the
+# backward holds ~4 arrays per element, the forward ~2); longer rows go through the chunked path,
+# which is also tried from _CHUNKED_FROM columns on, so the autotuner compares both where they meet.
+_SINGLE_PASS_MAX = {False: 16384, True: 8192}
+_CHUNKED_FROM = 8192
+_CHUNK_BLOCKS = (4096, 8192, 16384)
+_MAX_PROGRAMS_PER_SM = 4
+
+
+def _regs_per_thread(per_thread: int, rows: int, num_stages: int, backward: bool) -> int:
+    """Registers per thread, rounded up from sm_90a compiles (bf16, llama casting, triton 3.9; see
+    scripts/check_sm90.py), by fp32 values per thread per held array."""
+    if backward:
+        if rows > 1:
+            return 128
+        if per_thread <= 8:
+            return 64 if num_stages <= 2 else 80
+        return 96
+    return 64 if per_thread <= 16 else 80
+
+
+def _resident_programs(cfg: LaunchConfig, backward: bool) -> int:
+    """Persistent programs per SM that surely fit at once (registers, threads, shared memory for the
+    pipelined tiles of fp32-sized inputs), 1..4: a persistent grid larger than what fits would run
+    in two unequal waves, so this errs low (the pipelining keeps the loads in flight)."""
+    threads = 32 * cfg.num_warps
+    per_thread = cfg.tile // threads
+    by_regs = 65536 // (_regs_per_thread(per_thread, cfg.rows, cfg.num_stages, backward) * threads)
+    arrays = 2 if backward else 1
+    shared = (max(cfg.num_stages, 2) - 1) * cfg.tile * 4 * arrays + cfg.tile * 4
+    by_shared = (227 * 1024) // shared
+    return max(1, min(by_regs, 2048 // threads, by_shared, _MAX_PROGRAMS_PER_SM))
+
+
+def candidate_configs(backward: bool) -> list[LaunchConfig]:
+    """Every config the autotuner may try, for all row lengths; `_prune` keeps those that fit one.
+
+    Single pass (block_n = n_cols rounded up to a power of two): one row per tile with 8, 16 (and,
+    forward only, 32) fp32 values per thread, or several rows stacked into a 2–4 K element tile for
+    short rows. The forward tries one program per tile and a persistent grid whose tile loop Triton
+    pipelines (3 stages); the backward is always persistent, with 2 or 4 stages. Chunked: 4–16 K
+    column chunks with 8 or 16 values per thread, chunk loops pipelined or not."""
+    shapes = []  # (block_n, rows, num_warps, chunked)
+    block_n = 16
+    while block_n <= _SINGLE_PASS_MAX[backward]:
+        rows = 1
+        while rows == 1 or rows * block_n <= 4096:
+            tile = rows * block_n
+            if rows == 1 or tile >= 2048:
+                for num_warps in (1, 2, 4, 8, 16, 32):
+                    per_thread = tile // (32 * num_warps)
+                    allowed = (8, 16) if (backward or rows > 1) else (8, 16, 32)
+                    if per_thread in allowed and _regs_per_thread(per_thread, rows, 2, backward) * num_warps <= 2048:
+                        shapes.append((block_n, rows, num_warps, False))
+            rows *= 2
+        block_n *= 2
+    for block_n in _CHUNK_BLOCKS:
+        for num_warps in (8, 16, 32):
+            if block_n // (32 * num_warps) in (8, 16):
+                shapes.append((block_n, 1, num_warps, True))
+    out = []
+    for block_n, rows, num_warps, chunked in shapes:
+        if chunked:
+            stage_choices = (1, 3)
+        elif backward:
+            stage_choices = (2, 4)
+        else:
+            stage_choices = (1, 3)  # 1: one program per tile; 3: persistent and pipelined
+        for num_stages in stage_choices:
+            cfg = LaunchConfig(block_n, rows, num_warps, 0, chunked, num_stages)
+            persistent = backward or (num_stages > 1 and not chunked)
+            per_sm = _resident_programs(cfg, backward) if persistent else 0
+            out.append(dataclasses.replace(cfg, programs_per_sm=per_sm))
+    return out
+
+
+def _fits(meta: dict, n_cols: int) -> bool:
+    if meta["SINGLE_PASS"]:
+        return meta["BLOCK_N"] == max(16, triton.next_power_of_2(n_cols))
+    return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
+
+
+def _prune(configs, named_args, **kwargs):
+    """triton.autotune's early_config_prune: the candidates for this row length (and, for few rows,
+    no more rows per tile than there are rows)."""
+    n_cols, row_bucket = named_args["n_cols"], named_args["row_bucket"]
+    fitting = [c for c in configs if _fits(c.kwargs, n_cols)]
+    few_rows = [c for c in fitting if c.kwargs["ROWS"] <= row_bucket]
+    if few_rows:
+        return few_rows
+    least = min(c.kwargs["ROWS"] for c in fitting)
+    return [c for c in fitting if c.kwargs["ROWS"] == least]
+
+
+def _row_bucket(n_rows: int) -> int:
+    """Part of the autotuning key: the row count rounded up to a power of two (16 .. 65536), so that
+    the choice is remade when the grid's size class changes, not for every new batch shape."""
+    return min(max(16, triton.next_power_of_2(n_rows)), 65536)
+
+
+def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int, bytes_per_col: int,
+              sm_count: int) -> int:
+    """Grid size: one program per tile when per_sm is 0, else a persistent grid of about per_sm
+    programs per SM (never more than tiles; chunked backward: capped by the L2 budget)."""
+    n_tiles = triton.cdiv(n_rows, rows)
+    if per_sm <= 0:
+        return n_tiles
+    programs = max(1, int(per_sm * sm_count))
+    if chunked and bytes_per_col:
         programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
     programs = min(programs, n_tiles)
-    # Same number of sweeps with fewer programs where possible: fewer dw partial rows to sum.
+    # Same number of sweeps with fewer programs where possible (fewer dw partial rows to sum).
     return triton.cdiv(n_tiles, triton.cdiv(n_tiles, programs))
+
+
+def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
+    """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
+    return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,50 +331,65 @@ def _normalised_output(x, rstd, w_eff, X, CASTING: tl.constexpr, HAS_WEIGHT: tl.
     return xhat
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["row_bucket"])
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     n_rows, n_cols, stride_x, stride_y,
     eps, offset,
+    row_bucket,  # not read: part of the autotuning key only (see _row_bucket)
     CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # not read: 0 = one tile per program, else sizes a persistent grid
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop (1: none)
 ):
-    # One tile of ROWS rows per program: no cross-row state, so a plain grid balances best.
+    # Tiles of ROWS rows; program p takes tiles p, p + P, p + 2P, ... (P programs: one per tile, or a
+    # persistent grid whose loop Triton pipelines, loading later tiles while this one is stored).
     pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
-    x_rows = X + rows.to(tl.int64)[:, None] * stride_x
-    y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
     cols = tl.arange(0, BLOCK_N)
     if SINGLE_PASS:
         col_mask = cols < n_cols
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        # The weight is loaded before x, so that its (L2) latency overlaps x's (DRAM) latency; loaded
+        # after the row's reduction, it added a second round trip to every program (sm_90a SASS).
         w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-        y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
-        tl.store(y_rows + cols[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+        for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+            y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
+            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16),
+                     mask=mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
         # Long rows: sum of squares over column chunks, then a second sweep that re-reads x
         # (kept in L2 by the first sweep's eviction hint) to write y.
-        sq = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c < n_cols)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
-            x = x.to(tl.float32)
-            sq += x * x
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / n_cols + eps)
-        for start in range(0, n_cols, BLOCK_N):
-            c = start + cols
-            col_mask = c < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
-            x = x.to(tl.float32)
-            w_eff = _effective_weight(W, c, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-            y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
-            tl.store(y_rows + c[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            x_rows = X + rows.to(tl.int64)[:, None] * stride_x
+            y_rows = Y + rows.to(tl.int64)[:, None] * stride_y
+            sq = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
+                x = x.to(tl.float32)
+                sq += x * x
+            rstd = tl.rsqrt(tl.sum(sq, axis=1) / n_cols + eps)
+            for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
+                x = x.to(tl.float32)
+                w_eff = _effective_weight(W, c, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+                y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
+                tl.store(y_rows + c[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -254,27 +405,16 @@ def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.con
     return xhat, g, h
 
 
-@triton.jit
-def _load_tile(X, DY, RSTD, tile, n_rows, n_cols, stride_x, stride_dy, cols, ROWS: tl.constexpr):
-    """x and dy (in their own dtypes) and rstd of one tile; rows past the end load as 0, so a
-    tile index past the last tile costs no memory traffic."""
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & (cols < n_cols)[None, :]
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    return x, dy, rstd
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["row_bucket"])
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     n_rows, n_cols, stride_dy, stride_x, stride_dx,
     offset,
+    row_bucket,  # not read: part of the autotuning key only (see _row_bucket)
     CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr,  # not read: sizes the persistent grid (see _backward_impl)
+    NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop (1: none)
 ):
     # Persistent: program p takes tiles p, p + P, p + 2P, ... and sums its rows' dy·h into one
     # fp32 partial row DW_PARTIAL[p, :]; the host sums the P partial rows afterwards.
@@ -287,23 +427,21 @@ def _rms_norm_bwd_kernel(
         col_mask = cols < n_cols
         w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
         dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        # Software prefetch: the loads of the next tile are issued before this tile's arithmetic
-        # and stores, so each program keeps two tiles of x and dy in flight.
-        x_next, dy_next, rstd_next = _load_tile(X, DY, RSTD, pid, n_rows, n_cols, stride_x, stride_dy, cols, ROWS)
-        for tile in range(pid, n_tiles, n_programs):
-            x, dy, rstd = x_next, dy_next, rstd_next
-            x_next, dy_next, rstd_next = _load_tile(
-                X, DY, RSTD, tile + n_programs, n_rows, n_cols, stride_x, stride_dy, cols, ROWS
-            )
+        # Triton pipelines this loop (NUM_STAGES - 1 tiles of x and dy in flight through shared
+        # memory, cp.async on sm_80+), which costs fewer registers than prefetching into registers.
+        for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
             rows = tile * ROWS + tl.arange(0, ROWS)
-            mask = (rows < n_rows)[:, None] & col_mask[None, :]
-            x = x.to(tl.float32)
-            dy = dy.to(tl.float32)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             xhat, g, h = _grad_terms(x, dy, rstd, w_eff, X, CASTING, EXACT_BF16)
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = rstd[:, None] * (g - xhat * c[:, None])
             dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
-            tl.store(DX + rows.to(tl.int64)[:, None] * stride_dx + cols[None, :], dx, mask=mask)
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx, mask=mask)
             if COMPUTE_DW:
                 dw_acc += dy * h
         if COMPUTE_DW:
@@ -319,7 +457,7 @@ def _rms_norm_bwd_kernel(
             dy_rows = DY + rows64[:, None] * stride_dy
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
+            for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
                 c_idx = start + cols
                 col_mask = c_idx < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -329,7 +467,7 @@ def _rms_norm_bwd_kernel(
                 xhat, g, h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16)
                 acc += g * xhat
             c = tl.sum(acc, axis=1) / n_cols
-            for start in range(0, n_cols, BLOCK_N):
+            for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
                 c_idx = start + cols
                 col_mask = c_idx < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -348,7 +486,33 @@ def _rms_norm_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: shapes, dtypes, launches
+# Autotuned launchers (GPU). The kernels write only their outputs (y, rstd; dx and the dw partial
+# rows, each stored before it is read back), so the autotuner's benchmark runs cannot corrupt them:
+# no reset_to_zero / restore_value needed.
+# ----------------------------------------------------------------------------------------------
+
+def _autotuned(kernel, backward: bool):
+    key = ["n_cols", "row_bucket", "CASTING", "HAS_WEIGHT"] + (["COMPUTE_DW"] if backward else [])
+    return triton.autotune(
+        configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
+                 for c in candidate_configs(backward)],
+        key=key,  # the dtypes of the tensor arguments are part of every autotuning key
+        prune_configs_by={"early_config_prune": _prune},
+    )(kernel)
+
+
+_rms_norm_fwd_tuned = _autotuned(_rms_norm_fwd_kernel, backward=False)
+_rms_norm_bwd_tuned = _autotuned(_rms_norm_bwd_kernel, backward=True)
+
+
+def autotuned_config(backward: bool) -> Optional[triton.Config]:
+    """The config the autotuner used in its latest launch (None before the first one)."""
+    return getattr(_rms_norm_bwd_tuned if backward else _rms_norm_fwd_tuned, "best_config", None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: shapes, dtypes, launches (one implementation, called by the custom ops and by the
+# eager autograd.Function alike)
 # ----------------------------------------------------------------------------------------------
 
 def output_dtype(x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], casting_mode: str) -> torch.dtype:
@@ -377,31 +541,108 @@ def _row_stride(t2: torch.Tensor) -> int:
     return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
 
 
+def _forward_impl(
+    x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32, shape x.shape[:-1]."""
+    out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
+    y = _new_output(x.shape, out_dtype, x.device)
+    rstd = _new_output(x.shape[:-1], torch.float32, x.device)
+    x2 = _rows_view(x)
+    n_rows, n_cols = x2.shape
+    if n_rows == 0:
+        return y, rstd
+    count_launch("rms_norm_fwd")
+    args = (
+        x2, x2 if weight is None else weight, y, rstd,
+        n_rows, n_cols, _row_stride(x2), n_cols,
+        eps, offset, _row_bucket(n_rows),
+    )
+    flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None)
+    cfg = launch_config(n_cols, backward=False)
+    if cfg is None:
+        sm_count = _sm_count(x.device.type, x.device.index)
+
+        def grid(meta):
+            return (_programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], False, n_rows, n_cols, 0, sm_count),)
+
+        _rms_norm_fwd_tuned[grid](*args, **flags, EXACT_BF16=False)
+    else:
+        programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0,
+                             _sm_count(x.device.type, x.device.index))
+        _rms_norm_fwd_kernel[(programs,)](
+            *args, **flags, EXACT_BF16=interpreter_on(), **cfg.meta(), num_warps=cfg.num_warps
+        )
+    return y, rstd
+
+
+def _backward_impl(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    compute_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
+    False. One kernel launch, plus torch's sum over the dw partial rows (and a cast when weight is
+    not fp32); nothing else touches full-size tensors."""
+    compute_dw = compute_dw and weight is not None
+    dx = _new_output(x.shape, x.dtype, x.device)
+    x2 = _rows_view(x)
+    dy2 = _rows_view(dy)
+    n_rows, n_cols = x2.shape
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight) if compute_dw else x.new_empty(0, dtype=torch.float32)
+    bytes_per_col = 4 + x.element_size() + dy.element_size()
+    sm_count = _sm_count(x.device.type, x.device.index)
+    cfg = launch_config(n_cols, backward=True)
+    if cfg is None:  # the autotuner picks rows per tile and programs per SM: room for the most
+        max_programs = min(n_rows, _MAX_PROGRAMS_PER_SM * sm_count)
+    else:
+        max_programs = backward_programs(cfg, n_rows, n_cols, bytes_per_col, sm_count)
+    partial = _new_output((max_programs, n_cols) if compute_dw else (1, 1), torch.float32, x.device)
+    count_launch("rms_norm_bwd")
+    args = (
+        dy2, x2, x2 if weight is None else weight, rstd.contiguous().reshape(-1), dx, partial,
+        n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
+        offset, _row_bucket(n_rows),
+    )
+    flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw)
+    if cfg is None:
+        launched = [0]
+
+        def grid(meta):
+            # Called for every config the autotuner times, then for the launch that counts: the
+            # last value is the number of dw partial rows the kernel wrote.
+            launched[0] = _programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], not meta["SINGLE_PASS"],
+                                    n_rows, n_cols, bytes_per_col, sm_count)
+            return (launched[0],)
+
+        _rms_norm_bwd_tuned[grid](*args, **flags, EXACT_BF16=False)
+        programs = launched[0]
+    else:
+        programs = max_programs
+        _rms_norm_bwd_kernel[(programs,)](
+            *args, **flags, EXACT_BF16=interpreter_on(), **cfg.meta(), num_warps=cfg.num_warps
+        )
+    if compute_dw:
+        dw = partial[:programs].sum(dim=0)
+        return dx, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+    return dx, partial.new_empty(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: what torch.compile traces (fake implementations give shapes without running Triton)
+# ----------------------------------------------------------------------------------------------
+
 @torch.library.custom_op("fused_kernels::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(
     x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32."""
-    out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
-    y = _new_output(x.shape, out_dtype, x.device)
-    rstd = _new_output(x.shape[:-1], torch.float32, x.device)
-    n_cols = x.shape[-1]
-    x2 = _rows_view(x)
-    n_rows = x2.shape[0]
-    if n_rows == 0:
-        return y, rstd
-    cfg = launch_config(n_cols, backward=False)
-    grid = (triton.cdiv(n_rows, cfg.rows),)
-    count_launch("rms_norm_fwd")
-    _rms_norm_fwd_kernel[grid](
-        x2, x2 if weight is None else weight, y, rstd,
-        n_rows, n_cols, _row_stride(x2), n_cols,
-        eps, offset,
-        CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None,
-        BLOCK_N=cfg.block_n, ROWS=cfg.rows, SINGLE_PASS=not cfg.chunked, EXACT_BF16=interpreter_on(),
-        num_warps=cfg.num_warps,
-    )
-    return y, rstd
+    return _forward_impl(x, weight, eps, offset, casting_mode)
 
 
 @_rms_norm_fwd.register_fake
@@ -422,34 +663,7 @@ def _rms_norm_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (dx, dw). dw has weight's shape and dtype, or is empty when weight is None or
     compute_dw is False."""
-    n_cols = x.shape[-1]
-    dx = _new_output(x.shape, x.dtype, x.device)
-    compute_dw = compute_dw and weight is not None
-    x2 = _rows_view(x)
-    dy2 = _rows_view(dy)
-    n_rows = x2.shape[0]
-    if not compute_dw:
-        dw = torch.empty(0, dtype=torch.float32, device=x.device)
-    elif n_rows == 0:
-        dw = torch.zeros_like(weight)
-    if n_rows == 0:
-        return dx, dw
-    cfg = launch_config(n_cols, backward=True)
-    bytes_per_col = 4 + x.element_size() + dy.element_size()
-    programs = backward_programs(cfg, n_rows, n_cols, bytes_per_col, _sm_count(x.device.type, x.device.index))
-    partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, x.device)
-    count_launch("rms_norm_bwd")
-    _rms_norm_bwd_kernel[(programs,)](
-        dy2, x2, x2 if weight is None else weight, rstd.contiguous().reshape(-1), dx, partial,
-        n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
-        offset,
-        CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
-        BLOCK_N=cfg.block_n, ROWS=cfg.rows, SINGLE_PASS=not cfg.chunked, EXACT_BF16=interpreter_on(),
-        num_warps=cfg.num_warps,
-    )
-    if compute_dw:
-        dw = partial.sum(dim=0).to(weight.dtype)
-    return dx, dw
+    return _backward_impl(dy, x, weight, rstd, offset, casting_mode, compute_dw)
 
 
 @_rms_norm_bwd.register_fake
@@ -466,7 +680,6 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
     ctx.offset = offset
     ctx.casting_mode = casting_mode
-    ctx.has_weight = weight is not None
 
 
 def _backward(ctx, dy, _drstd):
@@ -474,23 +687,48 @@ def _backward(ctx, dy, _drstd):
     if dy is None:  # only rstd was used downstream; it carries no gradient
         out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, ctx.casting_mode)
         dy = torch.zeros(x.shape, dtype=out_dtype, device=x.device)
-    compute_dw = ctx.has_weight and ctx.needs_input_grad[1]
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
     dx, dw = torch.ops.fused_kernels.rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode, compute_dw)
-    return (
-        dx if ctx.needs_input_grad[0] else None,
-        dw if compute_dw else None,
-        None,
-        None,
-        None,
-    )
+    return dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, None, None, None
 
 
 _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
+# Eager autograd: the same launches without the custom-op dispatch (tens of µs of Python per call,
+# which leaves the GPU idle between 0.1 ms kernels)
+# ----------------------------------------------------------------------------------------------
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode):
+        y, rstd = _forward_impl(x, weight, eps, offset, casting_mode)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        ctx.casting_mode = casting_mode
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        dx, dw = _backward_impl(dy, x, weight, rstd, ctx.offset, ctx.casting_mode, compute_dw)
+        return dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------
 # Functional entry
 # ----------------------------------------------------------------------------------------------
+
+def _check_scalar(name: str, value, what: str, non_negative: bool) -> None:
+    if type(value) is float and math.isfinite(value) and (value >= 0 or not non_negative):
+        return  # the common case, decided without the slower checks below
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (non_negative and value < 0)):
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+
 
 def rms_norm(
     x: torch.Tensor,
@@ -508,28 +746,34 @@ def rms_norm(
         torch's promoted dtype), "gemma" (all in fp32, x·rstd·(offset + weight), cast to x.dtype at the
         end), or "none" (fp32 throughout, one cast to x.dtype at the end).
     Output dtype: promote_types(weight.dtype, x.dtype) for "llama" with a weight, else x.dtype.
+
+    Eager calls run a torch.autograd.Function; under torch.compile the registered custom op
+    (fused_kernels::rms_norm_fwd) is traced instead. Both launch the same kernels.
     """
     check_float("x", x)
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"x must have a non-empty last dimension (the hidden size); got shape {tuple(x.shape)}")
     if weight is not None:
         check_float("weight", weight)
-        if tuple(weight.shape) != (x.shape[-1],):
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
             raise ValueError(
                 f"weight must have shape (x.shape[-1],) = ({x.shape[-1]},); got {tuple(weight.shape)}"
             )
         if weight.device != x.device:
             raise ValueError(f"weight must be on x's device {x.device}; got {weight.device}")
-    check_choice("casting_mode", casting_mode, CASTING_MODES)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite float >= 0; got {eps!r}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)) or not math.isfinite(offset):
-        raise ValueError(f"offset must be a finite float (0.0 for Llama, 1.0 for Gemma); got {offset!r}")
-    if not triton_can_run(x):
+    if casting_mode not in CASTING_MODES:
+        check_choice("casting_mode", casting_mode, CASTING_MODES)
+    _check_scalar("eps", eps, "a finite float >= 0", non_negative=True)
+    _check_scalar("offset", offset, "a finite float (0.0 for Llama, 1.0 for Gemma)", non_negative=False)
+    if not (x.is_cuda or (x.device.type == "cpu" and interpreter_on())):
         raise RuntimeError(
             f"rms_norm runs Triton kernels: x must be on a CUDA device, or on the CPU with "
             f"TRITON_INTERPRET=1 set before triton is imported (interpreter on: {interpreter_on()}); "
             f"got device {x.device}"
         )
-    y, _rstd = torch.ops.fused_kernels.rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode)
-    return y
+    if torch.compiler.is_compiling():
+        y, _rstd = torch.ops.fused_kernels.rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode)
+        return y
+    if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
+        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode)
+    return _forward_impl(x, weight, float(eps), float(offset), casting_mode)[0]

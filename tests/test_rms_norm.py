@@ -14,6 +14,7 @@ import importlib
 
 import pytest
 import torch
+import triton
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -264,10 +265,11 @@ def test_long_rows_default_config(hidden):
 
 def test_launch_config_table():
     """Every row length gets a power-of-two block and row count; a row is held whole (block >= row)
-    unless its config says chunked."""
+    unless its config says chunked. Under the interpreter the heuristic config is the one launched."""
     for n in (1, 7, 64, 100, 257, 1024, 4095, 4096, 8192, 16384, 65536, 262144):
         for backward in (False, True):
-            cfg = rms_norm_module.launch_config(n, backward)
+            cfg = rms_norm_module.heuristic_config(n, backward)
+            assert rms_norm_module.launch_config(n, backward) == cfg
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.rows & (cfg.rows - 1) == 0
             assert cfg.num_warps in (1, 2, 4, 8, 16, 32)
             assert cfg.chunked or cfg.block_n >= n
@@ -276,10 +278,108 @@ def test_launch_config_table():
             # fp32 values per thread for one held [rows, block] array: more than 32 would spill
             assert cfg.tile // (32 * cfg.num_warps) <= 32, (n, backward, cfg)
     # long-row backward: persistent programs capped by the L2 budget, never more than the tiles
-    cfg = rms_norm_module.launch_config(65536, True)
+    cfg = rms_norm_module.heuristic_config(65536, True)
     programs = rms_norm_module.backward_programs(cfg, 1024, 65536, 8, sm_count=132)
     assert 1 <= programs and programs * 65536 * 8 <= rms_norm_module.L2_BUDGET_BYTES
     assert rms_norm_module.backward_programs(cfg, 3, 65536, 8, sm_count=132) == 3
+
+
+def _triton_configs(backward):
+    return [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in rms_norm_module.candidate_configs(backward)]
+
+
+def test_autotune_candidates_cover_every_row_length():
+    """On a GPU the autotuner chooses among the candidates that `_prune` keeps: at least one for
+    every row length and row count, each a valid launch (power-of-two shapes, at most 32 fp32 values
+    per thread and held array, whole rows only where the block covers the row, persistent backward
+    grids of 1–4 programs per SM), and few enough that tuning a new shape stays quick."""
+    for backward in (False, True):
+        configs = _triton_configs(backward)
+        for n in (1, 7, 64, 100, 257, 1000, 1024, 4095, 4096, 5000, 8192, 9000, 16384, 20000, 65536, 262144):
+            for row_bucket in (16, 256, 65536):
+                kept = rms_norm_module._prune(configs, {"n_cols": n, "row_bucket": row_bucket})
+                assert 1 <= len(kept) <= 16, (n, backward, row_bucket, len(kept))
+                for c in kept:
+                    block, rows, warps = c.kwargs["BLOCK_N"], c.kwargs["ROWS"], c.num_warps
+                    assert block & (block - 1) == 0 and rows & (rows - 1) == 0
+                    assert block * rows // (32 * warps) <= 32
+                    if c.kwargs["SINGLE_PASS"]:
+                        assert block >= n
+                    else:
+                        assert block < n and rows == 1
+                    per_sm = c.kwargs["PROGRAMS_PER_SM"]
+                    assert (1 <= per_sm <= 4) if backward else (0 <= per_sm <= 4)
+                    assert c.kwargs["NUM_STAGES"] == c.num_stages >= 1
+                if row_bucket == 16 and n <= 1024:
+                    assert all(c.kwargs["ROWS"] <= 16 for c in kept) or len({c.kwargs["ROWS"] for c in kept}) == 1
+
+
+@contextlib.contextmanager
+def autotuned_path(fake_bench):
+    """Run the GPU path on the CPU: launch_config returns None (triton.autotune decides) and the
+    autotuners' benchmark is `fake_bench(kernel_call, quantiles)`; their caches start and end empty."""
+    tuned = (rms_norm_module._rms_norm_fwd_tuned, rms_norm_module._rms_norm_bwd_tuned)
+    original = rms_norm_module.launch_config
+    rms_norm_module.launch_config = lambda n_cols, backward: None
+    for t in tuned:
+        t.cache.clear()
+        t.__dict__["do_bench"] = fake_bench  # shadows Autotuner.do_bench (a cached property)
+    try:
+        yield tuned
+    finally:
+        rms_norm_module.launch_config = original
+        for t in tuned:
+            t.cache.clear()
+            t.__dict__.pop("do_bench", None)
+
+
+@pytest.mark.parametrize("hidden", (100, 9000))  # single pass; single pass vs chunked (chunked only backward)
+def test_autotuned_path_every_candidate_is_correct(hidden):
+    """Each candidate the autotuner times writes the right outputs from the same buffers it would
+    use for real (so the benchmark runs cannot corrupt them), and the winner's launch gives the
+    reference result, forward and backward."""
+    rows = 5 if hidden < 1000 else 2  # few interpreted programs per candidate
+    x = randn(rows, hidden, dtype=torch.bfloat16, scale=2.0)
+    w = randn(hidden, dtype=torch.bfloat16)
+    dy = randn(rows, hidden, dtype=torch.bfloat16)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y_ref = reference(x64, w64, 1e-6, 0.0, "llama", x.dtype, w.dtype)
+    y_ref.backward(dy.double())
+    buffers = []
+    original_new_output = rms_norm_module._new_output
+
+    def recorded(shape, dtype, device):
+        buffers.append(original_new_output(shape, dtype, device))
+        return buffers[-1]
+
+    snapshots = []
+    counter = iter(range(10**6))
+
+    def fake_bench(kernel_call, quantiles):
+        out = buffers[0]  # y in the forward, dx in the backward
+        out.fill_(float("nan"))
+        kernel_call()
+        snapshots.append(out.clone())
+        t = 100.0 - next(counter)  # a later candidate is "faster": the winner is not simply the first
+        return [t, t, t]
+
+    rms_norm_module._new_output = recorded
+    try:
+        with autotuned_path(fake_bench) as (fwd_tuned, bwd_tuned):
+            y, rstd = torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
+            n_fwd = len(snapshots)
+            buffers.clear()
+            dx, dw = torch.ops.fused_kernels.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama", True)
+            n_bwd = len(snapshots) - n_fwd
+    finally:
+        rms_norm_module._new_output = original_new_output
+    assert n_fwd >= 2 and n_bwd >= 2, (n_fwd, n_bwd)
+    for i, snap in enumerate(snapshots):
+        assert_close(snap, y_ref if i < n_fwd else x64.grad, torch.bfloat16, f"candidate {i} output")
+    assert_close(y, y_ref, torch.bfloat16, "y")
+    assert_close(dx, x64.grad, torch.bfloat16, "dx")
+    assert_close(dw, w64.grad, torch.bfloat16, "dw")
 
 
 def test_zero_rows():
@@ -384,6 +484,61 @@ def test_compile_fullgraph_no_graph_breaks(casting_mode):
     out.sum().backward()
     assert torch.equal(out, block(x, w))
     assert torch.equal(xc.grad, xe.grad) and torch.equal(wc.grad, we.grad)
+
+
+def test_eager_and_compiled_paths_agree():
+    """Eager calls run the torch.autograd.Function (no custom-op dispatch), torch.compile traces the
+    custom op; both launch the same kernels once forward and once backward and give the same bits."""
+    torch._dynamo.reset()
+    x = randn(3, 7, 40, dtype=torch.bfloat16, scale=2.0)
+    w = randn(40, dtype=torch.float32)
+    dy = randn(3, 7, 40, dtype=torch.float32)
+
+    def block(x, w):
+        return rms_norm(x, w, eps=1e-5, offset=0.0, casting_mode="llama")
+
+    results = {}
+    for name, fn in (("eager", block), ("compiled", torch.compile(block, fullgraph=True, backend="aot_eager"))):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        before = fused_kernels.launch_counts()
+        y = fn(xi, wi)
+        if name == "eager":
+            assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"
+        y.backward(dy)
+        after = fused_kernels.launch_counts()
+        for op in ("rms_norm_fwd", "rms_norm_bwd"):
+            assert after.get(op, 0) - before.get(op, 0) == 1, (name, op)
+        results[name] = (y.detach(), xi.grad, wi.grad)
+    for got, want in zip(results["compiled"], results["eager"]):
+        assert torch.equal(got, want)
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    y_ref = reference(x64, w64, 1e-5, 0.0, "llama", x.dtype, w.dtype)
+    y_ref.backward(dy.double())
+    assert_close(results["eager"][0], y_ref, torch.bfloat16, "y")
+    assert_close(results["eager"][1], x64.grad, torch.bfloat16, "dx")
+    assert_close(results["eager"][2], w64.grad, torch.bfloat16, "dw")
+
+
+def test_no_grad_call_runs_the_kernel_without_autograd():
+    x = randn(4, 24, requires_grad=True)
+    w = randn(24, requires_grad=True)
+    before = fused_kernels.launch_counts().get("rms_norm_fwd", 0)
+    with torch.no_grad():
+        y = rms_norm(x, w)
+    assert y.grad_fn is None and not y.requires_grad
+    assert fused_kernels.launch_counts().get("rms_norm_fwd", 0) == before + 1
+    x64, w64 = x.detach().double(), w.detach().double()
+    assert_close(y, reference(x64, w64, 1e-6, 0.0, "llama", x.dtype, w.dtype), torch.float32, "y")
+
+
+def test_double_backward_is_refused():
+    """The backward is not itself differentiable: asking for a second derivative raises instead of
+    silently returning wrong numbers."""
+    x = randn(3, 16, requires_grad=True)
+    w = randn(16, requires_grad=True)
+    (dx,) = torch.autograd.grad(rms_norm(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiable"):
+        dx.sum().backward()
 
 
 # --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------

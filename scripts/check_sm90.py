@@ -1,0 +1,129 @@
+"""Compile the rms_norm and rope kernels for sm_90a (H100/H200) on a machine without a GPU and report,
+per autotuning candidate, registers per thread, spills and shared memory, so that a candidate that
+spills or cannot fit is seen before the lead's GPU run.
+
+    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|all] [--cols 4096,1024] [--dtype bf16]
+
+Triton's own compiler and the ptxas it ships do the work; nothing runs. Registers are what decide how
+many programs share an SM (65536 per SM), which rms_norm's persistent backward grid is sized from
+(rms_norm._BWD_REGS); this script shows whether those estimates still hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile real kernels, not interpreter stand-ins
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+_TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int, num_stages: int = 3) -> dict:
+    """Registers, spill bytes and shared memory (bytes, static + what the pipeliner allocates) of
+    `fn` compiled for sm_90a. `aligned`: the arguments Triton would see as 16-divisible (pointers of
+    fresh tensors, sizes that are multiples of 16)."""
+    sig = dict(signature)
+    sig.update({name: "constexpr" for name in constexprs})
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=_TARGET,
+                            options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    return {"regs": int(m[1]), "stack": int(m[2]), "shared": max(int(m[3]), kernel.metadata.shared),
+            "local": int(m[4])}
+
+
+def rms_norm_cases(cols: list[int], dtype: str):
+    rms = importlib.import_module("fused_kernels.rms_norm")
+    fwd_sig = {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{dtype}", "RSTD": "*fp32", "n_rows": "i32",
+               "n_cols": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32", "offset": "fp32",
+               "row_bucket": "i32"}
+    bwd_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DX": f"*{dtype}",
+               "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32",
+               "stride_dx": "i32", "offset": "fp32", "row_bucket": "i32"}
+    for backward in (False, True):
+        configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
+                   for c in rms.candidate_configs(backward)]
+        for n in cols:
+            for cfg in rms._prune(configs, {"n_cols": n, "row_bucket": 65536}):
+                flags = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, **cfg.kwargs)
+                if backward:
+                    flags["COMPUTE_DW"] = True
+                kernel = rms._rms_norm_bwd_kernel if backward else rms._rms_norm_fwd_kernel
+                sig = bwd_sig if backward else fwd_sig
+                aligned = [k for k, v in sig.items() if v.startswith("*")]
+                if n % 16 == 0:
+                    aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
+                label = f"rms_norm {'bwd' if backward else 'fwd'} n_cols={n} {cfg.kwargs} warps={cfg.num_warps}"
+                yield label, kernel, sig, flags, aligned, cfg.num_warps, cfg.num_stages, cfg.kwargs["PROGRAMS_PER_SM"]
+
+
+def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
+    rope = importlib.import_module("fused_kernels.rope")
+    sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "qo_ptr": f"*{dtype}", "ko_ptr": f"*{dtype}",
+           "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}
+    for name in rope._rope_kernel.arg_names[6:]:
+        if name.isupper() or name.startswith("BLOCK"):
+            break
+        sig[name] = "i32"
+    aligned = [k for k in sig if k.endswith("_ptr")] + [k for k in sig if k[-3:] in ("_sb", "_ss", "_sh")]
+    for hq, hk, d in shapes:
+        for backward in (False, True):
+            for cfg in rope.candidate_configs(hq, hk, d):
+                flags = dict(BLOCK_R=triton.next_power_of_2(d // 2), BLOCK_PQ=0, BLOCK_PK=0, INTERLEAVED=False,
+                             BACKWARD=backward, **cfg.meta())
+                label = f"rope {'bwd' if backward else 'fwd'} heads {hq}/{hk} dim {d} {cfg}"
+                yield label, rope._rope_kernel, sig, flags, aligned, cfg.num_warps, 3, 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--op", choices=("rms_norm", "rope", "all"), default="all")
+    ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
+    ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    args = ap.parse_args()
+    cases = []
+    if args.op in ("rms_norm", "all"):
+        cases += list(rms_norm_cases([int(c) for c in args.cols.split(",")], args.dtype))
+    if args.op in ("rope", "all"):
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.rope.split(",")]
+        cases += list(rope_cases(shapes, args.dtype))
+    bad = 0
+    for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:
+        try:
+            r = compile_sm90(kernel, sig, flags, aligned, num_warps, num_stages)
+        except Exception as exc:  # report and go on: one bad candidate should not hide the others
+            print(f"FAILED  {label}: {type(exc).__name__}: {str(exc)[:200]}")
+            bad += 1
+            continue
+        regs = -(-max(r["regs"], 1) // 8) * 8  # allocated in units of 8 per thread
+        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, (227 * 1024) // max(r["shared"], 1))
+        note = ""
+        if r["local"] or r["stack"]:
+            note = "  SPILLS"
+            bad += 1
+        if per_sm and resident < per_sm:
+            note += f"  (grid sized for {per_sm}/SM, {resident} fit)"
+        print(f"regs {r['regs']:3d} local {r['local']:4d} shared {r['shared']:6d} fit/SM {resident:2d}  {label}{note}")
+    print(f"{len(cases)} kernels compiled for sm_90a, {bad} with spills or failures")
+
+
+if __name__ == "__main__":
+    main()
