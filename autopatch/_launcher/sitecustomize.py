@@ -9,10 +9,28 @@ import importlib.util
 import os
 import sys
 
-try:
-    import autopatch._startup  # noqa: F401
-except Exception:
-    pass  # autopatch not importable in this interpreter: run unpatched, like plain python
+def _start() -> None:
+    try:
+        import autopatch._startup  # noqa: F401
+        return
+    except ImportError:
+        pass
+    except Exception:
+        return  # never break the interpreter's start
+    # Not importable from this child's path: `autopatch run` was started from a source checkout that
+    # is neither installed nor on PYTHONPATH (python -m autopatch found it in the working directory,
+    # which a child running a script does not have). This file lies in <root>/autopatch/_launcher:
+    # <root> is where autopatch (and fused_kernels) come from. Appended, so it shadows nothing.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(root, "autopatch", "_startup.py")) and root not in sys.path:
+        sys.path.append(root)
+        try:
+            import autopatch._startup  # noqa: F401
+        except Exception:
+            pass  # run unpatched, like plain python
+
+
+_start()
 
 
 def _chain() -> None:
