@@ -54,6 +54,8 @@ import triton.language as tl
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on
 
 CASTING_MODES = ("llama", "gemma", "none")
+# How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
+_INTERPRETED = interpreter_on()
 _CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
 
 
@@ -126,7 +128,7 @@ L2_BUDGET_BYTES = 32 * 2**20
 def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
     from the tables above."""
-    block_n = max(16, triton.next_power_of_2(n_cols))
+    block_n = max(16, _next_pow2(n_cols))
     if backward:
         for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
             if n_cols <= max_cols:
@@ -143,7 +145,7 @@ def launch_config(n_cols: int, backward: bool) -> Optional[LaunchConfig]:
     (on a GPU, where the best choice depends on the chip). The interpreter always gets the heuristic
     config: one program shape per row length keeps CPU tests fast. Tests and scripts/tune_rms_norm.py
     replace this function to force a config."""
-    return heuristic_config(n_cols, backward) if interpreter_on() else None
+    return heuristic_config(n_cols, backward) if _INTERPRETED else None
 
 
 # Autotuning: the candidate space. Rows up to these lengths may be held whole in registers (the
@@ -224,7 +226,7 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
 
 def _fits(meta: dict, n_cols: int) -> bool:
     if meta["SINGLE_PASS"]:
-        return meta["BLOCK_N"] == max(16, triton.next_power_of_2(n_cols))
+        return meta["BLOCK_N"] == max(16, _next_pow2(n_cols))
     return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
 
 
@@ -243,14 +245,14 @@ def _prune(configs, named_args, **kwargs):
 def _row_bucket(n_rows: int) -> int:
     """Part of the autotuning key: the row count rounded up to a power of two (16 .. 65536), so that
     the choice is remade when the grid's size class changes, not for every new batch shape."""
-    return min(max(16, triton.next_power_of_2(n_rows)), 65536)
+    return min(max(16, _next_pow2(n_rows)), 65536)
 
 
 def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int, bytes_per_col: int,
               sm_count: int) -> int:
     """Grid size: one program per tile when per_sm is 0, else a persistent grid of about per_sm
     programs per SM (never more than tiles; chunked backward: capped by the L2 budget)."""
-    n_tiles = triton.cdiv(n_rows, rows)
+    n_tiles = _cdiv(n_rows, rows)
     if per_sm <= 0:
         return n_tiles
     programs = max(1, int(per_sm * sm_count))
@@ -258,7 +260,7 @@ def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int,
         programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
     programs = min(programs, n_tiles)
     # Same number of sweeps with fewer programs where possible (fewer dw partial rows to sum).
-    return triton.cdiv(n_tiles, triton.cdiv(n_tiles, programs))
+    return _cdiv(n_tiles, _cdiv(n_tiles, programs))
 
 
 def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
@@ -267,11 +269,20 @@ def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_type: str, index: Optional[int]) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a device, looked up once per device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index if device.index is not None else 0).multi_processor_count
     # The CPU interpreter runs programs one after another: few persistent programs keep it cheap.
     return 2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv costs microseconds per call from Python (a constexpr function)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -530,7 +541,7 @@ def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
     """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
-    t2 = t.reshape(-1, t.shape[-1])
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
     if t2.shape[-1] > 1 and t2.stride(-1) != 1:
         t2 = t2.contiguous()
     return t2
@@ -546,8 +557,9 @@ def _forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32, shape x.shape[:-1]."""
     out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
-    y = _new_output(x.shape, out_dtype, x.device)
-    rstd = _new_output(x.shape[:-1], torch.float32, x.device)
+    device = x.device
+    y = _new_output(x.shape, out_dtype, device)
+    rstd = _new_output(x.shape[:-1], torch.float32, device)
     x2 = _rows_view(x)
     n_rows, n_cols = x2.shape
     if n_rows == 0:
@@ -561,17 +573,16 @@ def _forward_impl(
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None)
     cfg = launch_config(n_cols, backward=False)
     if cfg is None:
-        sm_count = _sm_count(x.device.type, x.device.index)
+        sm_count = _sm_count(device)
 
         def grid(meta):
             return (_programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], False, n_rows, n_cols, 0, sm_count),)
 
         _rms_norm_fwd_tuned[grid](*args, **flags, EXACT_BF16=False)
     else:
-        programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0,
-                             _sm_count(x.device.type, x.device.index))
+        programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, _sm_count(device))
         _rms_norm_fwd_kernel[(programs,)](
-            *args, **flags, EXACT_BF16=interpreter_on(), **cfg.meta(), num_warps=cfg.num_warps
+            *args, **flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps
         )
     return y, rstd
 
@@ -589,20 +600,21 @@ def _backward_impl(
     False. One kernel launch, plus torch's sum over the dw partial rows (and a cast when weight is
     not fp32); nothing else touches full-size tensors."""
     compute_dw = compute_dw and weight is not None
-    dx = _new_output(x.shape, x.dtype, x.device)
+    device = x.device
+    dx = _new_output(x.shape, x.dtype, device)
     x2 = _rows_view(x)
     dy2 = _rows_view(dy)
     n_rows, n_cols = x2.shape
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else x.new_empty(0, dtype=torch.float32)
     bytes_per_col = 4 + x.element_size() + dy.element_size()
-    sm_count = _sm_count(x.device.type, x.device.index)
+    sm_count = _sm_count(device)
     cfg = launch_config(n_cols, backward=True)
     if cfg is None:  # the autotuner picks rows per tile and programs per SM: room for the most
         max_programs = min(n_rows, _MAX_PROGRAMS_PER_SM * sm_count)
     else:
         max_programs = backward_programs(cfg, n_rows, n_cols, bytes_per_col, sm_count)
-    partial = _new_output((max_programs, n_cols) if compute_dw else (1, 1), torch.float32, x.device)
+    partial = _new_output((max_programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
     count_launch("rms_norm_bwd")
     args = (
         dy2, x2, x2 if weight is None else weight, rstd.contiguous().reshape(-1), dx, partial,
@@ -625,7 +637,7 @@ def _backward_impl(
     else:
         programs = max_programs
         _rms_norm_bwd_kernel[(programs,)](
-            *args, **flags, EXACT_BF16=interpreter_on(), **cfg.meta(), num_warps=cfg.num_warps
+            *args, **flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps
         )
     if compute_dw:
         dw = partial[:programs].sum(dim=0)
