@@ -231,7 +231,17 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write rows + summary as JSON here")
     parser.add_argument("--markdown", default=None, help="write the Markdown table here")
     parser.add_argument("--quiet", action="store_true", help="no per-architecture lines")
+    parser.add_argument("--memory-gib", type=float, default=12.0,
+                        help="address-space cap, so an architecture whose 'tiny' model is not tiny fails "
+                             "with an error instead of the machine's OOM killer ending the whole run")
     args = parser.parse_args(argv)
+    try:
+        import resource
+
+        cap = int(args.memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    except (ImportError, ValueError, OSError):  # not on this platform: run uncapped
+        pass
 
     import transformers
     import triton
