@@ -26,6 +26,14 @@ gradients of q and k take q's and k's dim order, so autograd passes them to the 
 
 Grid: one program per BLOCK_T tokens of the flattened (batch, seq); it loads cos/sin for its tokens once,
 then walks all q heads and all k heads of those tokens in tiles of BLOCK_H heads x the whole head_dim.
+On a GPU, triton.autotune picks (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) among `candidate_configs`, keyed on
+the head counts, head dims, rot, the variant, direction, dtypes and the token count's power-of-two bucket
+(the first call per key times ~10 candidates; later calls reuse the winner). Under the CPU interpreter
+`heuristic_config` gives one config. `launch_config` says which applies (tests and scripts/tune_rope.py
+replace it to force a config).
+
+Dispatch: eager calls run a torch.autograd.Function (a few µs of Python); torch.compile traces the custom ops
+fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`.
 
 Bytes moved per pass (forward, or backward):  2 * (|q| + |k|) * elem  +  2 * B_cos * seq * r * elem_cos.
 Llama-3-8B shape, q 4x32x4096x128 + k 4x8x4096x128 bf16, cos/sin (4, 4096, 128) bf16: 320 MiB + 8 MiB;
@@ -40,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_float, count_launch, triton_can_run
+from fused_kernels._utils import check_float, count_launch, interpreter_on, triton_can_run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -96,7 +104,7 @@ def _rotate_heads(
             tl.store(y_ptr + y_row[:, :, None] + ch_p[None, None, :], v.to(out_ty), mask=mask_p)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["token_bucket"])
 def _rope_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
     n_tokens, seq_len,
@@ -104,6 +112,7 @@ def _rope_kernel(
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,          # input strides: batch, seq, head (head_dim stride is 1)
     qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,    # output strides
     c_sb, c_ss, s_sb, s_ss,                      # cos / sin strides: batch, seq (0 where broadcast)
+    token_bucket,                                # not read: part of the autotuning key only
     BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_PQ: tl.constexpr, BLOCK_PK: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
@@ -160,23 +169,127 @@ class RopeConfig:
     block_hk: int  # k heads per tile
     num_warps: int
 
+    def meta(self) -> dict:
+        """The kernel's constexpr arguments that this config sets."""
+        return dict(BLOCK_T=self.block_t, BLOCK_HQ=self.block_hq, BLOCK_HK=self.block_hk)
 
-def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
-    """Block sizes for one launch (n_tokens = batch * seq; head_dim = the larger of q's and k's).
+
+# How triton.jit built the kernel above (it reads TRITON_INTERPRET once, when triton is imported).
+_INTERPRETED = interpreter_on()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv costs microseconds per call from Python (a constexpr function)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
+    """Block sizes for one launch (n_tokens = batch * seq; head_dim = the larger of q's and k's), without
+    measuring: what the CPU interpreter runs.
 
     Memory-bound streaming: each loop step of a program moves a tile of ~4096 elements of q (or k),
     as many heads of as few tokens as fit, so that a thread issues a few 16-byte vector loads per step, the
     cos/sin a thread keeps in registers (one token's channels) stay few, and the grid has many programs.
     Llama-3-8B (16384 tokens, 32/8 heads, head_dim 128): 1 token x 32 q heads (x 8 k heads), 4 warps,
-    16384 programs, 80 registers per thread (ptxas, sm_90a); 4 tokens x 8 heads took 121.
-    scripts/tune_rope.py sweeps these on a GPU."""
+    16384 programs, 80 registers per thread (ptxas, sm_90a); 4 tokens x 8 heads took 121."""
     tile_elems = 4096
-    d = triton.next_power_of_2(max(head_dim, 2))
-    block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), max(1, tile_elems // d))
+    d = _next_pow2(max(head_dim, 2))
+    block_hq = min(_next_pow2(max(n_q_heads, 1)), max(1, tile_elems // d))
     block_t = max(1, tile_elems // (block_hq * d))
-    block_t = min(block_t, triton.next_power_of_2(max(n_tokens, 1)))
-    block_hk = min(triton.next_power_of_2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
+    block_t = min(block_t, _next_pow2(max(n_tokens, 1)))
+    block_hk = min(_next_pow2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
     return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
+
+
+def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int):
+    """The config a launch must use, or None to let triton.autotune choose among `candidate_configs` (on a
+    GPU, where the best tile depends on the chip: neighbouring configs differ by 2x on the H200). The
+    interpreter gets the heuristic config. Tests and scripts/tune_rope.py replace this function to force one."""
+    return heuristic_config(n_tokens, n_q_heads, n_k_heads, head_dim) if _INTERPRETED else None
+
+
+# The autotuner's static config list: every (tokens, q heads, k heads per tile, warps) it may be asked
+# to run; `_prune` keeps the few that `candidate_configs` names for the call's head counts and head_dim.
+_TILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+_WARPS = (1, 2, 4, 8)
+
+
+def candidate_configs(n_q_heads: int, n_k_heads: int, head_dim: int, token_bucket: int = 1 << 16) -> list[RopeConfig]:
+    """The configs the autotuner times for one (head counts, head_dim): tiles of 512–8192 elements of q (at
+    least 512 unless that is all of a token's heads), 8, 16 or 32 values per thread; several tokens per
+    program only when a tile already holds all of a token's q heads and stays within 4096 elements; k tiles
+    take as many heads as the q tile, or all k heads if fewer. Always at least one config."""
+    d = _next_pow2(max(head_dim, 2))
+    hq2, hk2 = _next_pow2(max(n_q_heads, 1)), _next_pow2(max(n_k_heads, 1))
+    out = []
+    for block_t in _TILE_SIZES:
+        if block_t > 1 and block_t > token_bucket:
+            break
+        for block_hq in _TILE_SIZES:
+            if block_hq > hq2:
+                break
+            tile = block_t * block_hq * d
+            if block_hq < hq2 and block_hq * d < 512:
+                continue  # small head tiles only when they hold all heads
+            if block_t > 1 and (block_hq < hq2 or tile > 4096):
+                continue
+            if tile > 8192:
+                continue
+            for num_warps in _WARPS:
+                per_thread = tile // (32 * num_warps)
+                if per_thread in (8, 16, 32) and (num_warps > 1 or tile <= 512):
+                    out.append(RopeConfig(block_t, block_hq, min(block_hq, hk2), num_warps))
+    if not out:  # tiny tiles (e.g. head_dim 2, one head): one warp, all heads of one token
+        block_hq = min(hq2, _TILE_SIZES[-1])
+        out.append(RopeConfig(1, block_hq, min(block_hq, hk2), 1))
+    return out
+
+
+def _static_configs() -> list:
+    configs = []
+    for block_t in _TILE_SIZES:
+        for block_hq in _TILE_SIZES:
+            for block_hk in _TILE_SIZES:
+                if block_hk <= block_hq:
+                    for num_warps in _WARPS:
+                        configs.append(triton.Config(RopeConfig(block_t, block_hq, block_hk, num_warps).meta(),
+                                                     num_warps=num_warps))
+    return configs
+
+
+def _config_key(meta: dict, num_warps: int) -> tuple:
+    return meta["BLOCK_T"], meta["BLOCK_HQ"], meta["BLOCK_HK"], num_warps
+
+
+def _prune(configs, named_args, **kwargs):
+    """triton.autotune's early_config_prune: the candidates for this call's head counts and head_dim."""
+    wanted = {
+        _config_key(c.meta(), c.num_warps)
+        for c in candidate_configs(named_args["n_q_heads"], named_args["n_k_heads"],
+                                   max(named_args["q_head_dim"], named_args["k_head_dim"]), named_args["token_bucket"])
+    }
+    return [c for c in configs if _config_key(c.kwargs, c.num_warps) in wanted]
+
+
+# The kernel writes only q_out and k_out, so the autotuner's benchmark runs cannot corrupt anything.
+_rope_tuned = triton.autotune(
+    configs=_static_configs(),
+    key=["n_q_heads", "n_k_heads", "q_head_dim", "k_head_dim", "rot", "token_bucket", "INTERLEAVED", "BACKWARD"],
+    prune_configs_by={"early_config_prune": _prune},
+)(_rope_kernel)
+
+
+def autotuned_config():
+    """The config the autotuner used in its latest launch (None before the first one)."""
+    return getattr(_rope_tuned, "best_config", None)
+
+
+def _token_bucket(n_tokens: int) -> int:
+    """Part of the autotuning key: tokens rounded up to a power of two (1 .. 65536)."""
+    return min(_next_pow2(max(n_tokens, 1)), 1 << 16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,8 +320,9 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 def memory_order(x: torch.Tensor) -> list[int]:
     """x's dims from outermost to innermost in memory (by stride; ties keep dim order). The identity when
     head_dim is not innermost, since the kernel writes head_dim with unit stride."""
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    return order if order[-1] == x.dim() - 1 else list(range(x.dim()))
+    strides = x.stride()
+    order = sorted(range(len(strides)), key=lambda d: (-strides[d], d))
+    return order if order[-1] == len(strides) - 1 else list(range(len(strides)))
 
 
 def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
@@ -222,8 +336,8 @@ def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 
 def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool, q_order, k_order):
     """Run the kernel over q and k (or the output gradients, when backward) into new tensors laid out in
-    q_order / k_order, and return them."""
-    if not triton_can_run(q, k, cos, sin):
+    q_order / k_order, and return them. The one launch path of the custom ops and the eager Function."""
+    if not (q.is_cuda and k.is_cuda and cos.is_cuda and sin.is_cuda) and not triton_can_run(q, k, cos, sin):
         raise RuntimeError(
             "fused_kernels.rope runs where Triton runs: CUDA tensors, or CPU tensors with TRITON_INTERPRET=1; "
             f"got q on {q.device}, k on {k.device}, cos on {cos.device}, sin on {sin.device}"
@@ -239,22 +353,27 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
         return q_out, k_out
     q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
     rot = cos.shape[-1]
-    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, max(q.shape[-1], k.shape[-1]))
-    grid = (triton.cdiv(n_tokens, cfg.block_t),)
-    _rope_kernel[grid](
+    q_dim, k_dim = q.shape[-1], k.shape[-1]
+    args = (
         q, k, q_out, k_out, cos, sin,
         n_tokens, seq,
-        n_q_heads, n_k_heads, q.shape[-1], k.shape[-1], rot,
+        n_q_heads, n_k_heads, q_dim, k_dim, rot,
         *_bsh_strides(q, unsqueeze_dim), *_bsh_strides(k, unsqueeze_dim),
         *_bsh_strides(q_out, unsqueeze_dim), *_bsh_strides(k_out, unsqueeze_dim),
         *_bs_strides(cos), *_bs_strides(sin),
-        BLOCK_T=cfg.block_t, BLOCK_HQ=cfg.block_hq, BLOCK_HK=cfg.block_hk,
-        BLOCK_R=triton.next_power_of_2(max(rot // 2, 1)),
-        BLOCK_PQ=triton.next_power_of_2(q.shape[-1] - rot) if q.shape[-1] > rot else 0,
-        BLOCK_PK=triton.next_power_of_2(k.shape[-1] - rot) if k.shape[-1] > rot else 0,
-        INTERLEAVED=interleaved, BACKWARD=backward,
-        num_warps=cfg.num_warps,
+        _token_bucket(n_tokens),
     )
+    flags = dict(
+        BLOCK_R=_next_pow2(max(rot // 2, 1)),
+        BLOCK_PQ=_next_pow2(q_dim - rot) if q_dim > rot else 0,
+        BLOCK_PK=_next_pow2(k_dim - rot) if k_dim > rot else 0,
+        INTERLEAVED=interleaved, BACKWARD=backward,
+    )
+    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim))
+    if cfg is None:
+        _rope_tuned[lambda meta: (_cdiv(n_tokens, meta["BLOCK_T"]),)](*args, **flags)
+    else:
+        _rope_kernel[(_cdiv(n_tokens, cfg.block_t),)](*args, **flags, **cfg.meta(), num_warps=cfg.num_warps)
     count_launch("rope_bwd" if backward else "rope_fwd")
     return q_out, k_out
 
@@ -329,6 +448,39 @@ def _rope_bwd_backward(ctx, grad_grad_q, grad_grad_k):
 
 _rope_fwd.register_autograd(_rope_fwd_backward, setup_context=_setup_context)
 _rope_bwd.register_autograd(_rope_bwd_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Eager autograd: the same launches without the custom-op dispatch (tens of µs of Python per call, which
+# leaves the GPU idle between 0.1 ms kernels)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _RopeFunction(torch.autograd.Function):
+    """One rotation of q and k (the forward map, or its transpose when `transpose`), outputs laid out in
+    q_order / k_order (None: like the inputs). Its gradient is the other map, laid out like the inputs, and
+    is itself differentiable (double backward) through this same Function."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, unsqueeze_dim, interleaved, transpose, q_order, k_order):
+        in_orders = memory_order(q), memory_order(k)
+        out = _launch(q, k, cos, sin, unsqueeze_dim, interleaved, transpose,
+                      in_orders[0] if q_order is None else q_order, in_orders[1] if k_order is None else k_order)
+        ctx.save_for_backward(cos, sin)
+        ctx.rotation = (unsqueeze_dim, interleaved, transpose)
+        ctx.in_orders = in_orders
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        unsqueeze_dim, interleaved, transpose = ctx.rotation
+        if torch.is_grad_enabled():  # create_graph=True: record this step too
+            grads = _RopeFunction.apply(grad_q, grad_k, cos, sin, unsqueeze_dim, interleaved, not transpose,
+                                        *ctx.in_orders)
+        else:
+            grads = _launch(grad_q, grad_k, cos, sin, unsqueeze_dim, interleaved, not transpose, *ctx.in_orders)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -408,6 +560,13 @@ def rope(
             rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) as in Cohere and GLM models;
             cos/sin are then given at full rot size with each frequency repeated for its pair
             (freqs.repeat_interleave(2, -1)), as those models do before multiplying.
+
+    Eager calls run a torch.autograd.Function; under torch.compile the custom op fused_kernels::rope_fwd is
+    traced instead. Both launch the same kernel.
     """
     ud = _check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
-    return torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, ud, interleaved)
+    if torch.compiler.is_compiling():
+        return torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, ud, interleaved)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _RopeFunction.apply(q, k, cos, sin, ud, interleaved, False, None, None)
+    return _launch(q, k, cos, sin, ud, interleaved, False, memory_order(q), memory_order(k))

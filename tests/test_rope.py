@@ -332,6 +332,133 @@ def test_launch_counts_one_kernel_each_way(device):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Autotuning (the GPU path), run on the CPU with a stand-in benchmark
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hq, hk, dim, tokens",
+    [(32, 8, 128, 16384), (32, 32, 128, 4096), (16, 2, 64, 8192), (4, 1, 16, 1), (1, 1, 2, 7), (64, 8, 256, 4096),
+     (128, 8, 128, 2048), (28, 4, 96, 100), (3, 1, 8, 20000)],
+)
+def test_autotune_candidates(hq, hk, dim, tokens):
+    """For every shape the autotuner gets a short list of candidates, all in its static config list (so
+    `_prune` returns exactly them), all valid tiles: powers of two, k tiles no wider than q tiles, at most
+    32 values per thread, several tokens per program only when one token's heads fill less than the tile."""
+    bucket = rope_module._token_bucket(tokens)
+    cands = rope_module.candidate_configs(hq, hk, dim, bucket)
+    assert 1 <= len(cands) <= 12, cands
+    statics = rope_module._static_configs()
+    kept = rope_module._prune(statics, dict(n_q_heads=hq, n_k_heads=hk, q_head_dim=dim, k_head_dim=dim,
+                                            token_bucket=bucket))
+    assert {rope_module._config_key(c.kwargs, c.num_warps) for c in kept} == {
+        rope_module._config_key(c.meta(), c.num_warps) for c in cands}
+    d = 1 << max(dim - 1, 1).bit_length()
+    for c in cands:
+        for v in (c.block_t, c.block_hq, c.block_hk, c.num_warps):
+            assert v & (v - 1) == 0
+        assert c.block_hk <= c.block_hq and c.block_t <= max(bucket, 1)
+        assert c.block_t * c.block_hq * d // (32 * c.num_warps) <= 32
+        if c.block_t > 1:
+            assert c.block_hq >= hq
+
+
+def test_autotuned_path_every_candidate_is_correct(device):
+    """launch_config returning None hands the choice to triton.autotune: each candidate it times writes the
+    right rotation into the real output buffers (so timing runs cannot corrupt them) and the winner's launch
+    gives the reference, forward and backward."""
+    q = make_qk(2, 4, 9, 16, 1, torch.float32, "transposed", device)
+    k = make_qk(2, 2, 9, 16, 1, torch.float32, "contiguous", device)
+    cos, sin = make_cos_sin(2, 9, 16, "batch1", torch.float32, device)
+    g_q, g_k = torch.randn(q.shape, device=device), torch.randn(k.shape, device=device)
+    q64, k64 = q.double().requires_grad_(True), k.double().requires_grad_(True)
+    ref_q, ref_k = reference_rope(q64, k64, cos, sin)
+    ref_gq, ref_gk = torch.autograd.grad((ref_q, ref_k), (q64, k64), (g_q.double(), g_k.double()))
+    buffers, snapshots = [], []
+    counter = iter(range(10**6))
+    original_new_output, original_launch_config = rope_module._new_output, rope_module.launch_config
+
+    def recorded(x, order):
+        buffers.append(original_new_output(x, order))
+        return buffers[-1]
+
+    def fake_bench(kernel_call, quantiles):
+        for b in buffers[-2:]:
+            b.fill_(float("nan"))
+        kernel_call()
+        snapshots.append([b.clone() for b in buffers[-2:]])
+        t = 100.0 - next(counter)  # later candidates "faster": the winner is not simply the first
+        return [t, t, t]
+
+    tuned = rope_module._rope_tuned
+    rope_module._new_output, rope_module.launch_config = recorded, lambda *args: None
+    tuned.cache.clear()
+    tuned.__dict__["do_bench"] = fake_bench  # shadows Autotuner.do_bench (a cached property)
+    try:
+        q_out, k_out = torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, 1, False)
+        n_fwd = len(snapshots)
+        grad_q, grad_k = torch.ops.fused_kernels.rope_bwd(g_q, g_k, cos, sin, 1, False,
+                                                           rope_module.memory_order(q), rope_module.memory_order(k))
+    finally:
+        rope_module._new_output, rope_module.launch_config = original_new_output, original_launch_config
+        tuned.cache.clear()
+        tuned.__dict__.pop("do_bench", None)
+    assert n_fwd >= 2 and len(snapshots) - n_fwd >= 2
+    for i, (sq, sk) in enumerate(snapshots):
+        want_q, want_k = (ref_q, ref_k) if i < n_fwd else (ref_gq, ref_gk)
+        assert_close(sq, want_q, torch.float32, f"candidate {i} q")
+        assert_close(sk, want_k, torch.float32, f"candidate {i} k")
+    for got, want, name in ((q_out, ref_q, "q_out"), (k_out, ref_k, "k_out"), (grad_q, ref_gq, "grad q"),
+                            (grad_k, ref_gk, "grad k")):
+        assert_close(got, want, torch.float32, name)
+
+
+def test_eager_and_compiled_paths_agree(device):
+    """Eager calls run the torch.autograd.Function (no custom-op dispatch); torch.compile traces the custom
+    op. Both launch the kernel once forward and once backward and give the same bits."""
+    torch._dynamo.reset()
+    q0 = make_qk(2, 4, 5, 32, 1, torch.bfloat16, "transposed", device)
+    k0 = make_qk(2, 2, 5, 32, 1, torch.bfloat16, "contiguous", device)
+    cos, sin = make_cos_sin(2, 5, 32, "batch1", torch.bfloat16, device)
+    g_q, g_k = torch.randn(q0.shape).to(torch.bfloat16), torch.randn(k0.shape).to(torch.bfloat16)
+
+    def fn(q, k):
+        return fused_kernels.rope(q, k, cos, sin, 1)
+
+    results = {}
+    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True, backend="aot_eager"))):
+        q, k = q0.clone().requires_grad_(True), k0.clone().requires_grad_(True)
+        before = fused_kernels.launch_counts()
+        q_out, k_out = f(q, k)
+        if name == "eager":
+            assert type(q_out.grad_fn).__name__ == "_RopeFunctionBackward"
+        grads = torch.autograd.grad((q_out, k_out), (q, k), (g_q, g_k))
+        after = fused_kernels.launch_counts()
+        for op in ("rope_fwd", "rope_bwd"):
+            assert after.get(op, 0) - before.get(op, 0) == 1, (name, op)
+        results[name] = (q_out.detach(), k_out.detach(), *grads)
+    for got, want in zip(results["compiled"], results["eager"]):
+        assert torch.equal(got, want)
+    ref_q, ref_k = reference_rope(q0, k0, cos, sin)
+    assert_close(results["eager"][0], ref_q, torch.bfloat16, "q_out")
+    assert_close(results["eager"][1], ref_k, torch.bfloat16, "k_out")
+
+
+def test_no_grad_call_skips_autograd(device):
+    q = make_qk(1, 2, 3, 8, 1, torch.float32, "contiguous", device).requires_grad_(True)
+    k = make_qk(1, 1, 3, 8, 1, torch.float32, "contiguous", device).requires_grad_(True)
+    cos, sin = make_cos_sin(1, 3, 8, "seq", torch.float32, device)
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    with torch.no_grad():
+        q_out, k_out = fused_kernels.rope(q, k, cos, sin)
+    assert q_out.grad_fn is None and k_out.grad_fn is None
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before + 1
+    ref_q, ref_k = reference_rope(q.detach(), k.detach(), cos, sin)
+    assert_close(q_out, ref_q, torch.float32, "q_out")
+    assert_close(k_out, ref_k, torch.float32, "k_out")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Custom ops: opcheck, torch.compile
 # ---------------------------------------------------------------------------------------------------------
 
