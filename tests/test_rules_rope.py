@@ -21,6 +21,7 @@ from autopatch.rules import rope  # noqa: E402
 
 RULE = rope.RULE
 TARGET = "apply_rotary_pos_emb"
+INTERLEAVE = "apply_rotary_pos_emb_interleave"  # DeepSeek-V3's de-interleaving rotation
 
 
 def everything(kernel: str) -> bool:
@@ -37,41 +38,51 @@ def modeling(name: str):
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
+def record_for(records, target=TARGET):
+    found = [r for r in records if r.target == target]
+    assert len(found) == 1, f"expected one record for {target}, got {records}"
+    return found[0]
+
+
 CASES = [
-    ("llama", "half rot=full", None),
-    ("qwen3", "half rot=full", None),
-    ("mistral", "half rot=full", None),
-    ("gemma3", "half rot=full", None),
-    ("stablelm", "half rot=full", None),  # partial rotary happens in the caller: the function is standard
-    ("phi3", "half partial", None),
-    ("gpt_neox", "half partial", None),
-    ("glm", "glm", None),
-    ("glm4", "glm", None),
-    ("cohere", "interleaved", None),
-    ("gpt_oss", "half-size cos", None),
-    ("nanochat", "half sin=-sin", None),
-    ("openai_privacy_filter", "interleaved half-size cos", None),
-    ("deepseek_v4", None, "parameters (x, cos, sin, unsqueeze_dim) are not (q, k, cos, sin"),
-    ("dinov3_vit", None, "takes **kwargs"),
-    ("codegen", None, "are not (q, k, cos, sin"),
+    ("llama", TARGET, "half rot=full", None),
+    ("qwen3", TARGET, "half rot=full", None),
+    ("mistral", TARGET, "half rot=full", None),
+    ("gemma3", TARGET, "half rot=full", None),
+    ("stablelm", TARGET, "half rot=full", None),  # partial rotary happens in the caller: the function is standard
+    ("phi3", TARGET, "half partial", None),
+    ("gpt_neox", TARGET, "half partial", None),
+    ("glm", TARGET, "glm", None),
+    ("glm4", TARGET, "glm", None),
+    ("cohere", TARGET, "interleaved", None),
+    ("gpt_oss", TARGET, "half-size cos", None),
+    ("nanochat", TARGET, "half sin=-sin", None),
+    ("openai_privacy_filter", TARGET, "interleaved half-size cos", None),
+    ("deepseek_v3", TARGET, "half rot=full", None),
+    ("deepseek_v3", INTERLEAVE, "de-interleaved", None),
+    ("mistral4", INTERLEAVE, "de-interleaved", None),
+    ("deepseek_v4", TARGET, None, "parameters (x, cos, sin, unsqueeze_dim) are not (q, k, cos, sin"),
+    ("dinov3_vit", TARGET, None, "takes **kwargs"),
+    ("codegen", TARGET, None, "are not (q, k, cos, sin"),
 ]
 
 
-@pytest.mark.parametrize("model,variant,reason", CASES, ids=[c[0] for c in CASES])
-def test_verdicts_on_real_modules(model, variant, reason):
+@pytest.mark.parametrize("model,target,variant,reason", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_verdicts_on_real_modules(model, target, variant, reason):
     module = modeling(model)
-    before = getattr(module, TARGET)
-    (record,) = RULE.patch_module(module, everything)
-    assert record.kernel == "rope" and record.target == TARGET and record.module == module.__name__
+    before = getattr(module, target)
+    records = RULE.patch_module(module, everything)
+    record = record_for(records, target)
+    assert record.kernel == "rope" and record.module == module.__name__
     if variant is None:
         assert not record.patched and reason in record.reason, record
-        assert getattr(module, TARGET) is before
+        assert getattr(module, target) is before
     else:
         assert record.patched and record.variant == variant, record
-        patched = getattr(module, TARGET)
-        assert patched is not before and patching.original(module, TARGET) is before
-        assert RULE.patch_module(module, everything) == [record]  # idempotent
-        assert getattr(module, TARGET) is patched
+        patched = getattr(module, target)
+        assert patched is not before and patching.original(module, target) is before
+        assert RULE.patch_module(module, everything) == records  # idempotent
+        assert getattr(module, target) is patched
 
 
 def _run(fn, q, k, cos, sin, grads, **kwargs):
@@ -95,6 +106,7 @@ NUMERIC = [
     ("gpt_oss", 8, 1),
     ("nanochat", 16, 1),
     ("openai_privacy_filter", 8, 1),
+    ("deepseek_v3", 16, 1),  # through apply_rotary_pos_emb_interleave (below)
 ]
 
 
@@ -102,9 +114,9 @@ NUMERIC = [
 @pytest.mark.parametrize("model,rotary,layout", NUMERIC, ids=[f"{m}-r{r}-u{u}" for m, r, u in NUMERIC])
 def test_rebound_function_matches_original(model, rotary, layout, dtype):
     module = modeling(model)
-    (record,) = RULE.patch_module(module, everything)
-    assert record.patched
-    original = patching.original(module, TARGET)
+    target = INTERLEAVE if model == "deepseek_v3" else TARGET
+    assert record_for(RULE.patch_module(module, everything), target).patched
+    original = patching.original(module, target)
     gen = torch.Generator().manual_seed(11)
     b, s, d = 2, 6, 16
     q_shape, k_shape = ((b, 4, s, d), (b, 2, s, d)) if layout == 1 else ((b, s, 4, d), (b, s, 2, d))
@@ -116,7 +128,7 @@ def test_rebound_function_matches_original(model, rotary, layout, dtype):
     kwargs = {} if layout == 1 else {"unsqueeze_dim": 2}
 
     before = fused_kernels.launch_counts()
-    out = _run(getattr(module, TARGET), q, k, cos, sin, grads, **kwargs)
+    out = _run(getattr(module, target), q, k, cos, sin, grads, **kwargs)
     after = fused_kernels.launch_counts()
     assert after.get("rope_fwd", 0) > before.get("rope_fwd", 0), "the fused forward did not run"
     assert after.get("rope_bwd", 0) > before.get("rope_bwd", 0), "the fused backward did not run"
@@ -201,7 +213,7 @@ def test_probing_leaves_the_global_rng_alone():
 def test_disabled_kernel_is_reported_not_patched():
     module = modeling("mistral")
     before = module.apply_rotary_pos_emb
-    (record,) = RULE.patch_module(module, lambda k: k != "rope")
+    record = record_for(RULE.patch_module(module, lambda k: k != "rope"))
     assert not record.patched and "disabled" in record.reason and record.variant == "half rot=full"
     assert module.apply_rotary_pos_emb is before
 
@@ -260,6 +272,11 @@ MODELS = [
     ("cohere", "CohereForCausalLM", {}),
     ("phi3", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5}),
     ("gpt_oss", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # MLA attention with DeepSeek's interleaved rope layout (rope_interleave=True by default)
+    ("deepseek_v3", "DeepseekV3ForCausalLM", {
+        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "head_dim": 8, "num_key_value_heads": 4}),
 ]
 
 
@@ -268,10 +285,9 @@ def test_tiny_model_through_patched_attention(model, causal_lm, extra):
     from transformers import AutoConfig
 
     module = modeling(model)
-    config = AutoConfig.for_model(
-        model, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_hidden_layers=1, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra,
-    )
+    sizes = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_hidden_layers=1, vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = AutoConfig.for_model(model, **{**sizes, **extra})
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -285,8 +301,8 @@ def test_tiny_model_through_patched_attention(model, causal_lm, extra):
         return out.logits.detach(), {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
 
     logits_ref, grads_ref = step()
-    (record,) = RULE.patch_module(module, everything)
-    assert record.patched, record
+    records = RULE.patch_module(module, everything)
+    assert records and all(r.patched for r in records), records
     before = fused_kernels.launch_counts().get("rope_fwd", 0)
     logits, grads = step()
     assert fused_kernels.launch_counts().get("rope_fwd", 0) > before

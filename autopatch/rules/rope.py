@@ -1,4 +1,5 @@
-"""Module-level `apply_rotary_pos_emb` -> fused_kernels.rope (kernel "rope").
+"""Module-level `apply_rotary_pos_emb` (and DeepSeek's `apply_rotary_pos_emb_interleave`) ->
+fused_kernels.rope (kernel "rope").
 
 Detection. The function must be defined in the modeling module and take (q, k, cos, sin) followed
 only by optional `position_ids` and `unsqueeze_dim`. It is run in float64 on random q, k, cos, sin —
@@ -14,13 +15,15 @@ the numbers decide, not the shape. Exactly one variant must match on every size 
     interleaved half-size cos   one cos/sin per pair: cos -> cos.repeat_interleave(2), then
                     "interleaved" (openai_privacy_filter)
     glm             cos -> cos[..., :r/2].repeat_interleave(2), then "interleaved" on r channels (GLM)
+    de-interleaved  x -> cat(x[..., 0::2], x[..., 1::2]) and cos -> cat(c, c) with c = cos[..., :r/2],
+                    then "half": pairs (2i, 2i+1) rotated and written out in half layout (DeepSeek-V3's
+                    apply_rotary_pos_emb_interleave)
 
-The variant's pre-processing of cos/sin and the kernel's `interleaved` flag are the data in
-_VARIANTS. The sizes that matched are kept: at run time a size class the probe did not see goes to
+The variant's pre-processing of cos/sin (and of q/k for the last one) and the kernel's `interleaved`
+flag are the data in _VARIANTS. The sizes that matched are kept: at run time a size class the probe did not see goes to
 the original function (which then behaves exactly as it always did).
 
-Patch. The module global `apply_rotary_pos_emb` is rebound to a wrapper with the same parameters
-calling fused_kernels.rope; tensors Triton cannot run on go to the original, with one notice.
+Patch. The module global is rebound to a wrapper with the same parameters calling fused_kernels.rope; tensors Triton cannot run on go to the original, with one notice.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
 
 KERNEL = "rope"
-TARGET = "apply_rotary_pos_emb"
+TARGETS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 PROBE_TOL = 1e-5  # a right variant agrees to float32 rounding (some originals compute in .float()), a wrong one is off by O(1)
 OPTIONAL_PARAMS = ("position_ids", "unsqueeze_dim")
 
@@ -83,6 +86,16 @@ def _pair_size(cos, sin, d):
     return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
 
+def _first_half_twice(cos, sin, d):
+    h = cos.shape[-1] // 2
+    return torch.cat((cos[..., :h], cos[..., :h]), dim=-1), torch.cat((sin[..., :h], sin[..., :h]), dim=-1)
+
+
+def _deinterleave(x):
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pair members into the two halves."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def _glm(cos, sin, d):
     r = cos.shape[-1]
     return cos[..., : r // 2].repeat_interleave(2, dim=-1), sin[..., : r // 2].repeat_interleave(2, dim=-1)
@@ -93,6 +106,7 @@ class _VariantSpec:
     name: str
     prepare: Callable  # (cos, sin, head_dim) -> (cos, sin) as the kernel wants them
     interleaved: bool
+    deinterleave_input: bool = False  # q, k -> _deinterleave(q, k) first (whole head; full-size cos only)
 
 
 _VARIANTS = (
@@ -102,10 +116,15 @@ _VARIANTS = (
     _VariantSpec("interleaved", _same, True),
     _VariantSpec("interleaved half-size cos", _pair_size, True),
     _VariantSpec("glm", _glm, True),
+    _VariantSpec("de-interleaved", _first_half_twice, False, deinterleave_input=True),
 )
 
 
 def reference(spec: _VariantSpec, q, k, cos, sin, unsqueeze_dim=1):
+    if spec.deinterleave_input:
+        if cos.shape[-1] != q.shape[-1]:
+            raise ValueError("de-interleaving covers the whole head")
+        q, k = _deinterleave(q), _deinterleave(k)
     cos, sin = spec.prepare(cos, sin, q.shape[-1])
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     rotate = _rotate_pairs if spec.interleaved else _rotate_half
@@ -307,12 +326,16 @@ def make_wrapper(original: Callable, verdict: Verdict):
             return original(q, k, cos, sin, *args, **kwargs)
         fk = _kernels()
         if not fk.triton_can_run(q, k, cos, sin):
-            fallback_notice(KERNEL, f"apply_rotary_pos_emb got {q.device.type} tensors")
+            fallback_notice(KERNEL, f"{original.__name__} got {q.device.type} tensors")
             return original(q, k, cos, sin, *args, **kwargs)
         if mixed == "promote" and cos.dtype != q.dtype:
             # the original computes, and returns, in torch's promoted dtype (bf16 q, fp32 cos -> fp32)
             q = q.to(torch.promote_types(q.dtype, cos.dtype))
             k = k.to(torch.promote_types(k.dtype, cos.dtype))
+        if spec.deinterleave_input:
+            if cos.shape[-1] != q.shape[-1]:
+                return original(q, k, cos, sin, *args, **kwargs)
+            q, k = _deinterleave(q), _deinterleave(k)
         cos, sin = spec.prepare(cos, sin, q.shape[-1])
         if spec.interleaved:
             return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
@@ -332,36 +355,40 @@ class _Rule:
     kernels = (KERNEL,)
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        try:
-            return self._patch(module, enabled)
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record(KERNEL, module.__name__, TARGET, False, reason=f"rule error: {_probe.describe_exc(exc)}")]
+        records = []
+        for target in TARGETS:
+            try:
+                records.extend(self._patch(module, target, enabled))
+            except Exception as exc:  # noqa: BLE001 - never raise into an import
+                records.append(Record(KERNEL, module.__name__, target, False,
+                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
+        return records
 
-    def _patch(self, module, enabled) -> list[Record]:
+    def _patch(self, module, target, enabled) -> list[Record]:
         name = module.__name__
-        if patching.is_patched(module, TARGET):
-            fn = patching.original(module, TARGET)
+        if patching.is_patched(module, target):
+            fn = patching.original(module, target)
         else:
-            fn = vars(module).get(TARGET)
+            fn = vars(module).get(target)
             if fn is None or not callable(fn) or getattr(fn, "__module__", None) != name:
                 return []  # nothing of ours to look at (absent, or imported from another module)
         verdict = _verdicts.get(fn)
         if verdict is None:
             verdict = _verdicts[fn] = detect(fn)
         if verdict.variant is None:
-            return [Record(KERNEL, name, TARGET, False, reason=verdict.reason)]
+            return [Record(KERNEL, name, target, False, reason=verdict.reason)]
         variant = verdict.describe()
-        if patching.is_patched(module, TARGET):
-            return [Record(KERNEL, name, TARGET, True, variant)]
+        if patching.is_patched(module, target):
+            return [Record(KERNEL, name, target, True, variant)]
         if not enabled(KERNEL):
-            return [Record(KERNEL, name, TARGET, False, variant, "kernel rope disabled")]
+            return [Record(KERNEL, name, target, False, variant, "kernel rope disabled")]
         try:
             _kernels()
         except Exception as exc:  # noqa: BLE001
-            return [Record(KERNEL, name, TARGET, False, variant,
+            return [Record(KERNEL, name, target, False, variant,
                            f"fused_kernels could not be imported ({_probe.describe_exc(exc)})")]
-        patching.replace(module, TARGET, make_wrapper(fn, verdict))
-        return [Record(KERNEL, name, TARGET, True, variant)]
+        patching.replace(module, target, make_wrapper(fn, verdict))
+        return [Record(KERNEL, name, target, True, variant)]
 
 
 RULE = _Rule()
