@@ -175,6 +175,10 @@ class _BlockConfig(NamedTuple):
     num_warps: int
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()  # triton.next_power_of_2 costs microseconds from Python
+
+
 def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> _BlockConfig:
     """Tile shape and warps for an n_rows × n_cols launch of `direction` ("fwd" or "bwd")."""
     tile = _TILE_ELEMS[elem_bytes]
@@ -186,9 +190,9 @@ def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> 
         if n_cols % block_n:
             block_n = tile
     else:
-        block_n = triton.next_power_of_2(n_cols)
+        block_n = _next_pow2(n_cols)
     # Short rows: stack several rows in one tile, but not more rows than there are.
-    block_m = max(1, min(tile // block_n, triton.next_power_of_2(n_rows)))
+    block_m = max(1, min(tile // block_n, _next_pow2(n_rows)))
     # At least 4 elements per thread; a tiny tile gets fewer warps.
     num_warps = max(1, min(_NUM_WARPS[direction], (block_m * block_n) // 128))
     return _BlockConfig(block_m, block_n, num_warps)
@@ -236,8 +240,8 @@ def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[to
         in_strides = [t.stride(0) for t in ins]
         out_stride = n_cols
     cfg = _block_config(n_rows, n_cols, inputs[0].element_size(), direction)
-    n_row_blocks = triton.cdiv(n_rows, cfg.block_m)
-    n_col_blocks = triton.cdiv(n_cols, cfg.block_n)
+    n_row_blocks = -(-n_rows // cfg.block_m)
+    n_col_blocks = -(-n_cols // cfg.block_n)
     even = n_rows % cfg.block_m == 0 and n_cols % cfg.block_n == 0
     # Largest offset any lane computes (masked lanes included), to pick 32- or 64-bit indexing.
     padded_rows = n_row_blocks * cfg.block_m
@@ -254,7 +258,7 @@ def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[to
 
 
 def _require_triton(op: str, *tensors: torch.Tensor) -> None:
-    if not triton_can_run(*tensors):
+    if not all(t.is_cuda for t in tensors) and not triton_can_run(*tensors):
         devices = sorted({str(t.device) for t in tensors})
         raise RuntimeError(
             f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
@@ -360,6 +364,36 @@ _geglu_fwd.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context
 
 
 # ----------------------------------------------------------------------------------------------
+# Eager autograd: the same launches as the custom ops without their dispatch (tens of µs of Python
+# per call). torch.compile traces the custom ops instead.
+
+
+class _GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, act: int, op: str):
+        out = _forward(f"{op}_fwd", gate, up, act)
+        ctx.save_for_backward(gate, up)  # not the output: the backward recomputes act(gate)
+        ctx.act = act
+        ctx.op = op
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        dgate, dup = _backward(f"{ctx.op}_bwd", dout, gate, up, ctx.act)
+        return dgate, dup, None, None
+
+
+def _dispatch(op: str, gate: torch.Tensor, up: torch.Tensor, act: int, compiled_op):
+    if torch.compiler.is_compiling():
+        return compiled_op()
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _GLUFunction.apply(gate, up, act, op)
+    return _forward(f"{op}_fwd", gate, up, act)
+
+
+# ----------------------------------------------------------------------------------------------
 # Functional entries
 
 
@@ -379,10 +413,11 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
     gate and up: same shape and dtype (float32, bfloat16, float16), any layout; strided views such as
     the halves of `gate_up_proj(x).chunk(2, dim=-1)` are read in place. Returns a contiguous tensor.
-    The backward saves only gate and up.
+    The backward saves only gate and up. Eager calls run a torch.autograd.Function; under
+    torch.compile the custom op fused_kernels::swiglu_fwd is traced instead (same kernels).
     """
     _check_pair(gate, up)
-    return torch.ops.fused_kernels.swiglu_fwd(gate, up)
+    return _dispatch("swiglu", gate, up, _SILU, lambda: torch.ops.fused_kernels.swiglu_fwd(gate, up))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -393,4 +428,5 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     """
     check_choice("approximate", approximate, tuple(_GELU_ACT))
     _check_pair(gate, up)
-    return torch.ops.fused_kernels.geglu_fwd(gate, up, approximate)
+    return _dispatch("geglu", gate, up, _GELU_ACT[approximate],
+                     lambda: torch.ops.fused_kernels.geglu_fwd(gate, up, approximate))

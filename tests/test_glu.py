@@ -303,6 +303,49 @@ def test_torch_compile_fullgraph_no_graph_breaks(op, approximate):
     assert_close(got_grads[1], w64.grad, torch.float32, "compiled dw")
 
 
+@pytest.mark.parametrize("op,approximate", OPS)
+def test_eager_and_compiled_paths_agree(op, approximate):
+    """Eager calls run the torch.autograd.Function (no custom-op dispatch), torch.compile traces the
+    custom op; both launch the kernels once forward and once backward and give the same bits."""
+    torch._dynamo.reset()
+    x = randn(3, 2 * 24, dtype=torch.bfloat16, scale=2.0)
+    dy = randn(3, 24, dtype=torch.bfloat16)
+
+    def fn(x):
+        gate, up = x.chunk(2, dim=-1)
+        return run_op(op, approximate, gate, up)
+
+    results = {}
+    for name, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True, backend="aot_eager"))):
+        xi = x.clone().requires_grad_(True)
+        before = fused_kernels.launch_counts()
+        out = f(xi)
+        if name == "eager":
+            assert type(out.grad_fn).__name__ == "_GLUFunctionBackward"
+        out.backward(dy)
+        after = fused_kernels.launch_counts()
+        for direction in ("fwd", "bwd"):
+            assert after.get(f"{op}_{direction}", 0) - before.get(f"{op}_{direction}", 0) == 1, (name, direction)
+        results[name] = (out.detach(), xi.grad)
+    for got, want in zip(results["compiled"], results["eager"]):
+        assert torch.equal(got, want)
+    x64 = x.double().requires_grad_(True)
+    ref = reference(op, approximate, *x64.chunk(2, dim=-1))
+    ref.backward(dy.double())
+    assert_close(results["eager"][0], ref, torch.bfloat16, "out")
+    assert_close(results["eager"][1], x64.grad, torch.bfloat16, "grad")
+
+
+def test_no_grad_call_skips_autograd():
+    gate, up = randn(4, 8, requires_grad=True), randn(4, 8, requires_grad=True)
+    before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
+    with torch.no_grad():
+        out = fused_kernels.swiglu(gate, up)
+    assert out.grad_fn is None
+    assert fused_kernels.launch_counts().get("swiglu_fwd", 0) == before + 1
+    assert_close(out, reference("swiglu", None, gate.detach(), up.detach()), torch.float32, "out")
+
+
 @pytest.mark.parametrize(
     "call,exc,name",
     [
