@@ -1,49 +1,62 @@
-"""Sweep fused_kernels.rms_norm's launch configuration on a GPU (the lead runs this on the H200).
+"""How fast fused_kernels.rms_norm is on a GPU, and which launch config the autotuner picked (the lead runs
+this on the H200).
 
-    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--quick]
+    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep]
 
-For each shape (bf16 x and weight, casting "llama") it times the rms_norm_fwd op and the rms_norm_bwd op
-(triton.testing.do_bench medians) for every candidate LaunchConfig, checks each candidate's outputs
-against the shipped config's, and prints them against the floors from a copy measured in the same run
-(forward: read x + write y; backward: read x, dy + write dx). Put the best rows into rms_norm's
-_FWD_TABLE / _BWD_TABLE / _FWD_LONG / _BWD_LONG / L2_BUDGET_BYTES.
+Per shape (bf16 x and weight, casting "llama"), forward and backward:
+- the autotuner's candidates and their times (its own do_bench medians), and the winner;
+- the winner's kernel time (CUDA-graph replay: no Python between kernels) against the floor from a copy
+  measured in the same run (forward: read x + write y; backward: read x, dy + write dx), and the heuristic
+  table's config (what the interpreter runs) timed the same way;
+- a plain one-row-per-program forward kernel (load the row once, rstd, y) as a yardstick;
+- dispatch times of the functional entry (triton.testing.do_bench, as scripts/bench.py measures): forward,
+  backward alone, forward + backward;
+- host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
+With --sweep every candidate is also forced (through rms_norm.launch_config) and timed kernel-only.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import itertools
+import os
+import sys
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
 
-import fused_kernels  # noqa: F401  (registers the custom ops)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tune_common import autotune_timings, config_str, graph_ms, header, host_us, pct  # noqa: E402
+
+import fused_kernels  # noqa: E402  (registers the custom ops)
 
 rms = importlib.import_module("fused_kernels.rms_norm")  # the module; fused_kernels.rms_norm is the function
-LaunchConfig = rms.LaunchConfig
 
 
-def candidates(n_cols: int, backward: bool, quick: bool):
-    block = max(16, triton.next_power_of_2(n_cols))
-    out = []
-    if block <= 16384:  # whole row in registers (the backward at 16384 spills; measured anyway)
-        for rows, warps in itertools.product((1, 2, 4, 8, 16, 32), (4, 8, 16, 32)):
-            per_thread = block * rows // (32 * warps)
-            if not 4 <= per_thread <= 32 or block * rows > 32768:
-                continue
-            for per_sm in ((1, 2, 4) if backward else (0,)):
-                out.append(LaunchConfig(block, rows, warps, per_sm))
-    if n_cols > 4096:
-        for chunk, warps in itertools.product((4096, 8192, 16384), (8, 16, 32)):
-            if chunk // (32 * warps) > 32 or chunk // (32 * warps) < 4:
-                continue
-            for per_sm in ((1, 2) if backward else (0,)):
-                out.append(LaunchConfig(chunk, 1, warps, per_sm, chunked=True))
-    if quick:
-        out = out[:: max(1, len(out) // 8)]
-    return out
+@triton.jit
+def _plain_fwd(X, W, Y, RSTD, n_cols, eps, BLOCK: tl.constexpr):
+    """The yardstick: one row per program, weight loaded next to x, llama casting."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    tl.store(Y + row * n_cols + cols, (xf * rstd).to(x.dtype) * w, mask=mask)
+
+
+def plain_forward(x, w, y, rstd):
+    n_rows, n_cols = x.shape
+    block = triton.next_power_of_2(n_cols)
+    if block > 16384:  # a whole row in registers no longer fits
+        return None
+    warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _plain_fwd[(n_rows,)](x, w, y, rstd, n_cols, 1e-6, BLOCK=block, num_warps=warps)
+    return y
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -51,67 +64,119 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isfinite(a).all()) and (a.float() - b.float()).norm().item() <= 1e-2 * b.float().norm().item()
 
 
+def forced(cfg):
+    """Force `cfg` for both directions while the returned context is active."""
+    class _Ctx:
+        def __enter__(self):
+            self.saved = rms.launch_config
+            rms.launch_config = lambda n_cols, backward: cfg
+        def __exit__(self, *exc):
+            rms.launch_config = self.saved
+    return _Ctx()
+
+
+def report_autotune(direction: str, tuned, floor: float) -> None:
+    timings = autotune_timings(tuned)
+    print(f"  {direction} autotune: {len(timings)} candidates timed; winner {config_str(rms.autotuned_config(direction == 'bwd'))}")
+    for ms, cfg in timings[:8]:
+        print(f"      {ms:.4f} ms ({pct(floor, ms)} of floor)  {config_str(cfg)}")
+    if len(timings) > 8:
+        print(f"      ... slowest {timings[-1][0]:.4f} ms  {config_str(timings[-1][1])}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x4096,65536x1024,4096x16384,1024x65536")
-    ap.add_argument("--quick", action="store_true", help="every few candidates only")
-    ap.add_argument("--l2-budgets-mib", default="16,32,48", help="tried for chunked backward configs")
+    ap.add_argument("--sweep", action="store_true", help="also force and time every candidate config")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
+    gbps = header(dev)
 
-    big = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(big)
-    copy_gbps = 2 * big.numel() / (do_bench(lambda: dst.copy_(big)) * 1e-3) / 1e9
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy {copy_gbps:.0f} GB/s")
+    # Host cost per call (tiny input: the GPU is never the bottleneck).
+    xs = torch.randn(8, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    ws = torch.randn(256, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dys = torch.randn(8, 256, device=dev, dtype=torch.bfloat16)
+    eager_fwd = host_us(lambda: fused_kernels.rms_norm(xs, ws))
+    eager_step = host_us(lambda: fused_kernels.rms_norm(xs, ws).backward(dys))
+    op_fwd = host_us(lambda: torch.ops.fused_kernels.rms_norm_fwd(xs, ws, 1e-6, 0.0, "llama"))
+    op_step = host_us(lambda: torch.ops.fused_kernels.rms_norm_fwd(xs, ws, 1e-6, 0.0, "llama")[0].backward(dys))
+    print(f"host µs per call: eager forward {eager_fwd:.1f}, forward+backward {eager_step:.1f}; "
+          f"through the custom op: {op_fwd:.1f}, {op_step:.1f}")
 
-    shipped_launch_config = rms.launch_config
-    shipped_budget = rms.L2_BUDGET_BYTES
     for shape in args.shapes.split(","):
         rows, n = (int(v) for v in shape.split("x"))
         x = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
         w = torch.randn(n, device=dev, dtype=torch.bfloat16)
         dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
         nbytes = x.numel() * x.element_size()
-        floor_fwd = 2 * nbytes / (copy_gbps * 1e9) * 1e3
-        floor_bwd = 3 * nbytes / (copy_gbps * 1e9) * 1e3
-        y_ref, rstd = torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
-        dx_ref, dw_ref = torch.ops.fused_kernels.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama", True)
-        print(f"\n{rows}x{n} bf16: floors fwd {floor_fwd:.4f} ms, bwd {floor_bwd:.4f} ms;"
-              f" shipped fwd {shipped_launch_config(n, False)}, bwd {shipped_launch_config(n, True)}")
-        for backward in (False, True):
-            shipped = (lambda: torch.ops.fused_kernels.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama", True)) if backward \
-                else (lambda: torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama"))
-            floor = floor_bwd if backward else floor_fwd
-            ms = do_bench(shipped)
-            print(f"  {'bwd' if backward else 'fwd'} shipped {ms:.4f} ms ({floor / ms:5.1%} of floor)")
-            results = []
-            for cfg in candidates(n, backward, args.quick):
-                budgets = [int(b) * 2**20 for b in args.l2_budgets_mib.split(",")] if (backward and cfg.chunked) else [shipped_budget]
-                for budget in budgets:
-                    rms.launch_config = lambda n_cols, bw, cfg=cfg: cfg
-                    rms.L2_BUDGET_BYTES = budget
-                    try:
-                        if backward:
-                            fn = lambda: torch.ops.fused_kernels.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama", True)
-                            dx, dw = fn()
-                            ok = close(dx, dx_ref) and close(dw, dw_ref)
-                        else:
-                            fn = lambda: torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
-                            ok = close(fn()[0], y_ref)
-                        ms = do_bench(fn)
-                    except Exception as exc:  # a config that does not compile or launch: report, go on
-                        print(f"  {'bwd' if backward else 'fwd'} {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
+        floor_fwd = 2 * nbytes / (gbps * 1e9) * 1e3
+        floor_bwd = 3 * nbytes / (gbps * 1e9) * 1e3
+        print(f"\n{rows}x{n} bf16: floors fwd {floor_fwd:.4f} ms, bwd {floor_bwd:.4f} ms")
+
+        def fwd():
+            return torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
+
+        # Autotune afresh for this shape and show what it measured.
+        rms._rms_norm_fwd_tuned.cache.clear()
+        rms._rms_norm_bwd_tuned.cache.clear()
+        y_ref, rstd = fwd()
+
+        def bwd():
+            return torch.ops.fused_kernels.rms_norm_bwd(dy, x, w, rstd, 0.0, "llama", True)
+
+        dx_ref, dw_ref = bwd()
+        torch.cuda.synchronize()
+        report_autotune("fwd", rms._rms_norm_fwd_tuned, floor_fwd)
+        report_autotune("bwd", rms._rms_norm_bwd_tuned, floor_bwd)
+
+        f_ms, b_ms = graph_ms(fwd), graph_ms(bwd)
+        print(f"  kernel time, autotuned: fwd {f_ms:.4f} ms ({pct(floor_fwd, f_ms)} of floor), "
+              f"bwd {b_ms:.4f} ms ({pct(floor_bwd, b_ms)}; includes the dw partial sum)")
+        for backward, fn, floor in ((False, fwd, floor_fwd), (True, bwd, floor_bwd)):
+            cfg = rms.heuristic_config(n, backward)
+            with forced(cfg):
+                ms = graph_ms(fn)
+            print(f"  kernel time, heuristic table {'bwd' if backward else 'fwd'}: {ms:.4f} ms ({pct(floor, ms)})  {cfg}")
+        y_plain, r_plain = torch.empty_like(x), torch.empty(rows, device=dev)
+        if plain_forward(x, w, y_plain, r_plain) is not None:
+            ms = graph_ms(lambda: plain_forward(x, w, y_plain, r_plain))
+            print(f"  kernel time, plain 1-row-per-program forward: {ms:.4f} ms ({pct(floor_fwd, ms)})"
+                  f"{'' if close(y_plain, y_ref) else '  MISMATCH'}")
+
+        # Dispatch: the functional entry as the benchmark calls it.
+        x_in = x.clone().requires_grad_(True)
+        w_in = w.clone().requires_grad_(True)
+        d_fwd = do_bench(lambda: fused_kernels.rms_norm(x_in, w_in))
+        y_keep = fused_kernels.rms_norm(x_in, w_in)
+        d_bwd = do_bench(lambda: torch.autograd.backward(y_keep, dy, retain_graph=True), grad_to_none=[x_in, w_in])
+        d_step = do_bench(lambda: fused_kernels.rms_norm(x_in, w_in).backward(dy), grad_to_none=[x_in, w_in])
+        print(f"  dispatch (do_bench of rms_norm): fwd {d_fwd:.4f} ms, bwd {d_bwd:.4f} ms, fwd+bwd {d_step:.4f} ms "
+              f"(floor {floor_fwd + floor_bwd:.4f}, {pct(floor_fwd + floor_bwd, d_step)})")
+        del y_keep, x_in, w_in
+
+        if args.sweep:
+            for backward, fn, floor, ref in ((False, fwd, floor_fwd, y_ref), (True, bwd, floor_bwd, dx_ref)):
+                results = []
+                for cfg in rms.candidate_configs(backward):
+                    meta = cfg.meta()
+                    if not rms._fits(meta, n):
                         continue
-                    finally:
-                        rms.launch_config = shipped_launch_config
-                        rms.L2_BUDGET_BYTES = shipped_budget
-                    results.append((ms, cfg, budget, ok))
-            results.sort(key=lambda r: r[0])
-            for ms, cfg, budget, ok in results[:6]:
-                extra = f" L2 budget {budget >> 20} MiB" if (backward and cfg.chunked) else ""
-                print(f"  {'bwd' if backward else 'fwd'} {ms:.4f} ms ({floor / ms:5.1%} of floor)"
-                      f"{'' if ok else '  MISMATCH'}  {cfg}{extra}")
+                    with forced(cfg):
+                        try:
+                            out = fn()[0]
+                            ok = close(out, ref)
+                            ms = graph_ms(fn)
+                        except Exception as exc:  # a config that does not compile or launch: report, go on
+                            print(f"  {'bwd' if backward else 'fwd'} {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                            continue
+                    results.append((ms, cfg, ok))
+                results.sort(key=lambda r: r[0])
+                print(f"  sweep {'bwd' if backward else 'fwd'} (kernel time, forced configs), best 6 of {len(results)}:")
+                for ms, cfg, ok in results[:6]:
+                    print(f"      {ms:.4f} ms ({pct(floor, ms)}){'' if ok else '  MISMATCH'}  {cfg}")
+        del x, w, dy, y_ref, rstd, dx_ref, dw_ref
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
-"""Sweep fused_kernels.rope's launch configuration on a GPU (the lead runs this on the H200).
+"""How fast fused_kernels.rope is on a GPU, and which tile the autotuner picked (the lead runs this on the H200).
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rope.py [--batch 4 --seq 4096 --q-heads 32 --k-heads 8 --dim 128]
+                                                             [--interleaved] [--sweep]
 
 Inputs as scripts/bench_kernels.py makes them: q, k stored (batch, seq, heads, dim) bf16 and passed as
 transpose(1, 2) views, cos/sin (1, seq, dim) bf16, output gradients contiguous (batch, heads, seq, dim).
-For each (tokens per program, heads per tile, warps) it times the rope_fwd op and the rope_bwd op
-(triton.testing.do_bench medians) against the floor from a copy measured in the same run (each pass reads
-q, k and writes them once). Put the best into rope.launch_config.
+Reported, forward (rope_fwd op) and backward (rope_bwd op):
+- the autotuner's candidates with its own do_bench medians, and the winner;
+- the winner's kernel time (CUDA-graph replay: no Python between kernels) against the floor from a copy
+  measured in the same run (each pass reads q, k, cos, sin and writes q, k once), and the heuristic config's;
+- dispatch times of the functional entry (triton.testing.do_bench): forward, forward + autograd backward
+  into (batch, seq, heads, dim) leaves, as scripts/bench.py measures them;
+- host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
+With --sweep every (tokens, heads per tile, warps) in --block-t x --heads x --warps is also forced (through
+rope.launch_config) and timed kernel-only.
 """
 
 from __future__ import annotations
@@ -14,13 +21,33 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
+import os
+import sys
 
 import torch
 import triton
+from triton.testing import do_bench
 
-import fused_kernels
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tune_common import autotune_timings, config_str, graph_ms, header, host_us, pct  # noqa: E402
+
+import fused_kernels  # noqa: E402
 
 rope_module = importlib.import_module("fused_kernels.rope")  # the module; fused_kernels.rope is the function
+
+
+class forced:
+    """Force one RopeConfig while active."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def __enter__(self):
+        self.saved = rope_module.launch_config
+        rope_module.launch_config = lambda *args: self.cfg
+
+    def __exit__(self, *exc):
+        rope_module.launch_config = self.saved
 
 
 def main() -> None:
@@ -31,33 +58,43 @@ def main() -> None:
     ap.add_argument("--k-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--interleaved", action="store_true")
-    ap.add_argument("--block-t", default="1,2,4,8,16")
-    ap.add_argument("--heads", default="1,2,4,8,16,32")
-    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--sweep", action="store_true", help="also force and time every config of the grid below")
+    ap.add_argument("--block-t", default="1,2,4")
+    ap.add_argument("--heads", default="2,4,8,16,32")
+    ap.add_argument("--warps", default="1,2,4,8")
     args = ap.parse_args()
     b, s, hq, hk, d = args.batch, args.seq, args.q_heads, args.k_heads, args.dim
-    dev, dt = "cuda", torch.bfloat16
+    dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
+    gbps = header(dev)
+
+    # Host cost per call (tiny input: the GPU is never the bottleneck).
+    qs = torch.randn(1, 16, hq, d, device=dev, dtype=dt).transpose(1, 2).requires_grad_(True)
+    ks = torch.randn(1, 16, hk, d, device=dev, dtype=dt).transpose(1, 2).requires_grad_(True)
+    cs, ss = torch.randn(1, 16, d, device=dev, dtype=dt), torch.randn(1, 16, d, device=dev, dtype=dt)
+
+    def step_eager():
+        qo, ko = fused_kernels.rope(qs, ks, cs, ss, 1)
+        torch.autograd.backward((qo, ko), (torch.ones_like(qo), torch.ones_like(ko)))
+
+    def step_op():
+        qo, ko = torch.ops.fused_kernels.rope_fwd(qs, ks, cs, ss, 1, False)
+        torch.autograd.backward((qo, ko), (torch.ones_like(qo), torch.ones_like(ko)))
+
+    print(f"host µs per call: eager forward {host_us(lambda: fused_kernels.rope(qs, ks, cs, ss, 1)):.1f}, "
+          f"forward+backward {host_us(step_eager):.1f}; through the custom op: "
+          f"{host_us(lambda: torch.ops.fused_kernels.rope_fwd(qs, ks, cs, ss, 1, False)):.1f}, {host_us(step_op):.1f}")
+
     q = torch.randn(b, s, hq, d, device=dev, dtype=dt).transpose(1, 2)
     k = torch.randn(b, s, hk, d, device=dev, dtype=dt).transpose(1, 2)
     cos, sin = torch.randn(1, s, d, device=dev, dtype=dt), torch.randn(1, s, d, device=dev, dtype=dt)
     dq, dk = torch.randn(b, hq, s, d, device=dev, dtype=dt), torch.randn(b, hk, s, d, device=dev, dtype=dt)
     q_order, k_order = rope_module.memory_order(q), rope_module.memory_order(k)
     il = args.interleaved
-    qk_bytes = (q.numel() + k.numel()) * 2
-    pass_bytes = 2 * qk_bytes + 2 * cos.numel() * 2
-
-    src = torch.empty(qk_bytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src))
-    bw = 2 * src.numel() / (copy_ms * 1e-3)
-    del src, dst
-    floor = pass_bytes / bw * 1e3
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    print(f"copy {bw / 1e9:.0f} GB/s; floor per pass {floor:.3f} ms, fwd+bwd {2 * floor:.3f} ms "
+    pass_bytes = 2 * (q.numel() + k.numel()) * 2 + 2 * cos.numel() * 2
+    floor = pass_bytes / (gbps * 1e9) * 1e3
+    print(f"floor per pass {floor:.4f} ms, fwd+bwd {2 * floor:.4f} ms "
           f"(q {b}x{hq}x{s}x{d}, k {b}x{hk}x{s}x{d}, interleaved={il})")
-    default = rope_module.launch_config(b * s, hq, hk, d)
-    print(f"default config: {default}")
 
     def fwd():
         return torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, 1, il)
@@ -65,41 +102,63 @@ def main() -> None:
     def bwd():
         return torch.ops.fused_kernels.rope_bwd(dq, dk, cos, sin, 1, il, q_order, k_order)
 
-    original = rope_module.launch_config
-    results = []
-    seen = set()
-    try:
+    rope_module._rope_tuned.cache.clear()
+    ref_f = fwd()
+    f_timings = autotune_timings(rope_module._rope_tuned)
+    f_best = rope_module.autotuned_config()
+    ref_b = bwd()
+    b_timings = autotune_timings(rope_module._rope_tuned)
+    b_best = rope_module.autotuned_config()
+    for name, timings, best in (("fwd", f_timings, f_best), ("bwd", b_timings, b_best)):
+        print(f"{name} autotune: {len(timings)} candidates timed; winner {config_str(best)}")
+        for ms, cfg in timings:
+            print(f"    {ms:.4f} ms ({pct(floor, ms)} of floor)  {config_str(cfg)}")
+
+    f_ms, b_ms = graph_ms(fwd), graph_ms(bwd)
+    print(f"kernel time, autotuned: fwd {f_ms:.4f} ms ({pct(floor, f_ms)} of floor), bwd {b_ms:.4f} ms ({pct(floor, b_ms)})")
+    heuristic = rope_module.heuristic_config(b * s, hq, hk, d)
+    with forced(heuristic):
+        hf, hb = graph_ms(fwd), graph_ms(bwd)
+    print(f"kernel time, heuristic {heuristic}: fwd {hf:.4f} ms ({pct(floor, hf)}), bwd {hb:.4f} ms ({pct(floor, hb)})")
+
+    # Dispatch: the functional entry as the benchmark calls it.
+    q_leaf = q.transpose(1, 2).detach().requires_grad_(True)
+    k_leaf = k.transpose(1, 2).detach().requires_grad_(True)
+
+    def call():
+        return fused_kernels.rope(q_leaf.transpose(1, 2), k_leaf.transpose(1, 2), cos, sin, 1, interleaved=il)
+
+    def step():
+        torch.autograd.backward(call(), (dq, dk))
+
+    d_fwd = do_bench(call)
+    d_step = do_bench(step, grad_to_none=[q_leaf, k_leaf])
+    print(f"dispatch (do_bench of rope): fwd {d_fwd:.4f} ms ({pct(floor, d_fwd)}), fwd + autograd backward to leaves "
+          f"{d_step:.4f} ms ({pct(2 * floor, d_step)} of floor)")
+
+    if args.sweep:
+        results = []
+        seen = set()
         for bt, bh, w in itertools.product(*(map(int, a.split(",")) for a in (args.block_t, args.heads, args.warps))):
             cfg = rope_module.RopeConfig(block_t=bt, block_hq=min(bh, triton.next_power_of_2(hq)),
                                          block_hk=min(bh, triton.next_power_of_2(hk)), num_warps=w)
             if cfg in seen or bt * cfg.block_hq * triton.next_power_of_2(d) > 65536:
                 continue
             seen.add(cfg)
-            rope_module.launch_config = lambda *a, _cfg=cfg: _cfg
-            f_ms, b_ms = triton.testing.do_bench(fwd), triton.testing.do_bench(bwd)
-            results.append((f_ms + b_ms, f_ms, b_ms, cfg))
-            print(f"block_t {bt:2d} heads {cfg.block_hq:2d}/{cfg.block_hk:2d} warps {w}: fwd {f_ms:.4f} ms "
-                  f"({floor / f_ms:.0%} of floor)  bwd {b_ms:.4f} ms ({floor / b_ms:.0%})  sum {f_ms + b_ms:.4f}")
-    finally:
-        rope_module.launch_config = original
-    results.sort(key=lambda r: r[0])
-    print("best 5 (sum, fwd, bwd):")
-    for total, f_ms, b_ms, cfg in results[:5]:
-        print(f"  {total:.4f} = {f_ms:.4f} + {b_ms:.4f}  {cfg}")
-    best_f = min(results, key=lambda r: r[1])
-    best_b = min(results, key=lambda r: r[2])
-    print(f"best fwd alone {best_f[1]:.4f} {best_f[3]}; best bwd alone {best_b[2]:.4f} {best_b[3]}")
-
-    # End to end as the benchmark times it: forward + autograd backward into (batch, seq, heads, dim) leaves.
-    q_leaf = q.transpose(1, 2).detach().requires_grad_(True)
-    k_leaf = k.transpose(1, 2).detach().requires_grad_(True)
-
-    def step():
-        qo, ko = fused_kernels.rope(q_leaf.transpose(1, 2), k_leaf.transpose(1, 2), cos, sin, 1, interleaved=il)
-        torch.autograd.backward((qo, ko), (dq, dk))
-
-    ms = triton.testing.do_bench(step, grad_to_none=[q_leaf, k_leaf])
-    print(f"default config, forward + autograd backward to leaves: {ms:.4f} ms ({2 * floor / ms:.0%} of floor)")
+            with forced(cfg):
+                try:
+                    ok = all(torch.equal(a, r) for a, r in zip(fwd(), ref_f))
+                    fm, bm = graph_ms(fwd), graph_ms(bwd)
+                except Exception as exc:  # a config that does not compile or launch: report, go on
+                    print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+            results.append((fm + bm, fm, bm, cfg, ok))
+            print(f"  block_t {bt:2d} heads {cfg.block_hq:2d}/{cfg.block_hk:2d} warps {w}: fwd {fm:.4f} ms "
+                  f"({pct(floor, fm)})  bwd {bm:.4f} ms ({pct(floor, bm)}){'' if ok else '  MISMATCH'}")
+        results.sort(key=lambda r: r[0])
+        print("sweep, best 5 (kernel time fwd + bwd):")
+        for total, fm, bm, cfg, ok in results[:5]:
+            print(f"  {total:.4f} = {fm:.4f} + {bm:.4f}  {cfg}")
 
 
 if __name__ == "__main__":
