@@ -155,6 +155,21 @@ def test_other_activation_or_disabled_kernel_runs_the_original():
             assert_close(y, patching.original(cls, "forward")(mlp, x), torch.float32, act)
 
 
+def test_instance_with_other_submodules_runs_the_original():
+    module = modeling("llama")
+    RULE.patch_module(module, everything)
+    gen = torch.Generator().manual_seed(6)
+    mlp = _build(module.LlamaMLP, _config(module, "LlamaConfig"), gen, torch.float32)
+    mlp.dropout = nn.Dropout(0.0)  # not in the probed instance: its forward is not what was proven
+    x = torch.randn(3, 32, generator=gen)
+    before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
+    with torch.no_grad():
+        y = mlp(x)
+    assert fused_kernels.launch_counts().get("swiglu_fwd", 0) == before
+    with torch.no_grad():
+        assert torch.equal(y, patching.original(module.LlamaMLP, "forward")(mlp, x))
+
+
 def test_disabled_kernels_are_reported_not_patched():
     llama, gemma = modeling("llama"), modeling("gemma")
     only_geglu = lambda k: k == "geglu"  # noqa: E731

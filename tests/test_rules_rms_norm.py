@@ -155,6 +155,31 @@ def test_mixed_dtypes_follow_the_probe():
         assert_close(y, y_ref, torch.bfloat16, cls.__name__)
 
 
+@pytest.mark.parametrize("model,cls_name,kwargs", [
+    ("qwen4_exp", "Qwen4ExpTextRMSNorm", {"group_size": 8}),  # normalises groups of 8 channels
+    ("gemma4", "Gemma4RMSNorm", {"with_scale": False}),  # no weight attribute at all
+])
+def test_instances_built_differently_run_the_original(model, cls_name, kwargs):
+    """The probe saw the default constructor; an instance whose switches differ is not what was
+    proven equal, so it runs its own code. The default-built instance still takes the kernel."""
+    module = modeling(model)
+    cls = getattr(module, cls_name)
+    assert verdict_of(RULE.patch_module(module, everything), cls_name).patched
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 32, generator=gen)
+    for extra, launches in ((kwargs, False), ({}, True)):
+        norm = cls(32, eps=1e-5, **extra)
+        if getattr(norm, "weight", None) is not None:
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(32, generator=gen) * 0.5)
+        before = fused_kernels.launch_counts().get("rms_norm_fwd", 0)
+        with torch.no_grad():
+            y = norm(x)
+        assert (fused_kernels.launch_counts().get("rms_norm_fwd", 0) > before) == launches, extra
+        with torch.no_grad():
+            assert_close(y, patching.original(cls, "forward")(norm, x), torch.float32, f"{cls_name} {extra}")
+
+
 def test_probing_leaves_the_global_rng_alone():
     module = modeling("gemma2")
     rms_norm._verdicts.pop(module.Gemma2RMSNorm, None)  # force a fresh probe

@@ -251,6 +251,45 @@ def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
     return None, f"could not build a probe instance ({reason[:160]})"
 
 
+def instance_state(instance) -> tuple:
+    """What an instance's constructor arguments may have switched, as (name, value) pairs: its
+    None/bool/str attributes (group_size=None, with_scale=True, ...) and the names of its parameters,
+    buffers and submodules. Numbers are left out: sizes and eps differ between instances and the
+    patched code reads them. A patched forward runs the original code for an instance whose state
+    differs from the probed one."""
+    simple = tuple(sorted(
+        (k, v) for k, v in vars(instance).items()
+        if not k.startswith("_") and k != "training" and (v is None or isinstance(v, (bool, str)))
+    ))
+    return simple + (("<tensors>", tensor_names(instance)),)
+
+
+def tensor_names(instance) -> tuple:
+    params = tuple(k for k, v in instance._parameters.items() if v is not None)
+    buffers = tuple(k for k, v in instance._buffers.items() if v is not None)
+    children = tuple(k for k, v in instance._modules.items() if v is not None)
+    return params, buffers, children
+
+
+def same_state(instance, state: tuple) -> bool:
+    """Whether `instance` matches a state recorded by instance_state()."""
+    for name, value in state:
+        if name == "<tensors>":
+            if tensor_names(instance) != value:
+                return False
+        else:
+            current = getattr(instance, name, _MISSING)
+            if value is None or isinstance(value, bool):
+                if current is not value:
+                    return False
+            elif not (isinstance(current, str) and current == value):
+                return False
+    return True
+
+
+_MISSING = object()
+
+
 def generator(seed: int = 0) -> torch.Generator:
     """A local CPU generator: probes never draw from (or disturb) the global RNG."""
     g = torch.Generator(device="cpu")

@@ -115,6 +115,7 @@ class Variant:
     fused: bool  # one gate_up_proj instead of gate_proj + up_proj
     gate_first: bool  # fused: gate_up_proj(x).chunk(2) == (gate, up)
     act_attr: str
+    state: tuple = ()  # the probed instance's switches (_probe.instance_state); others run the original
 
     @property
     def kernel(self) -> str:
@@ -225,6 +226,7 @@ def _probe_instance(target, cls, instance) -> Verdict:
     fused, act_attr, reason = _structure(instance)
     if reason:
         return Verdict(target, None, reason)
+    state = _probe.instance_state(instance)
     kind = activation_kind(getattr(instance, act_attr))
     if kind is None:
         act = getattr(instance, act_attr)
@@ -245,7 +247,7 @@ def _probe_instance(target, cls, instance) -> Verdict:
         for act_kind, act in ACT_REFERENCES.items():
             ref = _reference(instance, x, fused, gate_first, act)
             if _probe.rel_err(out, ref) <= PROBE_TOL:
-                matches.append(Variant(act_kind, fused, gate_first, act_attr))
+                matches.append(Variant(act_kind, fused, gate_first, act_attr, state))
     if len(matches) == 1:
         if matches[0].kind != kind:  # the forward does not use its activation attribute as probed
             return Verdict(target, None, f"forward computes {matches[0].kind} but {act_attr} is {kind}", hint)
@@ -265,11 +267,12 @@ def _kernels():
 
 
 def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str):
-    fused, gate_first, act_attr = variant.fused, variant.gate_first, variant.act_attr
+    fused, gate_first, act_attr, state = variant.fused, variant.gate_first, variant.act_attr, variant.state
 
     def forward(self, *args, **kwargs):
         x = args[0] if args else kwargs.get(input_name)
-        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1:
+        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1 or not _probe.same_state(self, state):
+            # other arguments, or an instance built differently from the probed one (extra modules)
             return original_forward(self, *args, **kwargs)
         kind = activation_kind(getattr(self, act_attr, None))
         if kind is None or KINDS[kind][0] not in kernels_on:

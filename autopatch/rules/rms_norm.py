@@ -55,6 +55,7 @@ class Variant:
     weight_attr: str | None  # None: a weightless norm
     eps_attr: str
     mixed_ok: bool  # the original matches with a float32 weight and a bfloat16 input
+    state: tuple = ()  # the probed instance's switches (_probe.instance_state); others run the original
 
     def describe(self) -> str:
         if self.weight_attr is None:
@@ -146,6 +147,7 @@ def detect(cls: type, module: ModuleType) -> Verdict:
 def _probe_instance(target: str, cls: type, instance) -> Verdict:
     if any(True for _ in instance.children()):
         return Verdict(target, None, "has submodules")
+    state = _probe.instance_state(instance)
     gen = _probe.generator(0)
     for name, buf in instance.named_buffers():
         # a buffer the forward reads (a fixed scale) must show up in the numbers: fill it randomly
@@ -207,7 +209,7 @@ def _probe_instance(target: str, cls: type, instance) -> Verdict:
                 and out_mixed.dtype == ref_mixed.dtype
                 and _probe.rel_err(out_mixed, ref_mixed) <= BF16_TOL
             )
-            matches.append(Variant(offset, casting, weight_attr, eps_attr, mixed_ok))
+            matches.append(Variant(offset, casting, weight_attr, eps_attr, mixed_ok, state))
     if len(matches) == 1:
         return Verdict(target, matches[0])
     if not matches:
@@ -227,13 +229,14 @@ def _kernels():
 def make_forward(original_forward: Callable, variant: Variant, input_name: str):
     """A forward for the class: the fused kernel where Triton runs, the original code elsewhere."""
     offset, casting = variant.offset, variant.casting
-    weight_attr, eps_attr, mixed_ok = variant.weight_attr, variant.eps_attr, variant.mixed_ok
+    weight_attr, eps_attr, mixed_ok, state = variant.weight_attr, variant.eps_attr, variant.mixed_ok, variant.state
 
     def forward(self, *args, **kwargs):
         x = args[0] if args else kwargs.get(input_name)
-        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1:
+        if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1 or not _probe.same_state(self, state):
+            # other arguments, or an instance built differently (group_size, with_scale=False, a bias)
             return original_forward(self, *args, **kwargs)
-        weight = getattr(self, weight_attr) if weight_attr is not None else None
+        weight = getattr(self, weight_attr, None) if weight_attr is not None else None
         if weight_attr is not None and weight is None:  # built without a scale: not what we probed
             return original_forward(self, *args, **kwargs)
         if (
