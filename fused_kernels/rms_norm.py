@@ -516,8 +516,30 @@ _rms_norm_fwd_tuned = _autotuned(_rms_norm_fwd_kernel, backward=False)
 _rms_norm_bwd_tuned = _autotuned(_rms_norm_bwd_kernel, backward=True)
 
 
+# What the autotuners chose, by a key holding everything theirs holds (the key arguments and the tensor
+# dtypes): later launches with that key go straight to the kernel with the chosen meta-parameters,
+# skipping triton.autotune's per-call Python (tens of µs: it rebuilds its key from every argument).
+_CHOSEN: dict = {}
+
+
+def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) -> None:
+    meta = _CHOSEN.get(key)
+    if meta is None:
+        tuned[grid](*args, **kwargs)
+        _CHOSEN[key] = tuned.best_config.all_kwargs()
+    else:
+        kernel[grid](*args, **kwargs, **meta)
+
+
+def reset_autotuning() -> None:
+    """Forget every autotuning result: the next launch of each shape class tunes again."""
+    _CHOSEN.clear()
+    _rms_norm_fwd_tuned.cache.clear()
+    _rms_norm_bwd_tuned.cache.clear()
+
+
 def autotuned_config(backward: bool) -> Optional[triton.Config]:
-    """The config the autotuner used in its latest launch (None before the first one)."""
+    """The config the autotuner chose in its latest tuning (None before the first one)."""
     return getattr(_rms_norm_bwd_tuned if backward else _rms_norm_fwd_tuned, "best_config", None)
 
 
@@ -578,7 +600,8 @@ def _forward_impl(
         def grid(meta):
             return (_programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], False, n_rows, n_cols, 0, sm_count),)
 
-        _rms_norm_fwd_tuned[grid](*args, **flags, EXACT_BF16=False)
+        key = ("fwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], x.dtype, args[1].dtype, out_dtype)
+        _launch_tuned(_rms_norm_fwd_tuned, _rms_norm_fwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
     else:
         programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, _sm_count(device))
         _rms_norm_fwd_kernel[(programs,)](
@@ -632,7 +655,9 @@ def _backward_impl(
                                     n_rows, n_cols, bytes_per_col, sm_count)
             return (launched[0],)
 
-        _rms_norm_bwd_tuned[grid](*args, **flags, EXACT_BF16=False)
+        key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, dy.dtype, x.dtype,
+               args[2].dtype)
+        _launch_tuned(_rms_norm_bwd_tuned, _rms_norm_bwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
         programs = launched[0]
     else:
         programs = max_programs

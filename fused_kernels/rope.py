@@ -282,8 +282,20 @@ _rope_tuned = triton.autotune(
 )(_rope_kernel)
 
 
+# What the autotuner chose, by a key holding everything its key holds (the key arguments and the tensor
+# dtypes): later launches with that key go straight to the kernel with the chosen meta-parameters,
+# skipping triton.autotune's per-call Python (tens of µs: it rebuilds its key from all 32 arguments).
+_CHOSEN: dict = {}
+
+
+def reset_autotuning() -> None:
+    """Forget every autotuning result: the next launch of each shape class tunes again."""
+    _CHOSEN.clear()
+    _rope_tuned.cache.clear()
+
+
 def autotuned_config():
-    """The config the autotuner used in its latest launch (None before the first one)."""
+    """The config the autotuner chose in its latest tuning (None before the first one)."""
     return getattr(_rope_tuned, "best_config", None)
 
 
@@ -299,16 +311,18 @@ def _token_bucket(n_tokens: int) -> int:
 
 def _bsh_strides(x: torch.Tensor, unsqueeze_dim: int) -> tuple[int, int, int]:
     """(batch, seq, head) strides of a 4-D q/k in the layout unsqueeze_dim names."""
+    st = x.stride()
     if unsqueeze_dim == 1:  # (batch, heads, seq, head_dim)
-        return x.stride(0), x.stride(2), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)  # (batch, seq, heads, head_dim)
+        return st[0], st[2], st[1]
+    return st[0], st[1], st[2]  # (batch, seq, heads, head_dim)
 
 
 def _bs_strides(c: torch.Tensor) -> tuple[int, int]:
     """(batch, seq) strides of cos/sin shaped (seq, r) or (batch, seq, r); 0 where a size-1 extent broadcasts."""
-    if c.dim() == 2:
-        return 0, (c.stride(0) if c.shape[0] != 1 else 0)
-    return (c.stride(0) if c.shape[0] != 1 else 0), (c.stride(1) if c.shape[1] != 1 else 0)
+    st, shape = c.stride(), c.shape
+    if len(shape) == 2:
+        return 0, (st[0] if shape[0] != 1 else 0)
+    return (st[0] if shape[0] != 1 else 0), (st[1] if shape[1] != 1 else 0)
 
 
 def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
@@ -371,7 +385,15 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
     )
     cfg = launch_config(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim))
     if cfg is None:
-        _rope_tuned[lambda meta: (_cdiv(n_tokens, meta["BLOCK_T"]),)](*args, **flags)
+        key = (n_q_heads, n_k_heads, q_dim, k_dim, rot, args[-1], interleaved, backward, q.dtype, k.dtype, cos.dtype,
+               sin.dtype)
+        chosen = _CHOSEN.get(key)
+        grid = lambda meta: (_cdiv(n_tokens, meta["BLOCK_T"]),)  # noqa: E731
+        if chosen is None:
+            _rope_tuned[grid](*args, **flags)
+            _CHOSEN[key] = _rope_tuned.best_config.all_kwargs()
+        else:
+            _rope_kernel[grid](*args, **flags, **chosen)
     else:
         _rope_kernel[(_cdiv(n_tokens, cfg.block_t),)](*args, **flags, **cfg.meta(), num_warps=cfg.num_warps)
     count_launch("rope_bwd" if backward else "rope_fwd")

@@ -118,8 +118,7 @@ def main() -> None:
             return torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
 
         # Autotune afresh for this shape and show what it measured.
-        rms._rms_norm_fwd_tuned.cache.clear()
-        rms._rms_norm_bwd_tuned.cache.clear()
+        rms.reset_autotuning()
         y_ref, rstd = fwd()
 
         def bwd():

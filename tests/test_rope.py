@@ -392,16 +392,21 @@ def test_autotuned_path_every_candidate_is_correct(device):
 
     tuned = rope_module._rope_tuned
     rope_module._new_output, rope_module.launch_config = recorded, lambda *args: None
-    tuned.cache.clear()
+    rope_module.reset_autotuning()
     tuned.__dict__["do_bench"] = fake_bench  # shadows Autotuner.do_bench (a cached property)
     try:
         q_out, k_out = torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, 1, False)
         n_fwd = len(snapshots)
         grad_q, grad_k = torch.ops.fused_kernels.rope_bwd(g_q, g_k, cos, sin, 1, False,
                                                            rope_module.memory_order(q), rope_module.memory_order(k))
+        # Tuned once per key: a later call launches the chosen config directly, with the same result.
+        n_timed = len(snapshots)
+        again = torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, 1, False)
+        assert len(snapshots) == n_timed
+        assert torch.equal(again[0], q_out) and torch.equal(again[1], k_out)
     finally:
         rope_module._new_output, rope_module.launch_config = original_new_output, original_launch_config
-        tuned.cache.clear()
+        rope_module.reset_autotuning()
         tuned.__dict__.pop("do_bench", None)
     assert n_fwd >= 2 and len(snapshots) - n_fwd >= 2
     for i, (sq, sk) in enumerate(snapshots):
