@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import threading
 from typing import Optional
 
 import torch
@@ -522,11 +523,17 @@ _rms_norm_bwd_tuned = _autotuned(_rms_norm_bwd_kernel, backward=True)
 _CHOSEN: dict = {}
 
 
+# Tuning runs one at a time: an Autotuner keeps per-call state on itself, and the backward runs in
+# autograd's device thread while another thread may be in a forward.
+_TUNING_LOCK = threading.Lock()
+
+
 def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) -> None:
     meta = _CHOSEN.get(key)
     if meta is None:
-        tuned[grid](*args, **kwargs)
-        _CHOSEN[key] = tuned.best_config.all_kwargs()
+        with _TUNING_LOCK:
+            tuned[grid](*args, **kwargs)
+            _CHOSEN[key] = tuned.best_config.all_kwargs()
     else:
         kernel[grid](*args, **kwargs, **meta)
 

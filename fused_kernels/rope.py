@@ -43,6 +43,7 @@ forward + backward 656 MiB, 0.16 ms at 4.25 TB/s.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 import triton
@@ -286,6 +287,7 @@ _rope_tuned = triton.autotune(
 # dtypes): later launches with that key go straight to the kernel with the chosen meta-parameters,
 # skipping triton.autotune's per-call Python (tens of µs: it rebuilds its key from all 32 arguments).
 _CHOSEN: dict = {}
+_TUNING_LOCK = threading.Lock()
 
 
 def reset_autotuning() -> None:
@@ -390,8 +392,9 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
         chosen = _CHOSEN.get(key)
         grid = lambda meta: (_cdiv(n_tokens, meta["BLOCK_T"]),)  # noqa: E731
         if chosen is None:
-            _rope_tuned[grid](*args, **flags)
-            _CHOSEN[key] = _rope_tuned.best_config.all_kwargs()
+            with _TUNING_LOCK:  # the Autotuner keeps per-call state; backward runs in autograd's thread
+                _rope_tuned[grid](*args, **flags)
+                _CHOSEN[key] = _rope_tuned.best_config.all_kwargs()
         else:
             _rope_kernel[grid](*args, **flags, **chosen)
     else:
