@@ -28,10 +28,13 @@ forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the ta
 held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
 second sweep reading from L2 (and the backward read-modify-writes its partial dw row there).
 
-Launch shapes. On a GPU, triton.autotune picks rows per tile, warps, single-pass vs chunked and
-(backward) persistent programs per SM among `candidate_configs`, keyed on the row length, the casting
-mode, the dtypes and the row count's power-of-two bucket; the first call per key times the candidates
-(about a second), later calls reuse the winner. Under the CPU interpreter the small tables
+Launch shapes. On a GPU, triton.autotune picks among `candidate_configs`: rows per tile, warps,
+single pass vs chunked, and (forward) one program per tile vs a persistent grid; persistent grids (the
+backward always) get their tile loop software-pipelined by Triton (num_stages: later tiles' loads in
+flight through shared memory while this one computes and stores) and as many programs per SM as
+surely fit. The key is the row length, the casting mode, the dtypes and the row count's power-of-two
+bucket; the first call per key times the candidates (about a second), later calls launch the winner
+directly. Under the CPU interpreter the small tables
 _FWD_TABLE/_BWD_TABLE/_FWD_LONG/_BWD_LONG give one config per row length (`heuristic_config`).
 `launch_config` says which applies; replacing it forces a config (tests, scripts/tune_rms_norm.py).
 
