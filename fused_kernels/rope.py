@@ -337,8 +337,10 @@ def memory_order(x: torch.Tensor) -> list[int]:
     """x's dims from outermost to innermost in memory (by stride; ties keep dim order). The identity when
     head_dim is not innermost, since the kernel writes head_dim with unit stride."""
     strides = x.stride()
-    order = sorted(range(len(strides)), key=lambda d: (-strides[d], d))
-    return order if order[-1] == len(strides) - 1 else list(range(len(strides)))
+    n = len(strides)
+    # Decreasing stride; a reverse sort keeps equal strides in dim order (Python's sort is stable).
+    order = sorted(range(n), key=strides.__getitem__, reverse=True)
+    return order if order[-1] == n - 1 else list(range(n))
 
 
 def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
@@ -557,8 +559,8 @@ def _check_args(q, k, cos, sin, unsqueeze_dim, interleaved) -> int:
     if cos.dim() == 3 and cos.shape[0] not in (1, batch):
         raise ValueError(f"cos/sin batch extent ({cos.shape[0]}) must be 1 or q's batch ({batch}); "
                          f"cos shape {tuple(cos.shape)}, q shape {tuple(q.shape)}")
-    devices = {t.device for t in (q, k, cos, sin)}
-    if len(devices) != 1:
+    device = q.device
+    if k.device != device or cos.device != device or sin.device != device:
         raise ValueError(f"q, k, cos, sin must be on one device, got q {q.device}, k {k.device}, "
                          f"cos {cos.device}, sin {sin.device}")
     return ud
