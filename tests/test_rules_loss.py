@@ -1,21 +1,15 @@
 """The loss rule (autopatch.rules.loss): fused CE as transformers' ForCausalLMLoss, fused linear CE in
 a *ForCausalLM forward in training with labels. Tiny random models, patched vs unpatched, on the
-loss, the logits and every parameter gradient, fp32 at 1e-5 relative.
-
-Until fused_kernels.cross_entropy / fused_linear_cross_entropy exist, a float64 torch stand-in takes
-their place (fixture `kernels`); the rule is the same either way."""
+loss, the logits and every parameter gradient, fp32 at 1e-5 relative; the kernels run under the
+Triton interpreter and their launch counts prove it."""
 
 from __future__ import annotations
 
-import collections
 import inspect
-import os
-import sys
 import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers import assert_close
 
@@ -31,65 +25,11 @@ VOCAB = 96
 BATCH, SEQ = 2, 8
 
 
-# ---------------------------------------------------------------------------------------------
-# kernels: the real ones when importable, else a float64 stand-in with the same signatures
-
-
-def _stand_in_kernels() -> types.ModuleType:
-    counts: collections.Counter = collections.Counter()
-
-    def _ce64(logits, target, ignore_index, reduction, softcap=None, logit_scale=1.0):
-        x = logits.double() * logit_scale
-        if softcap is not None:
-            x = softcap * torch.tanh(x / softcap)
-        loss = F.cross_entropy(x, target, ignore_index=ignore_index, reduction=reduction)
-        if reduction == "mean":  # all ignored gives 0, not NaN (the kernels' convention)
-            loss = torch.where((target != ignore_index).any(), loss, x.sum() * 0.0)
-        return loss.float()
-
-    def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                      z_loss=0.0, softcap=None, num_items_in_batch=None):
-        counts["cross_entropy_fwd"] += 1
-        return _ce64(logits, target, ignore_index, reduction, softcap)
-
-    def fused_linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, reduction="mean",
-                                   label_smoothing=0.0, z_loss=0.0, softcap=None, logit_scale=1.0,
-                                   num_items_in_batch=None):
-        counts["fused_linear_cross_entropy_fwd"] += 1
-        logits = hidden.double() @ weight.double().t()
-        if bias is not None:
-            logits = logits + bias.double()
-        return _ce64(logits, target, ignore_index, reduction, softcap, logit_scale)
-
-    def triton_can_run(*tensors):
-        devices = {t.device.type for t in tensors if t is not None}
-        return devices == {"cpu"} and os.environ.get("TRITON_INTERPRET") == "1"
-
-    module = types.ModuleType("fused_kernels")
-    module.cross_entropy = cross_entropy
-    module.fused_linear_cross_entropy = fused_linear_cross_entropy
-    module.triton_can_run = triton_can_run
-    module.launch_counts = lambda: dict(counts)
-    module.reset_launch_counts = counts.clear
-    module.STAND_IN = True
-    return module
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    try:
-        import fused_kernels
+    import fused_kernels
 
-        fused_kernels.cross_entropy, fused_kernels.fused_linear_cross_entropy  # noqa: B018
-        yield fused_kernels
-        return
-    except Exception:
-        saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k.split(".")[0] == "fused_kernels"}
-    stand_in = _stand_in_kernels()
-    sys.modules["fused_kernels"] = stand_in
-    yield stand_in
-    sys.modules.pop("fused_kernels", None)
-    sys.modules.update(saved)
+    return fused_kernels
 
 
 @pytest.fixture(autouse=True)
