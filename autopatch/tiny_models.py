@@ -84,7 +84,7 @@ SHRINK: dict[str, object] = {
 }
 
 # Probabilities that would make a tiny model stochastic or skip layers: switch them off.
-ZERO = re.compile(r".*(dropout|drop_rate|dropout_rate|_pdrop|pdrop)$")
+ZERO = re.compile(r".*(dropout|drop_rate|dropout_rate|pdrop|dropout_prob|drop_prob|drop_path_rate|layerdrop)$")
 ID_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 LAYER_LISTS = ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -65,6 +66,7 @@ def _run(model, inputs):
     """Loss and every parameter gradient in training mode, logits in eval mode."""
     model.train()
     model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # any dropout left in a model draws the same masks in every run
     out = model(**inputs)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -76,22 +78,41 @@ def _run(model, inputs):
     return loss, logits, grads
 
 
-def _compare(ref, got) -> tuple[bool, str]:
+def _errors(ref, got) -> dict[str, float]:
+    """Relative error of every compared quantity (loss, eval logits, each gradient)."""
     loss_r, logits_r, grads_r = ref
     loss_g, logits_g, grads_g = got
-    worst = ("loss", _rel(loss_g, loss_r))
-    checks = [("logits", _rel(logits_g, logits_r))]
     if set(grads_r) != set(grads_g):
-        return False, f"gradient sets differ: {sorted(set(grads_r) ^ set(grads_g))[:3]}"
+        return {"gradient sets differ": float("inf")}
     # Some gradients are zero in exact arithmetic (e.g. a key-projection bias: softmax ignores a
     # constant shift) and hold only rounding noise; measure those against the whole gradient's size.
     total = torch.sqrt(sum(g.double().pow(2).sum() for g in grads_r.values())).item() if grads_r else 0.0
+    errs = {"loss": _rel(loss_g, loss_r), "logits": _rel(logits_g, logits_r)}
     for name in grads_r:
-        checks.append((f"grad {name}", _rel(grads_g[name], grads_r[name], floor=1e-3 * total)))
-    for what, err in checks:
-        if err > worst[1]:
-            worst = (what, err)
-    return worst[1] <= TOL, f"worst {worst[0]} rel err {worst[1]:.2e}"
+        errs[f"grad {name}"] = _rel(grads_g[name], grads_r[name], floor=1e-3 * total)
+    return errs
+
+
+def _compare(ref, got, ref64=None) -> tuple[bool, str]:
+    """Patched (`got`) against unpatched fp32 (`ref`) within TOL. Where a quantity misses TOL and a
+    float64 run of the unpatched model is given, it still passes when the patched fp32 value is as
+    close to float64 as the original fp32 code is (within 2x + TOL): ill-conditioned parameters
+    (routers, differential-attention lambdas) amplify any fp32 rounding, ours and the original's alike."""
+    errs = _errors(ref, got)
+    worst = max(errs, key=errs.get)
+    if errs[worst] <= TOL:
+        return True, f"worst {worst} rel err {errs[worst]:.2e}"
+    if ref64 is None:
+        return False, f"worst {worst} rel err {errs[worst]:.2e}"
+    ours64 = _errors(ref64, got)
+    theirs64 = _errors(ref64, ref)
+    bad = [k for k, e in errs.items() if e > TOL and not ours64.get(k, float("inf")) <= 2 * theirs64.get(k, 0.0) + TOL]
+    if bad:
+        k = max(bad, key=errs.get)
+        return False, (f"{k} rel err {errs[k]:.2e}; vs float64: ours {ours64.get(k, float('inf')):.2e}, "
+                       f"original fp32 {theirs64.get(k, 0.0):.2e}")
+    return True, (f"worst {worst} rel err {errs[worst]:.2e} vs fp32 original; vs float64 ours "
+                  f"{ours64[worst]:.2e}, original fp32 {theirs64[worst]:.2e}")
 
 
 def _launched(before: dict, after: dict, kind: str) -> bool:
@@ -131,11 +152,15 @@ def check_architecture(arch) -> dict:
     inputs = smoke_inputs(model)
     try:
         ref = _run(model, inputs)
+        try:  # the unpatched model in float64: the yardstick for ill-conditioned parameters
+            ref64 = _run(copy.deepcopy(model).double(), inputs)
+        except Exception:  # noqa: BLE001 - some architectures do not run in float64
+            ref64 = None
         before = fused_kernels.launch_counts()
         records = _patch(model, set(KINDS))
         got = _run(model, inputs)
         after = fused_kernels.launch_counts()
-        ok, detail = _compare(ref, got)
+        ok, detail = _compare(ref, got, ref64)
         row["status"] = "ok" if ok else "mismatch"
         row["detail"] = detail
         mismatched: set[str] = set()
@@ -143,7 +168,7 @@ def check_architecture(arch) -> dict:
             for kind in KINDS:
                 patching.restore_all()
                 _patch(model, {kind})
-                if not _compare(ref, _run(model, inputs))[0]:
+                if not _compare(ref, _run(model, inputs), ref64)[0]:
                     mismatched.add(kind)
         for kind in KINDS:
             mine = [r for r in records if KIND_OF_KERNEL.get(r.kernel, r.kernel) == kind]
