@@ -5,10 +5,11 @@
     (autopatch.apply(model, cross_entropy=True)), in fp32, in bf16 autocast over fp32 weights, and in
     pure bf16 weights. Compared: the per-step training loss, the final parameters and the eval logits
     and eval loss on a held-out batch. Tolerances (per step |Δloss| <= atol + rtol * |loss|):
-        fp32            atol 1e-4, rtol 1e-4; parameters and eval logits 1e-3 relative (norm-wise)
+        fp32            atol 2e-5, rtol 2e-5; parameters and eval logits 2e-4 relative (norm-wise)
         bf16 (both)     atol 1e-2, rtol 1e-2; parameters and eval logits 5e-2 relative
     (Liger-Kernel's convergence tests use atol 1e-2 / rtol 5e-2 per step in bf16.) The measured
-    differences go to $OUT/stack_convergence.json when OUT is set.
+    differences go to $OUT/stack_convergence.json when OUT is set. (Measured on the CPU, kernels in
+    Triton's interpreter, a 2-layer tiny Llama, fp32, 200 steps: max |Δloss| 1e-6, parameters 1.6e-6.)
   - Two GPUs (skipped with fewer): a model split with device_map="auto" trains with the same loss and
     gradients patched as plain; every kernel run on tensors of cuda:1 while cuda:0 is current gives the
     same result as on cuda:0 (Triton launches on the current device unless the op switches). Both run in
@@ -36,7 +37,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 TESTS = Path(__file__).resolve().parent
 STEPS = 200
 TOLERANCE = {  # precision -> (atol, rtol) per step, relative bound for parameters and eval logits
-    "fp32": (1e-4, 1e-4, 1e-3),
+    "fp32": (2e-5, 2e-5, 2e-4),
     "bf16-autocast": (1e-2, 1e-2, 5e-2),
     "bf16": (1e-2, 1e-2, 5e-2),
 }
