@@ -8,6 +8,7 @@ needs in the same way.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import threading
 
@@ -67,3 +68,23 @@ def check_choice(name: str, value, choices) -> None:
     """Raise ValueError unless value is one of choices, naming the valid ones."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
+
+
+def launches_on_device_of(index: int):
+    """Decorator for a host function that launches Triton kernels on its positional argument `index`:
+    run it with that tensor's GPU as the current device. Triton launches on the current device, which a
+    model split over GPUs (device_map="auto") does not switch; on another GPU's memory the launch fails
+    or reads wrong data. Costs one device comparison when the device is already current."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            t = args[index]
+            if t.is_cuda and t.get_device() != torch.cuda.current_device():
+                with torch.cuda.device(t.device):
+                    return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return run
+
+    return wrap

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
 
 CASTING_MODES = ("llama", "gemma", "none")
 # How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
@@ -584,6 +584,7 @@ def _row_stride(t2: torch.Tensor) -> int:
     return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
 
 
+@launches_on_device_of(0)  # x
 def _forward_impl(
     x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -620,6 +621,7 @@ def _forward_impl(
     return y, rstd
 
 
+@launches_on_device_of(1)  # x
 def _backward_impl(
     dy: torch.Tensor,
     x: torch.Tensor,

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of, triton_can_run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -352,6 +352,7 @@ def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
     return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
 
 
+@launches_on_device_of(0)  # q
 def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool, q_order, k_order):
     """Run the kernel over q and k (or the output gradients, when backward) into new tensors laid out in
     q_order / k_order, and return them. The one launch path of the custom ops and the eager Function."""
