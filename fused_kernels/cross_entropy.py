@@ -1,4 +1,4 @@
-"""Cross entropy over a large vocabulary: the loss and the gradient of the logits in one pass.
+"""Cross entropy over a large vocabulary: the loss and the gradient of the logits in one kernel.
 
 Math, per row i with target y (the row is ignored when y == ignore_index), V classes, all in fp32:
 
@@ -18,72 +18,80 @@ except that an all-ignored "mean" gives 0 where torch gives NaN.
 
 Gradient in the forward. When the logits need a gradient, the forward kernel writes
 ∂loss/∂logits (already divided by the normaliser) into a fresh buffer of the logits' dtype while it
-has the row at hand; that buffer *is* the gradient. The backward only multiplies it in place by the
-upstream gradient, in a kernel that returns at once when that is exactly 1.0 (the usual case), so
-forward + backward read the logits once and write the gradient once:
-    8192 × 128256 bf16: 2 · 2.10 GB = 4.2 GB, 0.99 ms at 4.25 TB/s.   (No grad: half that.)
-The backward keeps a reference to the buffer and scales it in place, so backward may run once
-(retain_graph=True and a second backward raise).
+has the row at hand; that buffer *is* the gradient. The backward multiplies it in place by the
+upstream gradient (a kernel that returns at once when that is exactly 1.0, the usual case) and hands
+the buffer itself to autograd: the eager autograd.Function keeps it only as a ctx attribute that the
+backward pops, so no other reference is alive and AccumulateGrad adopts it as `.grad` (no clone, no
+second logits-sized buffer). The backward may therefore run once (retain_graph=True and a second
+backward raise). Under torch.compile the custom ops below are traced instead; there the compiled
+graph owns the buffers, and whether .grad is the buffer or a copy is up to AOTAutograd.
 
-Kernels (one file, three launch plans, chosen by `_plan`; FUSED_KERNELS_CE_PATH overrides):
-  "row"      one program per row. A row of <= `row_max` classes is loaded once into registers
-             (read once, write once). Longer rows loop over vocab blocks twice (online max/sum-exp,
-             then the gradient), the second read coming from L2 or HBM.
-  "coop"     (CUDA, long rows) the row is split into S chunks of `chunk` classes; one program per
-             (row, chunk) keeps its chunk in registers, publishes its partial max / sum-exp, waits
-             at a per-row counter until the row's S partials are in, then writes its gradient
-             from registers: each logit is read from HBM exactly once. Deadlock-free: programs
-             take their (row, chunk) from an atomic ticket when they start, so the claimed tasks
-             are always a prefix; every row wholly inside it finishes and frees its slots, and
-             only the last row's (< S) programs can be waiting, so S resident programs suffice
-             (checked against the SM count, else "twophase").
-  "twophase" the same chunk kernel run as two launches (partials, then gradient): no in-kernel
-             waiting, the logits are read twice. The CPU interpreter runs programs one after
-             another, so the CPU tests check the chunk kernel's math through this plan.
-Auto: "row" for V <= row_max (8192) and on the CPU, else "coop". Environment (read at import):
-FUSED_KERNELS_CE_PATH=auto|row|coop|twophase, FUSED_KERNELS_CE_ROW_MAX, FUSED_KERNELS_CE_BLOCK
-(row loop block, 8192), FUSED_KERNELS_CE_CHUNK (4096), FUSED_KERNELS_CE_CHUNK_WARPS (0: chunk/1024).
-The kernels take the gradient buffer separately from the logits; fused_linear_cross_entropy passes
-the same tensor for both (gradient written in place over its logits chunk): every program reads
-what it needs (including z_y) before any program writes over it.
+Kernel: one program per row, or (`per_sm` > 0) a persistent grid of per_sm·#SMs programs each taking
+rows pid, pid + P, ... A row of at most BLOCK classes is held whole in registers (read once, written
+once). A longer row is swept twice in BLOCK-wide blocks: first the online max / sum-exp in fp32 (plus
+z_y, Σz for label smoothing, the softcap tanh), then the gradient (softmax − onehot)·scale. The second
+read of a ≤ 512 KB row comes from L2 when rows in flight × row bytes stay well under the 50 MB L2,
+which is what the persistent grid and the L2 eviction hints are for. Bytes moved, 8192 × 128256
+bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
+floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
-Out-of-range targets are flagged by the kernels (and treated as ignored there); the forward checks
+Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
+LaunchConfig (block, warps, programs per SM, pipelining stages of the block loops, L2 hints).
+scripts/tune_cross_entropy.py times the candidates on the GPU and prints table rows to paste here.
+`_CONFIG["force"]` overrides the table (tests, the tune script); `_CONFIG["sm_count"]` stands in for
+the SM count (the CPU interpreter has none: there the grid is one program per row unless it is set).
+
+The kernel takes the gradient buffer separately from the logits; fused_linear_cross_entropy passes
+the same tensor for both (gradient written in place over its logits chunk): a row belongs to one
+program, which reads z_y before it writes anything and reads every block before it overwrites it.
+
+Out-of-range targets are flagged by the kernel (and treated as ignored there); the forward checks
 the flag once at its end, the one host sync it makes. Pass the logits in the model's dtype: an
-upcast copy (HF's `logits.float()`) doubles the bytes for nothing, the kernels compute in fp32.
+upcast copy (HF's `logits.float()`) doubles the bytes for nothing, the kernel computes in fp32.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
 
 __all__ = ["cross_entropy"]
 
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
-
-
-# Launch tuning. Read once from the environment; tests patch the dict.
-_CONFIG = {
-    "path": os.environ.get("FUSED_KERNELS_CE_PATH", "auto"),  # auto | row | coop | twophase
-    "row_max": _env_int("FUSED_KERNELS_CE_ROW_MAX", 8192),  # longest row held whole in registers
-    "block": _env_int("FUSED_KERNELS_CE_BLOCK", 8192),  # vocab block of the looping row kernel
-    "chunk": _env_int("FUSED_KERNELS_CE_CHUNK", 4096),  # classes per program in coop / twophase
-    "chunk_warps": _env_int("FUSED_KERNELS_CE_CHUNK_WARPS", 0),  # 0: chosen from the chunk
-    "poison": False,  # tests: fill every fresh output buffer with NaN before the kernels run
-}
-_PATHS = ("auto", "row", "coop", "twophase")
 REDUCTIONS = ("mean", "sum", "none")
+
+
+class LaunchConfig(NamedTuple):
+    block: int  # classes per block (power of 2); a row of <= block classes is held whole in registers
+    warps: int  # num_warps
+    per_sm: float  # programs per SM, each looping over rows; 0: one program per row
+    stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
+    l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
+
+
+# (largest V, config). The rows for V > 8192 are what scripts/tune_cross_entropy.py tunes (it prints
+# replacements for the last three rows); the defaults before tuning are Liger-Kernel's shape
+# (32768-class blocks, 32 warps, one program per row), and rows of <= 32768 classes held whole.
+LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
+    (2048, LaunchConfig(block=2048, warps=4, per_sm=0)),
+    (8192, LaunchConfig(block=8192, warps=8, per_sm=0)),
+    (65536, LaunchConfig(block=32768, warps=16, per_sm=0)),
+    (196608, LaunchConfig(block=32768, warps=32, per_sm=0)),
+    (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0)),
+)
+
+_CONFIG = {
+    "force": None,  # a LaunchConfig used for every V instead of the table (tests, tuning)
+    "sm_count": None,  # stands in for the device's SM count (tests: persistent grids on the CPU)
+    "poison": False,  # tests: fill every fresh output buffer with NaN before the kernels run
+    "on_buffer": None,  # tests: called with every buffer new_buffer returns (to follow the gradient)
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,10 +99,12 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
-def _capped(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """z = softcap · tanh(s·x / softcap) (or s·x) in fp32. tanh(a) = sign(a)·(1 − e)/(1 + e) with
     e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp)."""
-    z = x.to(tl.float32) * logit_scale
+    z = x.to(tl.float32)
+    if HAS_SCALE:
+        z = z * logit_scale
     if HAS_SOFTCAP:
         a = z / softcap
         e = tl.exp(-2.0 * tl.abs(a))
@@ -104,16 +114,14 @@ def _capped(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dlogits(z, cols, y, lse, coef_p, coef_u, coef_y, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
-    """coef · ∂loss/∂x for a block of one row (see the module docstring); coef_p = coef·(1 + 2λ·lse),
-    coef_u = coef·ε/V, coef_y = coef·(1 − ε)."""
-    d = coef_p * tl.exp(z - lse) - coef_u
+def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.constexpr):
+    """∂loss/∂x for a block of one row from its softmax p (see the module docstring); the coefficients
+    carry the normaliser and logit_scale: coef_p = c·(1 + 2λ·lse), coef_u = c·ε/V, coef_y = c·(1 − ε)."""
+    d = coef_p * p - coef_u
     d = tl.where(cols == y, d - coef_y, d)
     if HAS_SOFTCAP:
         c = tl.minimum(tl.abs(z) / softcap, 1.0)  # |z| <= softcap; masked lanes (z = -inf) give 0, not NaN
-        d = d * (logit_scale * (1.0 - c * c))
-    else:
-        d = d * logit_scale
+        d = d * (1.0 - c * c)
     return d
 
 
@@ -128,164 +136,124 @@ def _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS: tl.constexp
 
 
 @triton.jit
-def _ce_row_kernel(
-    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
-    V, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
-    HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """One program per row: loss_i into loss_ptr[row]; coef·∂loss_i/∂x into the grad row."""
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * x_stride
-    g_row = grad_ptr + row * grad_stride
-    y = tl.load(tgt_ptr + row).to(tl.int64)
-    kept = y != ignore_index
-    in_range = (y >= 0) & (y < V)
-    tl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
-    valid = kept & in_range
-    offs = tl.arange(0, BLOCK)
-    inv_v = 1.0 / V
-    if valid:
-        coef = tl.load(coef_ptr)
-        if HAS_ROW_SCALE:
-            coef = coef * tl.load(row_scale_ptr + row)
-        if SINGLE_BLOCK:
-            # The whole row in registers: one read, one write.
-            mask = offs < V
-            z = _capped(tl.load(x_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
-            z = tl.where(mask, z, float("-inf"))
-            m = tl.max(z, 0)
-            e = tl.exp(z - m)
-            s = tl.sum(e, 0)
-            lse = m + tl.log(s)
-            zy = tl.sum(tl.where(offs == y, z, 0.0), 0)
-            sumz = 0.0
-            if HAS_LS:
-                sumz = tl.sum(tl.where(mask, z, 0.0), 0)
-            tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
-            if WRITE_GRAD:
-                coef_p = coef * (1.0 + 2.0 * z_loss * lse)
-                d = _dlogits(z, offs, y, lse, coef_p, coef * label_smoothing * inv_v,
-                             coef * (1.0 - label_smoothing), logit_scale, softcap, HAS_SOFTCAP)
-                tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=mask)
-        else:
-            # z_y first: with the gradient written in place over the logits it would be gone.
-            zy = _capped(tl.load(x_row + y), logit_scale, softcap, HAS_SOFTCAP)
-            m = float("-inf")
-            s = 0.0
-            sumz = 0.0
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                mask = cols < V
-                z = _capped(tl.load(x_row + cols, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
-                z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, 0))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block of -inf logits
-                s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
-                m = m_new
-                if HAS_LS:
-                    sumz += tl.sum(tl.where(mask, z, 0.0), 0)
-            lse = m + tl.log(s)
-            tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
-            if WRITE_GRAD:
-                coef_p = coef * (1.0 + 2.0 * z_loss * lse)
-                coef_u = coef * label_smoothing * inv_v
-                coef_y = coef * (1.0 - label_smoothing)
-                for start in range(0, V, BLOCK):
-                    cols = start + offs
-                    mask = cols < V
-                    z = _capped(tl.load(x_row + cols, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
-                    d = _dlogits(z, cols, y, lse, coef_p, coef_u, coef_y, logit_scale, softcap, HAS_SOFTCAP)
-                    tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
+def _stats_block(x_row, cols, V, m, s, sumz, logit_scale, softcap, EVICT: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr):
+    """One block of the first sweep: the running max m, Σ exp(z − m) and Σ z, updated."""
+    if MASKED:
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT)
+        z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
     else:
-        tl.store(loss_ptr + row, 0.0)
-        if WRITE_GRAD:
-            zero = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
-            for start in range(0, V, BLOCK):
-                cols = start + offs
-                tl.store(g_row + cols, zero, mask=cols < V)
+        z = _capped(tl.load(x_row + cols, eviction_policy=EVICT), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+    m_new = tl.maximum(m, tl.max(z, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far: Σ stays 0
+    s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
+    if HAS_LS:
+        if MASKED:
+            sumz += tl.sum(tl.where(cols < V, z, 0.0), 0)
+        else:
+            sumz += tl.sum(z, 0)
+    return m_new, s, sumz
 
 
 @triton.jit
-def _ce_chunk_kernel(
-    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
-    sync_ptr, part_ptr, zy_ptr,
-    N, V, S, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
-    PHASE: tl.constexpr,  # 0: partials, wait, gradient in one program ("coop"); 1: partials; 2: gradient
-    HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, S_POW2: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """One program per (row, chunk of CHUNK classes). Partials per row in part_ptr[row, 3, S]:
-    chunk max, Σ exp(z − chunk max), Σ z; z_y in zy_ptr[row]. sync_ptr[0:N] counts the partials a
-    row has published, sync_ptr[N] hands out tickets (PHASE 0 only; zeroed before the launch)."""
-    if PHASE == 0:
-        task = tl.atomic_add(sync_ptr + N, 1)  # in start order: whoever we wait for has started
+def _grad_block(x_row, g_row, cols, V, y, lse, coef_p, coef_u, coef_y, logit_scale, softcap,
+                LOAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, MASKED: tl.constexpr,
+                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """One block of the second sweep: re-read the logits, write the gradient."""
+    if MASKED:
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
     else:
-        task = tl.program_id(0)
-    row = (task // S).to(tl.int64)
-    chunk = task % S
-    x_row = x_ptr + row * x_stride
-    g_row = grad_ptr + row * grad_stride
-    part_row = part_ptr + row * 3 * S
-    y = tl.load(tgt_ptr + row).to(tl.int64)
-    kept = y != ignore_index
-    in_range = (y >= 0) & (y < V)
-    valid = kept & in_range
-    cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < V
+        x = tl.load(x_row + cols, eviction_policy=LOAD_EVICT)
+    z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+    d = _dlogits(tl.exp(z - lse), z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+    if MASKED:
+        tl.store(g_row + cols, d.to(g_row.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
+    else:
+        tl.store(g_row + cols, d.to(g_row.dtype.element_ty), eviction_policy=STORE_EVICT)
+
+
+@triton.jit
+def _ce_kernel(
+    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
+    n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    KEEP: tl.constexpr, DROP: tl.constexpr,
+):
+    """Rows pid, pid + P, ... (P programs): loss_i into loss_ptr[row]; coef·row_scale_i·∂loss_i/∂x
+    into the gradient row. KEEP / DROP: eviction policies ("" for none) of the first sweep's loads and
+    of the second sweep's loads and stores."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK)
     inv_v = 1.0 / V
-    if PHASE != 2:
-        tl.store(flag_ptr, 1, mask=kept & (~in_range) & (chunk == 0))
-    if valid:
-        if PHASE != 2:
-            # Held across the wait in the logits' own dtype (fewer registers, more programs per SM).
-            x = tl.load(x_row + cols, mask=mask, other=0.0)
-            z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SOFTCAP), float("-inf"))
-            m_c = tl.max(z, 0)
-            m_ref = tl.where(m_c == float("-inf"), 0.0, m_c)  # a chunk of -inf logits adds 0
-            tl.store(part_row + chunk, m_c)
-            tl.store(part_row + S + chunk, tl.sum(tl.exp(z - m_ref), 0))
-            if HAS_LS:
-                tl.store(part_row + 2 * S + chunk, tl.sum(tl.where(mask, z, 0.0), 0))
-            if (y >= chunk * CHUNK) & (y < chunk * CHUNK + CHUNK):
-                tl.store(zy_ptr + row, tl.sum(tl.where(cols == y, z, 0.0), 0))
-            if PHASE == 0:
-                tl.debug_barrier()  # every thread's stores before the release below
-                tl.atomic_add(sync_ptr + row, 1, sem="release")
-        if PHASE != 1:
-            if PHASE == 0:
-                seen = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
-                while seen < S:
-                    seen = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
-            else:
-                x = tl.load(x_row + cols, mask=mask, other=0.0)
-            z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SOFTCAP), float("-inf"))
-            # Other programs' partials: volatile loads skip L1, which may hold this line from before.
-            k = tl.arange(0, S_POW2)
-            k_mask = k < S
-            ms = tl.load(part_row + k, mask=k_mask, other=float("-inf"), volatile=True)
-            ss = tl.load(part_row + S + k, mask=k_mask, other=0.0, volatile=True)
-            m = tl.max(ms, 0)
-            lse = m + tl.log(tl.sum(ss * tl.exp(ms - m), 0))
-            if WRITE_GRAD:
-                coef = tl.load(coef_ptr)
-                if HAS_ROW_SCALE:
-                    coef = coef * tl.load(row_scale_ptr + row)
-                d = _dlogits(z, cols, y, lse, coef * (1.0 + 2.0 * z_loss * lse), coef * label_smoothing * inv_v,
-                             coef * (1.0 - label_smoothing), logit_scale, softcap, HAS_SOFTCAP)
-                tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
-            if chunk == 0:
+    coef_all = tl.load(coef_ptr)
+    if HAS_SCALE:
+        coef_all = coef_all * logit_scale  # ∂z/∂x = s (times the softcap factor)
+    v_full = V // BLOCK * BLOCK  # unmasked blocks below, one masked tail block
+    for r in range(pid, n_rows, n_prog):
+        row = tl.cast(r, tl.int64)
+        x_row = x_ptr + row * x_stride
+        g_row = grad_ptr + row * grad_stride
+        y = tl.load(tgt_ptr + row).to(tl.int64)
+        kept = y != ignore_index
+        in_range = (y >= 0) & (y < V)
+        tl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
+        if kept & in_range:
+            coef = coef_all
+            if HAS_ROW_SCALE:
+                coef = coef * tl.load(row_scale_ptr + row)
+            if SINGLE_BLOCK:
+                # The whole row in registers: one read, one write, one exp per class.
+                mask = offs < V
+                x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=DROP)
+                z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+                m = tl.max(z, 0)
+                e = tl.exp(z - m)
+                s = tl.sum(e, 0)
+                lse = m + tl.log(s)
+                zy = tl.sum(tl.where(offs == y, z, 0.0), 0)
                 sumz = 0.0
                 if HAS_LS:
-                    sumz = tl.sum(tl.load(part_row + 2 * S + k, mask=k_mask, other=0.0, volatile=True), 0)
-                zy = tl.load(zy_ptr + row, volatile=True)
+                    sumz = tl.sum(tl.where(mask, z, 0.0), 0)
                 tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
-    else:
-        if PHASE != 1:
+                if WRITE_GRAD:
+                    d = _dlogits(e * (1.0 / s), z, offs, y, coef * (1.0 + 2.0 * z_loss * lse),
+                                 coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
+                    tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=mask, eviction_policy=DROP)
+            else:
+                # z_y first: with the gradient written in place over the logits it would be gone.
+                zy = _capped(tl.load(x_row + y), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m = tl.full((), float("-inf"), tl.float32)
+                s = tl.full((), 0.0, tl.float32)
+                sumz = tl.full((), 0.0, tl.float32)
+                for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                    m, s, sumz = _stats_block(x_row, start + offs, V, m, s, sumz, logit_scale, softcap, KEEP, False,
+                                              HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                if v_full < V:
+                    m, s, sumz = _stats_block(x_row, v_full + offs, V, m, s, sumz, logit_scale, softcap, KEEP, True,
+                                              HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                lse = m + tl.log(s)
+                tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
+                if WRITE_GRAD:
+                    coef_p = coef * (1.0 + 2.0 * z_loss * lse)
+                    coef_u = coef * label_smoothing * inv_v
+                    coef_y = coef * (1.0 - label_smoothing)
+                    for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                        _grad_block(x_row, g_row, start + offs, V, y, lse, coef_p, coef_u, coef_y, logit_scale,
+                                    softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP)
+                    if v_full < V:
+                        _grad_block(x_row, g_row, v_full + offs, V, y, lse, coef_p, coef_u, coef_y, logit_scale,
+                                    softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP)
+        else:
+            tl.store(loss_ptr + row, 0.0)
             if WRITE_GRAD:
-                tl.store(g_row + cols, tl.zeros([CHUNK], dtype=grad_ptr.dtype.element_ty), mask=mask)
-            if chunk == 0:
-                tl.store(loss_ptr + row, 0.0)
+                zero = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
+                for start in range(0, V, BLOCK):
+                    cols = start + offs
+                    tl.store(g_row + cols, zero, mask=cols < V)
 
 
 @triton.jit
@@ -317,7 +285,7 @@ def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: buffers, launch plans
+# Host side: buffers, launch shapes
 
 
 def _device_guard(t: torch.Tensor):
@@ -328,38 +296,46 @@ def _device_guard(t: torch.Tensor):
 
 
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """Every output buffer comes from here; tests poison it so an element never written shows up."""
+    """Every output buffer comes from here; tests poison it so an element never written shows up,
+    and follow it (on_buffer) to check that autograd adopts it as .grad without a copy."""
     t = torch.empty(shape, dtype=dtype, device=device)
     if _CONFIG["poison"]:
         t.fill_(float("nan") if dtype.is_floating_point else -(2**31) + 7)
+    if _CONFIG["on_buffer"] is not None:
+        _CONFIG["on_buffer"](t)
     return t
 
 
 _SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def _sm_count(device: torch.device) -> Optional[int]:
+    if _CONFIG["sm_count"]:
+        return int(_CONFIG["sm_count"])
+    if device.type != "cuda":
+        return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SM_COUNT:
         _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SM_COUNT[index]
 
 
-def _plan(x: torch.Tensor, v: int) -> str:
-    path = _CONFIG["path"]
-    check_choice("FUSED_KERNELS_CE_PATH", path, _PATHS)
-    if path == "auto":
-        if v <= _CONFIG["row_max"] or not x.is_cuda:
-            path = "row"  # the CPU interpreter runs programs one at a time: no in-kernel waiting
-        else:
-            path = "coop"
-    if path == "coop":
-        if not x.is_cuda:
-            raise RuntimeError("the 'coop' cross-entropy plan waits inside the kernel; it needs a GPU")
-        # A waiting program needs its row's other S − 1 programs resident (one per SM is certain).
-        if triton.cdiv(v, _CONFIG["chunk"]) > _sm_count(x.device):
-            path = "twophase"
-    return path
+def launch_config(v: int) -> LaunchConfig:
+    """The launch shape for rows of v classes: the forced one, else the table's."""
+    if _CONFIG["force"] is not None:
+        return _CONFIG["force"]
+    for bound, cfg in LAUNCH_TABLE:
+        if v <= bound:
+            return cfg
+    return LAUNCH_TABLE[-1][1]
+
+
+def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
+    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows)."""
+    sms = _sm_count(device)
+    if cfg.per_sm <= 0 or sms is None:
+        return n_rows
+    return max(1, min(n_rows, int(round(cfg.per_sm * sms))))
 
 
 def launch_ce(
@@ -377,7 +353,7 @@ def launch_ce(
     softcap: Optional[float],
     logit_scale: float = 1.0,
 ) -> None:
-    """Run the cross-entropy kernels over the rows of x (N, V; unit column stride).
+    """Run the cross-entropy kernel over the rows of x (N, V; unit column stride).
 
     loss_rows (N,) fp32 gets loss_i (0 for ignored rows). When grad (N, V; may be x itself) is given
     it gets coef[0] · row_scale[i] · ∂loss_i/∂x_i. flag (int32) is set to 1 when a target lies outside
@@ -387,41 +363,21 @@ def launch_ce(
     if n == 0:
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
-    flags = dict(
-        HAS_SOFTCAP=softcap is not None,
-        HAS_LS=label_smoothing > 0.0,
-        HAS_ROW_SCALE=row_scale is not None,
-        WRITE_GRAD=grad is not None,
-    )
+    cfg = launch_config(v)
+    block = min(cfg.block, triton.next_power_of_2(v))
+    hints = cfg.l2_hints and v > block  # a row held whole is read once: nothing to keep in L2
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
-    scalars = (float(logit_scale), float(softcap if softcap is not None else 1.0),
-               float(label_smoothing), float(z_loss))
-    path = _plan(x, v)
     with _device_guard(x):
-        if path == "row":
-            single = v <= _CONFIG["row_max"]
-            block = triton.next_power_of_2(v) if single else _CONFIG["block"]
-            _ce_row_kernel[(n,)](
-                x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
-                v, ignore_index, *scalars,
-                SINGLE_BLOCK=single, BLOCK=block, num_warps=max(4, min(16, block // 512)), **flags,
-            )
-            return
-        chunk = _CONFIG["chunk"]
-        s = triton.cdiv(v, chunk)
-        warps = _CONFIG["chunk_warps"] or max(4, min(16, chunk // 1024))
-        part = torch.empty((n, 3, s), dtype=torch.float32, device=x.device)
-        zy = torch.empty((n,), dtype=torch.float32, device=x.device)
-        sync = torch.zeros((n + 1,) if path == "coop" else (1,), dtype=torch.int32, device=x.device)
-        args = (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag, sync, part, zy,
-                n, v, s, ignore_index, *scalars)
-        consts = dict(S_POW2=max(2, triton.next_power_of_2(s)), CHUNK=chunk, num_warps=warps, **flags)
-        if path == "coop":
-            _ce_chunk_kernel[(n * s,)](*args, PHASE=0, **consts)
-        else:
-            _ce_chunk_kernel[(n * s,)](*args, PHASE=1, **consts)
-            _ce_chunk_kernel[(n * s,)](*args, PHASE=2, **consts)
+        _ce_kernel[(grid_programs(cfg, n, x.device),)](
+            x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
+            n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
+            float(label_smoothing), float(z_loss),
+            HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
+            HAS_ROW_SCALE=row_scale is not None, WRITE_GRAD=grad is not None, SINGLE_BLOCK=v <= block,
+            BLOCK=block, NUM_STAGES=cfg.stages, KEEP="evict_last" if hints else "",
+            DROP="evict_first" if hints else "", num_warps=cfg.warps,
+        )
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
@@ -436,10 +392,10 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
         row_len = t.numel() // rows
     else:
         rows, row_len = 1, t.numel()
-    block = 1024 if interpreter_on() else 4096
+    block = 4096 if t.is_cuda else 1024
     per = triton.cdiv(row_len, block)
     n_blocks = rows * per
-    cap = 16 if not t.is_cuda else 8 * _sm_count(t.device)
+    cap = 8 * _sm_count(t.device) if t.is_cuda else 16
     with _device_guard(t):
         _scale_kernel[(min(n_blocks, cap),)](t, g, row_len, per, n_blocks, PER_ROW=per_row, BLOCK=block,
                                              num_warps=8)
@@ -490,9 +446,41 @@ def reduce_loss(loss_rows: torch.Tensor, coef: torch.Tensor, reduction: str) -> 
     return (loss_rows.sum() * coef).sum()
 
 
+def _forward_impl(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                  divisor_value, compute_grad) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(loss, grad): loss () or (N,) fp32; grad (N, V) of the logits' dtype holding ∂loss/∂logits
+    (per-row losses unscaled for "none") when compute_grad, else None. softcap 0 means none."""
+    require_triton("cross_entropy", logits, target)
+    count_launch("cross_entropy_fwd")
+    n, v = logits.shape
+    coef = grad_coef(target, ignore_index, reduction, divisor, divisor_value, logits.device)
+    loss_rows = new_buffer((n,), torch.float32, logits.device)
+    grad = new_buffer((n, v), logits.dtype, logits.device) if compute_grad else None
+    flag = torch.zeros((1,), dtype=torch.int32, device=logits.device)
+    launch_ce(logits, target, grad, loss_rows, coef, None, flag,
+              ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+              softcap=softcap if softcap > 0 else None)
+    loss = reduce_loss(loss_rows, coef, reduction)
+    raise_if_flagged(flag, target, v, ignore_index)
+    return loss, grad
+
+
+def _backward_impl(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """grad *= grad_loss in place (per row when grad_loss has one value per row)."""
+    require_triton("cross_entropy", grad)
+    count_launch("cross_entropy_bwd")
+    scale_(grad, grad_loss, per_row=grad_loss.dim() > 0)
+
+
+_SECOND_BACKWARD = (
+    "fused_kernels.cross_entropy: backward ran a second time (retain_graph=True); the gradient is "
+    "computed in the forward and scaled in place by the backward, so it can be used once"
+)
+
+
 # ----------------------------------------------------------------------------------------------
-# Custom ops. `reduction` is the user's; `divisor` / `divisor_value` carry num_items_in_batch
-# (a tensor, or a number >= 0; -1 when absent).
+# Custom ops (traced by torch.compile). `reduction` is the user's; `divisor` / `divisor_value` carry
+# num_items_in_batch (a tensor, or a number >= 0; -1 when absent).
 
 
 @torch.library.custom_op("fused_kernels::cross_entropy_fwd", mutates_args=())
@@ -510,19 +498,9 @@ def _cross_entropy_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (loss, grad): loss () or (N,) fp32; grad (N, V) of logits' dtype holding
     ∂loss/∂logits when compute_grad, else an empty tensor. softcap 0 means none."""
-    require_triton("cross_entropy", logits, target)
-    count_launch("cross_entropy_fwd")
-    n, v = logits.shape
-    coef = grad_coef(target, ignore_index, reduction, divisor, divisor_value, logits.device)
-    loss_rows = new_buffer((n,), torch.float32, logits.device)
-    grad = new_buffer((n, v), logits.dtype, logits.device) if compute_grad else logits.new_empty((0,))
-    flag = torch.zeros((1,), dtype=torch.int32, device=logits.device)
-    launch_ce(logits, target, grad if compute_grad else None, loss_rows, coef, None, flag,
-              ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-              softcap=softcap if softcap > 0 else None)
-    loss = reduce_loss(loss_rows, coef, reduction)
-    raise_if_flagged(flag, target, v, ignore_index)
-    return loss, grad
+    loss, grad = _forward_impl(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                               divisor_value, compute_grad)
+    return loss, grad if grad is not None else logits.new_empty((0,))
 
 
 @_cross_entropy_fwd.register_fake
@@ -537,9 +515,7 @@ def _(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss,
 @torch.library.custom_op("fused_kernels::cross_entropy_bwd", mutates_args=("grad_logits",))
 def _cross_entropy_bwd(grad_logits: torch.Tensor, grad_loss: torch.Tensor) -> None:
     """grad_logits *= grad_loss in place (per row when grad_loss has one value per row)."""
-    require_triton("cross_entropy", grad_logits)
-    count_launch("cross_entropy_bwd")
-    scale_(grad_logits, grad_loss, per_row=grad_loss.dim() > 0)
+    _backward_impl(grad_logits, grad_loss)
 
 
 @_cross_entropy_bwd.register_fake
@@ -559,10 +535,7 @@ def _ce_backward(ctx, grad_loss, _grad_of_grad):
     if not ctx.compute_grad:  # only a num_items_in_batch tensor that requires grad gets here
         return (None,) * 10
     if ctx.used:
-        raise RuntimeError(
-            "fused_kernels.cross_entropy: backward ran a second time (retain_graph=True); the gradient is "
-            "computed in the forward and scaled in place by the backward, so it can be used once"
-        )
+        raise RuntimeError(_SECOND_BACKWARD)
     ctx.used = True
     (grad,) = ctx.saved_tensors
     torch.ops.fused_kernels.cross_entropy_bwd(grad, grad_loss)
@@ -570,6 +543,35 @@ def _ce_backward(ctx, grad_loss, _grad_of_grad):
 
 
 _cross_entropy_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager autograd: the gradient buffer lives only on ctx until the backward pops it, so that the
+# tensor the backward returns has no other owner and AccumulateGrad adopts it as .grad (no clone).
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                divisor_value):
+        compute_grad = ctx.needs_input_grad[0]
+        loss, grad = _forward_impl(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss,
+                                   softcap, divisor_value, compute_grad)
+        ctx.compute_grad = compute_grad
+        ctx.grad_logits = grad  # not saved, not an output: popped by the backward
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if not ctx.compute_grad:  # only a num_items_in_batch tensor that requires grad gets here
+            return (None,) * 9
+        grad = ctx.grad_logits
+        ctx.grad_logits = None
+        if grad is None:
+            raise RuntimeError(_SECOND_BACKWARD)
+        _backward_impl(grad, grad_loss)
+        return grad, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -647,6 +649,8 @@ def cross_entropy(
     losses of target's shape, 0 where ignored). num_items_in_batch (number or 0-d tensor): the loss
     is sum / num_items_in_batch for reduction "mean" or "sum" (0 when it is 0); not with "none".
     Returns float32. The gradient of the logits has their dtype and is computed in the forward.
+    Eager calls run a torch.autograd.Function; under torch.compile the custom op
+    fused_kernels::cross_entropy_fwd is traced instead. Both launch the same kernels.
     """
     check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -659,11 +663,15 @@ def cross_entropy(
     v = logits.shape[-1]
     x = _rows(logits, v)
     t = target.reshape(-1).contiguous()
-    compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, _ = torch.ops.fused_kernels.cross_entropy_fwd(
-        x, t, divisor, ignore_index, reduction, float(label_smoothing), float(z_loss),
-        float(softcap) if softcap is not None else 0.0, divisor_value, compute_grad,
-    )
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss),
+               float(softcap) if softcap is not None else 0.0, divisor_value)
+    if torch.compiler.is_compiling():
+        compute_grad = torch.is_grad_enabled() and logits.requires_grad
+        loss, _ = torch.ops.fused_kernels.cross_entropy_fwd(x, t, divisor, *options, compute_grad)
+    elif torch.is_grad_enabled() and (logits.requires_grad or (divisor is not None and divisor.requires_grad)):
+        loss = _CrossEntropyFunction.apply(x, t, divisor, *options)
+    else:
+        loss, _ = _forward_impl(x, t, divisor, *options, False)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return loss

@@ -12,11 +12,16 @@ C × V buffer (cuBLAS); the cross-entropy kernel writes the chunk's row losses a
 are needed, G_c in place over logits_c; then grad_h[c] = G_c W (written straight into the gradient),
 grad_W += G_cᵀ h_c (addmm into a buffer of W's dtype, fp32 accumulation inside each GEMM and one
 rounding per chunk: an fp32 V × H accumulator would cost 2 GiB at 128256 × 4096), grad_b += Σ G_c
-(fp32, V elements). The normaliser (1 / #non-ignored, 1 / num_items_in_batch, or 1) is known before
-any chunk runs (one count over target on the device), so for reduction "mean" / "sum" all three
-gradients are final when the forward returns; the backward only multiplies them in place by the
-upstream gradient, and skips even that when it is exactly 1.0. Like cross_entropy, the backward may
-run once.
+(fp32, V elements). No other temporaries: no fp32 copies, no per-chunk gradient tensors. The
+normaliser (1 / #non-ignored, 1 / num_items_in_batch, or 1) is known before any chunk runs (one
+count over target on the device), so for reduction "mean" / "sum" all three gradients are final when
+the forward returns; the backward only multiplies them in place by the upstream gradient, and skips
+even that when it is exactly 1.0. Like cross_entropy, the backward may run once.
+
+Dispatch: eager calls run a torch.autograd.Function that keeps the gradient buffers only as a ctx
+attribute, popped by the backward, so autograd adopts them as .grad (no clone: peak memory is the
+gradients themselves plus the chunk buffer). Under torch.compile the custom ops below are traced
+instead (the compiled graph owns the buffers; AOTAutograd may copy them into .grad).
 
 reduction="none" has one upstream value per token, unknown in the forward: the forward computes the
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
@@ -118,15 +123,69 @@ def _grad_buffers(hidden, weight, bias, need_gh, need_gw, need_gb):
     return gh, gw, gb
 
 
-def _finish_grads(grads, bias, like):
+def _cast_bias_grad(grads, bias):
     gh, gw, gb = grads
+    return gh, gw, (gb.to(bias.dtype) if gb is not None else None)
+
+
+def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                  logit_scale, divisor_value, need_gh, need_gw, need_gb):
+    """(loss, grad_hidden, grad_weight, grad_bias); a gradient is None unless asked for and the
+    reduction is "mean"/"sum" (then it is final but for the upstream factor)."""
+    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
+    count_launch("fused_linear_cross_entropy_fwd")
+    n = hidden.shape[0]
+    coef = _ce.grad_coef(target, ignore_index, reduction, divisor, divisor_value, hidden.device)
+    loss_rows = _ce.new_buffer((n,), torch.float32, hidden.device)
+    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
+    in_forward = reduction != "none"
+    grads = _grad_buffers(hidden, weight, bias, need_gh and in_forward, need_gw and in_forward, need_gb and in_forward)
+    _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
+    loss = _ce.reduce_loss(loss_rows, coef, reduction)
+    _ce.raise_if_flagged(flag, target, weight.shape[0], ignore_index)
+    return (loss, *_cast_bias_grad(grads, bias))
+
+
+def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                        logit_scale, need_gh, need_gw, need_gb):
+    """Backward of reduction "none": recompute each chunk's logits, scale row i by grad_loss[i]."""
+    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
+    count_launch("fused_linear_cross_entropy_bwd")
+    n = hidden.shape[0]
+    coef = torch.ones((1,), dtype=torch.float32, device=hidden.device)
+    row_scale = grad_loss.detach().to(device=hidden.device, dtype=torch.float32).reshape(-1).contiguous()
+    loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)  # recomputed, unused
+    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
+    grads = _grad_buffers(hidden, weight, bias, need_gh, need_gw, need_gb)
+    _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads,
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
+    return _cast_bias_grad(grads, bias)
+
+
+def _scale_grads_impl(grads, grad_loss) -> None:
+    """Backward of reduction "mean"/"sum": the gradients from the forward, times grad_loss, in place
+    (no memory traffic when grad_loss is exactly 1)."""
+    _ce.require_triton("fused_linear_cross_entropy", grad_loss)
+    count_launch("fused_linear_cross_entropy_bwd")
+    for g in grads:
+        if g is not None:
+            _ce.scale_(g, grad_loss)
+
+
+_SECOND_BACKWARD = (
+    "fused_kernels.fused_linear_cross_entropy: backward ran a second time (retain_graph=True); "
+    "its gradients are computed in the forward and scaled in place, so they are used once"
+)
+
+
+def _empty_if_none(grads, like):
     # Distinct empty tensors: a custom op's outputs may not alias one another.
-    return (gh if gh is not None else like.new_empty((0,)), gw if gw is not None else like.new_empty((0,)),
-            gb.to(bias.dtype) if gb is not None else like.new_empty((0,)))
+    return tuple(g if g is not None else like.new_empty((0,)) for g in grads)
 
 
 # ----------------------------------------------------------------------------------------------
-# Custom ops
+# Custom ops (traced by torch.compile)
 
 
 @torch.library.custom_op("fused_kernels::fused_linear_cross_entropy_fwd", mutates_args=())
@@ -149,20 +208,10 @@ def _flce_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, grad_hidden, grad_weight, grad_bias); the gradients are computed here for
     reduction "mean"/"sum" when asked for, else they are empty tensors. softcap 0 means none."""
-    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
-    count_launch("fused_linear_cross_entropy_fwd")
-    n = hidden.shape[0]
-    coef = _ce.grad_coef(target, ignore_index, reduction, divisor, divisor_value, hidden.device)
-    loss_rows = _ce.new_buffer((n,), torch.float32, hidden.device)
-    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
-    in_forward = reduction != "none"
-    grads = _grad_buffers(hidden, weight, bias, need_grad_hidden and in_forward, need_grad_weight and in_forward,
-                          need_grad_bias and in_forward)
-    _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
-    loss = _ce.reduce_loss(loss_rows, coef, reduction)
-    _ce.raise_if_flagged(flag, target, weight.shape[0], ignore_index)
-    return (loss, *_finish_grads(grads, bias, hidden))
+    loss, *grads = _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing,
+                                 z_loss, softcap, logit_scale, divisor_value, need_grad_hidden, need_grad_weight,
+                                 need_grad_bias)
+    return (loss, *_empty_if_none(grads, hidden))
 
 
 @_flce_fwd.register_fake
@@ -184,10 +233,7 @@ def _(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoo
 def _flce_scale_grads(grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor,
                       grad_loss: torch.Tensor) -> None:
     """Backward of reduction "mean"/"sum": the gradients from the forward, times grad_loss, in place."""
-    _ce.require_triton("fused_linear_cross_entropy", grad_loss)
-    count_launch("fused_linear_cross_entropy_bwd")
-    for g in (grad_hidden, grad_weight, grad_bias):
-        _ce.scale_(g, grad_loss)
+    _scale_grads_impl((grad_hidden, grad_weight, grad_bias), grad_loss)
 
 
 @_flce_scale_grads.register_fake
@@ -212,17 +258,9 @@ def _flce_bwd_none(
     need_grad_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of reduction "none": recompute each chunk's logits, scale row i by grad_loss[i]."""
-    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
-    count_launch("fused_linear_cross_entropy_bwd")
-    n = hidden.shape[0]
-    coef = torch.ones((1,), dtype=torch.float32, device=hidden.device)
-    row_scale = grad_loss.detach().to(device=hidden.device, dtype=torch.float32).reshape(-1).contiguous()
-    loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)  # recomputed, unused
-    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
-    grads = _grad_buffers(hidden, weight, bias, need_grad_hidden, need_grad_weight, need_grad_bias)
-    _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
-    return _finish_grads(grads, bias, hidden)
+    grads = _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
+                                softcap, logit_scale, need_grad_hidden, need_grad_weight, need_grad_bias)
+    return _empty_if_none(grads, hidden)
 
 
 @_flce_bwd_none.register_fake
@@ -244,8 +282,6 @@ def _flce_setup_context(ctx, inputs, output):
         ctx.save_for_backward(hidden, weight, target, bias)
         ctx.options = (ignore_index, label_smoothing, z_loss, softcap, logit_scale)
     else:
-        # Attributes, dropped in the backward, so that autograd can hand the buffers on as .grad
-        # without a copy.
         ctx.grads = (gh, gw, gb)
 
 
@@ -261,16 +297,53 @@ def _flce_backward(ctx, grad_loss, *_grads_of_grads):
         grads = ctx.grads
         ctx.grads = None
         if grads is None:
-            raise RuntimeError(
-                "fused_kernels.fused_linear_cross_entropy: backward ran a second time (retain_graph=True); "
-                "its gradients are computed in the forward and scaled in place, so they are used once"
-            )
+            raise RuntimeError(_SECOND_BACKWARD)
         gh, gw, gb = grads
         torch.ops.fused_kernels.fused_linear_cross_entropy_scale_grads(gh, gw, gb, grad_loss)
     return (gh if need_gh else None, gw if need_gw else None, None, gb if need_gb else None) + (None,) * 11
 
 
 _flce_fwd.register_autograd(_flce_backward, setup_context=_flce_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager autograd: the gradient buffers live only on ctx until the backward pops them, so that the
+# tensors it returns have no other owner and AccumulateGrad adopts them as .grad (no clone).
+
+
+class _FLCEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss,
+                softcap, logit_scale, divisor_value):
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        loss, *grads = _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction,
+                                     label_smoothing, z_loss, softcap, logit_scale, divisor_value, *needs)
+        ctx.needs = needs
+        ctx.reduction = reduction
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, target, bias)
+            ctx.options = (ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+        else:
+            ctx.grads = tuple(grads)  # not saved, not outputs: popped by the backward
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        if not any(ctx.needs):  # only a num_items_in_batch tensor asked for a gradient
+            return (None,) * 12
+        if ctx.reduction == "none":
+            hidden, weight, target, bias = ctx.saved_tensors
+            gh, gw, gb = _backward_none_impl(grad_loss, hidden, weight, target, bias, *ctx.options, *ctx.needs)
+        else:
+            grads = ctx.grads
+            ctx.grads = None
+            if grads is None:
+                raise RuntimeError(_SECOND_BACKWARD)
+            _scale_grads_impl(grads, grad_loss)
+            gh, gw, gb = grads
+            del grads
+        return (gh, gw, None, gb) + (None,) * 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,13 +407,19 @@ def fused_linear_cross_entropy(
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if not h2.is_contiguous():
         h2 = h2.contiguous()
+    t = target.reshape(-1).contiguous()
+    options = (divisor, ignore_index, reduction, float(label_smoothing), float(z_loss),
+               float(softcap) if softcap is not None else 0.0, float(logit_scale), divisor_value)
     grad_on = torch.is_grad_enabled()
-    loss, *_ = torch.ops.fused_kernels.fused_linear_cross_entropy_fwd(
-        h2, weight, target.reshape(-1).contiguous(), bias, divisor, ignore_index, reduction, float(label_smoothing),
-        float(z_loss), float(softcap) if softcap is not None else 0.0, float(logit_scale), divisor_value,
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-    )
+    if torch.compiler.is_compiling():
+        loss, *_ = torch.ops.fused_kernels.fused_linear_cross_entropy_fwd(
+            h2, weight, t, bias, *options, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        )
+    elif grad_on and any(x is not None and x.requires_grad for x in (hidden, weight, bias, divisor)):
+        loss = _FLCEFunction.apply(h2, weight, t, bias, *options)
+    else:
+        loss = _forward_impl(h2, weight, t, bias, *options, False, False, False)[0]
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return loss

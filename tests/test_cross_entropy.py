@@ -2,10 +2,11 @@
 
 Logits are random (never zeros), contiguous or strided views (rows of a wider tensor, transposed,
 3-D); every buffer the op allocates is poisoned with NaN first; the gradient is checked against
-float64 autograd with an upstream gradient of exactly 1 (the skip path) or random. All three launch
-plans that run on the CPU are exercised: one row per program held in registers, one row per program
-looping over vocab blocks, and the chunk kernel in two phases (the GPU's "coop" plan runs the same
-chunk math with an in-kernel wait; it is checked by the gpu-marked tests).
+float64 autograd with an upstream gradient of exactly 1 (the skip path) or random. Forced launch
+shapes exercise every branch of the kernel on the CPU: the row held whole, the row swept in blocks
+(full blocks and a masked tail), a persistent grid looping over rows, pipelined loops, L2 hints.
+The eager path hands the forward's gradient buffer itself to .grad (no copy); that is checked by
+following the buffer's address and its storage's reference count.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def ce_config(**overrides):
         yield
     finally:
         ce._CONFIG.update(old)
+
+
+# Forced launch shapes, by name: what each makes the kernel do on the CPU.
+LAUNCHES = {
+    "whole_row": dict(force=ce.LaunchConfig(block=1024, warps=4, per_sm=0)),  # V <= 1000: one read
+    "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
+    "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
+    "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,10 +213,10 @@ def test_matches_reference(n, v, dtype, reduction, ignore, ignore_index, ls, zl,
                             layout, seed, target_stride=2 if layout == "transposed" else 1)
 
 
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @given(
-    plan=st.sampled_from(["twophase", "row_loop"]),
-    n=st.integers(1, 5),
-    v=st.sampled_from([100, 257]),
+    n=st.integers(1, 7),
+    v=st.sampled_from([64, 100, 257]),
     dtype=st.sampled_from(DTYPES),
     reduction=st.sampled_from(ce.REDUCTIONS),
     ignore=st.sampled_from(["none", "some"]),
@@ -215,20 +225,41 @@ def test_matches_reference(n, v, dtype, reduction, ignore, ignore_index, ls, zl,
     softcap=st.sampled_from([None, 3.0]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_chunked_plans_match_reference(plan, n, v, dtype, reduction, ignore, ls, zl, softcap, seed):
-    """Rows split over several programs (2 or 5 chunks of 64) or looped over several vocab blocks."""
-    overrides = dict(path="twophase", chunk=64) if plan == "twophase" else dict(path="row", row_max=32, block=64)
-    with ce_config(**overrides):
+def test_launch_shapes_match_reference(launch, n, v, dtype, reduction, ignore, ls, zl, softcap, seed):
+    """Every launch shape: rows held whole, swept in blocks (V = 64: full blocks only; 100, 257: a
+    masked tail), several rows per program, pipelined loops and eviction hints."""
+    with ce_config(**LAUNCHES[launch]):
         check_against_reference((n,), v, dtype, reduction, ignore, -100, ls, zl, softcap, None, "random",
                                 "contiguous", seed)
 
 
+def test_launch_table_and_grid():
+    """The table covers every V with a power-of-2 block; the grid is one program per row, or
+    per_sm × SMs programs (at most one per row)."""
+    bounds = [b for b, _ in ce.LAUNCH_TABLE]
+    assert bounds == sorted(bounds) and bounds[-1] == math.inf
+    for v in (1, 7, 2048, 2049, 32000, 65536, 128256, 151936, 262144, 10**7):
+        cfg = ce.launch_config(v)
+        assert cfg.block & (cfg.block - 1) == 0 and cfg.warps in (1, 2, 4, 8, 16, 32) and cfg.stages >= 1
+    with ce_config(force=None):
+        for v in (1, 2048, 2049, 128256, 262144):
+            assert ce.launch_config(v) is next(c for b, c in ce.LAUNCH_TABLE if v <= b)
+    with ce_config(sm_count=132):
+        cpu = torch.device("cpu")
+        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 0), 8192, cpu) == 8192
+        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 1), 8192, cpu) == 132
+        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 0.5), 8192, cpu) == 66
+        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 100, cpu) == 100
+    assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 100, torch.device("cpu")) == 100  # no SMs: per row
+
+
 def test_large_logits_and_minus_inf():
     """Logits of ±1e4 (exp overflows without the max shift) and a block of -inf logits."""
-    for overrides in (dict(path="row"), dict(path="row", row_max=32, block=64), dict(path="twophase", chunk=64)):
-        with ce_config(**overrides):
+    for name in ("whole_row", "blocks", "persistent"):
+        with ce_config(**LAUNCHES[name]):
             x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 1e4
             x[1, 64:128] = float("-inf")
+            x[2, :64] = float("-inf")  # a whole first block of -inf
             target = torch.tensor([3, 5, 150, 199])
             leaf = x.clone().requires_grad_()
             loss = fused_kernels.cross_entropy(leaf, target)
@@ -236,8 +267,8 @@ def test_large_logits_and_minus_inf():
             x64 = x.double().requires_grad_()
             ref = F.cross_entropy(x64, target)
             ref.backward()
-            assert_close(loss, ref, torch.float32, f"loss {overrides}")
-            assert_close(leaf.grad, x64.grad, torch.float32, f"grad {overrides}")
+            assert_close(loss, ref, torch.float32, f"loss {name}")
+            assert_close(leaf.grad, x64.grad, torch.float32, f"grad {name}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,6 +323,59 @@ def test_second_backward_raises():
         loss.backward()
 
 
+@contextlib.contextmanager
+def follow_buffers():
+    """Record every buffer the op allocates (address, shape) while the block runs."""
+    seen = []
+    with ce_config(on_buffer=lambda t: seen.append((t.data_ptr(), tuple(t.shape)))):
+        yield seen
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """Owners of t's storage beyond those of a fresh tensor's (its TensorImpl and the Python storage
+    object made to ask): 0 when t is the only tensor on it."""
+    def count(u):
+        return torch._C._storage_Use_Count(u.untyped_storage()._cdata)
+
+    return count(t) - count(torch.empty(1))
+
+
+@pytest.mark.parametrize("lead", [(6,), (2, 3)])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_eager_grad_is_the_forward_buffer(lead, reduction):
+    """.grad is the buffer the forward wrote (same address, nothing copied), and once the backward has
+    run nothing else holds it (no tensor but .grad on its storage) while the loss and its graph live on.
+    That is what lets AccumulateGrad adopt the buffer instead of cloning a second logits-sized one."""
+    v = 40
+    logits = (torch.randn(*lead, v) * 2).requires_grad_()
+    target = torch.randint(0, v, lead)
+    with follow_buffers() as seen:
+        loss = fused_kernels.cross_entropy(logits, target, reduction=reduction)
+    node = loss.grad_fn if reduction == "mean" else loss.grad_fn.next_functions[0][0]  # "none": a reshape
+    assert type(node).__name__ == "_CrossEntropyFunctionBackward"
+    grad_buffers = [ptr for ptr, shape in seen if shape == (math.prod(lead), v)]
+    assert len(grad_buffers) == 1
+    up = torch.ones_like(loss) if reduction == "mean" else torch.rand_like(loss) + 0.5
+    loss.backward(up)
+    assert logits.grad.data_ptr() == grad_buffers[0]
+    assert storage_refs(logits.grad) == 0
+    ref = logits.detach().double().requires_grad_()
+    F.cross_entropy(ref.reshape(-1, v), target.reshape(-1), reduction=reduction).backward(up.double().reshape(-1)
+                                                                                         if reduction == "none"
+                                                                                         else up.double())
+    assert_close(logits.grad, ref.grad, torch.float32, "grad")
+
+
+def test_no_grad_call_skips_autograd():
+    logits = torch.randn(4, 20).requires_grad_()
+    target = torch.randint(0, 20, (4,))
+    with torch.no_grad(), follow_buffers() as seen:
+        loss = fused_kernels.cross_entropy(logits, target)
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert all(shape != (4, 20) for _, shape in seen)  # no gradient buffer
+    assert_close(loss, F.cross_entropy(logits.detach().double(), target), torch.float32, "loss")
+
+
 def test_launch_counts():
     fused_kernels.reset_launch_counts()
     logits = torch.randn(3, 10).requires_grad_()
@@ -317,7 +401,7 @@ def test_errors():
         fused_kernels.cross_entropy(x, torch.tensor([1, 2, 10, -100]))
     with pytest.raises(ValueError, match=r"\[0, 10\).*\[-1\]"):
         fused_kernels.cross_entropy(x, torch.tensor([1, -1, 2, -100]))
-    with pytest.raises(ValueError, match=r"\[0, 10\)"), ce_config(path="twophase", chunk=4):
+    with pytest.raises(ValueError, match=r"\[0, 10\)"), ce_config(**LAUNCHES["persistent"]):
         fused_kernels.cross_entropy(x, torch.tensor([1, 2, 3, 11]))
     with pytest.raises(ValueError, match="reduction"):
         fused_kernels.cross_entropy(x, t, reduction="avg")
@@ -380,8 +464,13 @@ def test_torch_compile_fullgraph_no_graph_breaks():
     results = []
     for fn in (step, compiled):
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        before = fused_kernels.launch_counts()
         loss = fn(hh, ww, target, n_items)
         (loss * 0.5).backward()
+        after = fused_kernels.launch_counts()
+        for direction in ("fwd", "bwd"):  # eager: the autograd.Function; compiled: the custom ops
+            key = f"cross_entropy_{direction}"
+            assert after.get(key, 0) - before.get(key, 0) == 1, (fn is step, direction)
         results.append((loss, hh.grad, ww.grad))
     for got, want in zip(results[1], results[0]):
         assert_close(got, want, torch.float32, "compiled vs eager")
@@ -415,8 +504,7 @@ def _grad_rel_err(grad, ref_chunks, rows=1024):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [128256, 32000, 262144])
-@pytest.mark.parametrize("path", ["auto", "coop", "twophase", "row"])
-def test_gpu_real_size(path, v):
+def test_gpu_real_size(v):
     import triton.testing
 
     torch.manual_seed(0)
@@ -424,7 +512,7 @@ def test_gpu_real_size(path, v):
     logits = (torch.randn(n, v, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, v, (n,), device="cuda")
     target[torch.rand(n, device="cuda") < 0.1] = -100
-    with ce_config(path=path, poison=False):
+    with ce_config(poison=False):
         ref_loss, ref_grads = _gpu_reference(logits, target)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -437,13 +525,19 @@ def test_gpu_real_size(path, v):
         err = _grad_rel_err(logits.grad, ref_grads)
         assert err <= REL_TOL[torch.bfloat16], f"grad rel err {err:.3e}"
         assert not torch.isnan(logits.grad).any()
+        del ref_grads
+
+        def fwd():
+            logits.grad = None
+            return fused_kernels.cross_entropy(logits, target)
 
         def step():
-            logits.grad = None
-            fused_kernels.cross_entropy(logits, target).backward()
+            fwd().backward()
 
+        fwd_ms = triton.testing.do_bench(fwd)
         ms = triton.testing.do_bench(step)
         floor_ms = 2 * logits.numel() * 2 / 4.25e12 * 1e3
-        print(f"\n[cross_entropy {path}] {n}x{v} bf16 fwd+bwd {ms:.3f} ms (floor {floor_ms:.3f} ms), "
-              f"extra memory beyond the gradient {extra / 2**20:.1f} MiB, grad rel err {err:.2e}")
+        print(f"\n[cross_entropy] {n}x{v} bf16 {ce.launch_config(v)}: fwd {fwd_ms:.3f} ms, bwd {ms - fwd_ms:.3f} ms, "
+              f"fwd+bwd {ms:.3f} ms (floor {floor_ms:.3f} ms), extra memory beyond the gradient "
+              f"{extra / 2**20:.1f} MiB, grad rel err {err:.2e}")
     assert extra <= 16 * 2**20, f"{extra / 2**20:.1f} MiB beyond the gradient"

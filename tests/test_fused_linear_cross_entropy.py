@@ -15,13 +15,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fused_kernels
 from helpers import assert_close
-from test_cross_entropy import (DTYPES, VOCABS, assert_grad_close, capped, ce, ce_config, grad_terms, make_target,
-                                reference_loss)
+from test_cross_entropy import (DTYPES, LAUNCHES, VOCABS, assert_grad_close, capped, ce, ce_config, follow_buffers,
+                                grad_terms, make_target, reference_loss, storage_refs)
 
 flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
 
@@ -140,20 +140,46 @@ def test_matches_reference(n, h, v, dtype, has_bias, reduction, ignore, ignore_i
                             num_items, upstream, grads_for, layout, rows, seed)
 
 
+@pytest.mark.parametrize("launch", ["blocks", "persistent"])
+@settings(max_examples=5)
 @given(
-    plan=st.sampled_from(["twophase", "row_loop"]),
     reduction=st.sampled_from(ce.REDUCTIONS),
     dtype=st.sampled_from(DTYPES),
     ls=st.sampled_from([0.0, 0.2]),
     softcap=st.sampled_from([None, 3.0]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_gradient_written_in_place_by_every_plan(plan, reduction, dtype, ls, softcap, seed):
-    """The chunk kernel in two phases and the looping row kernel, writing over their own logits."""
-    overrides = dict(path="twophase", chunk=64) if plan == "twophase" else dict(path="row", row_max=32, block=64)
-    with ce_config(**overrides):
+def test_gradient_written_in_place_by_every_launch_shape(launch, reduction, dtype, ls, softcap, seed):
+    """Rows swept in blocks (with a masked tail) and a persistent grid, writing over their own logits."""
+    with ce_config(**LAUNCHES[launch]):
         check_against_reference(4, 8, 150, dtype, True, reduction, "some", -100, ls, 1e-2, softcap, 1.0, None,
                                 "random", "all", "contiguous", 2, seed)
+
+
+@pytest.mark.parametrize("hidden_shape", [(6, 8), (2, 3, 8)])
+def test_eager_grads_are_the_forward_buffers(hidden_shape):
+    """hidden.grad and weight.grad are the buffers the forward wrote (same addresses, nothing copied),
+    and nothing else holds them once the backward has run, while the loss and its graph live on."""
+    v = 20
+    hidden = torch.randn(*hidden_shape).requires_grad_()
+    weight = (torch.randn(v, 8) * 0.3).requires_grad_()
+    bias = torch.randn(v).requires_grad_()
+    target = torch.randint(0, v, hidden_shape[:-1])
+    with chunk_rows(4), follow_buffers() as seen:
+        loss = fused_kernels.fused_linear_cross_entropy(hidden, weight, target, bias)
+    assert type(loss.grad_fn).__name__ == "_FLCEFunctionBackward"
+    loss.backward()
+    n = math.prod(hidden_shape[:-1])
+    ptrs = {shape: ptr for ptr, shape in seen}
+    assert hidden.grad.data_ptr() == ptrs[(n, 8)]
+    assert weight.grad.data_ptr() == ptrs[(v, 8)]
+    for t in (hidden, weight, bias):
+        assert storage_refs(t.grad) == 0
+    h64, w64, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
+    reference_loss(h64.reshape(n, 8) @ w64.t() + b64, target.reshape(-1)).backward()
+    for got, want, name in ((hidden.grad, h64.grad, "hidden"), (weight.grad, w64.grad, "weight"),
+                            (bias.grad, b64.grad, "bias")):
+        assert_close(got, want, torch.float32, f"d {name}")
 
 
 def test_chunk_rule(monkeypatch):
@@ -309,8 +335,13 @@ def test_torch_compile_fullgraph_no_graph_breaks():
             results = []
             for fn in (step, compiled):
                 leaves = [t.clone().requires_grad_() for t in (h, w, b)]
+                before = fused_kernels.launch_counts()
                 loss = fn(*leaves)
                 (loss * 0.5).backward()
+                after = fused_kernels.launch_counts()
+                for direction in ("fwd", "bwd"):  # eager: the autograd.Function; compiled: the custom ops
+                    key = f"fused_linear_cross_entropy_{direction}"
+                    assert after.get(key, 0) - before.get(key, 0) == 1, (step.__name__, fn is step, direction)
                 results.append((loss, *(t.grad for t in leaves)))
             for got, want in zip(results[1], results[0]):
                 assert_close(got, want, torch.float32, f"{step.__name__}: compiled vs eager")
@@ -321,8 +352,7 @@ def test_torch_compile_fullgraph_no_graph_breaks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["auto", "twophase"])
-def test_gpu_real_size_accuracy_memory_time(path):
+def test_gpu_real_size_accuracy_memory_time():
     import triton.testing
 
     torch.manual_seed(0)
@@ -334,7 +364,7 @@ def test_gpu_real_size_accuracy_memory_time(path):
     target[torch.rand(n, device=dev) < 0.1] = -100
     n_valid = int((target != -100).sum())
 
-    with ce_config(path=path, poison=False):
+    with ce_config(poison=False):
         # Peak memory beyond inputs and their gradients.
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -350,6 +380,12 @@ def test_gpu_real_size_accuracy_memory_time(path):
             weight.grad = None
             fused_kernels.fused_linear_cross_entropy(hidden, weight, target).backward()
 
+        def fwd():
+            hidden.grad = None
+            weight.grad = None
+            return fused_kernels.fused_linear_cross_entropy(hidden, weight, target)
+
+        fwd_ms = triton.testing.do_bench(fwd, warmup=50, rep=400)
         ms = triton.testing.do_bench(step, warmup=50, rep=400)
 
     # fp32 reference, chunk by chunk to fit.
@@ -371,7 +407,8 @@ def test_gpu_real_size_accuracy_memory_time(path):
     loss_err = abs(loss.item() - total / n_valid) / (total / n_valid)
     gh_err = math.sqrt(gh_num / gh_den)
     gw_err = ((weight.grad.float() - gw_ref).norm() / gw_ref.norm()).item()
-    print(f"\n[fused_linear_cross_entropy {path}] {n}x{h}->{v} bf16 fwd+bwd {ms:.2f} ms (floor 37.6 ms), peak beyond "
+    print(f"\n[fused_linear_cross_entropy] {n}x{h}->{v} bf16 fwd {fwd_ms:.2f} ms, bwd {ms - fwd_ms:.2f} ms, "
+          f"fwd+bwd {ms:.2f} ms (floor 37.6 ms), chunk rows {flce.chunk_rows(n, v, 2)}, peak beyond "
           f"inputs+grads {extra / 2**20:.0f} MiB (target 256), rel err loss {loss_err:.1e} d hidden {gh_err:.1e} "
           f"d weight {gw_err:.1e}")
     assert loss_err <= 1e-2 and gh_err <= 1e-2 and gw_err <= 1e-2
