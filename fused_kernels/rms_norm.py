@@ -234,11 +234,29 @@ def _fits(meta: dict, n_cols: int) -> bool:
     return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
 
 
+_SHARED_LIMIT = 220 * 1024  # of the H100/H200's 227 KiB per block, with room for reduction scratch
+
+
+def _pipelined_shared_bytes(meta: dict, bytes_per_col: int, partial_bytes: int) -> int:
+    """Shared memory the pipeliner takes: num_stages - 1 buffered tiles of every input the loop loads,
+    per pipelined loop (the chunked path has two; its backward's second also loads the dw partial)."""
+    buffers = meta["NUM_STAGES"] - 1
+    if meta["SINGLE_PASS"]:
+        return buffers * meta["ROWS"] * meta["BLOCK_N"] * bytes_per_col
+    return buffers * meta["BLOCK_N"] * (2 * bytes_per_col + partial_bytes)
+
+
 def _prune(configs, named_args, **kwargs):
-    """triton.autotune's early_config_prune: the candidates for this row length (and, for few rows,
-    no more rows per tile than there are rows)."""
+    """triton.autotune's early_config_prune: the candidates for this row length whose pipelined tiles
+    fit in shared memory for these dtypes (and, for few rows, no more rows per tile than there are)."""
     n_cols, row_bucket = named_args["n_cols"], named_args["row_bucket"]
-    fitting = [c for c in configs if _fits(c.kwargs, n_cols)]
+    x = named_args.get("X")
+    dy = named_args.get("DY")
+    bytes_per_col = (x.element_size() if x is not None else 2) + (dy.element_size() if dy is not None else 0)
+    partial_bytes = 4 if dy is not None else 0
+    fitting = [c for c in configs if _fits(c.kwargs, n_cols)
+               and _pipelined_shared_bytes(c.kwargs, bytes_per_col, partial_bytes) <= _SHARED_LIMIT]
+    fitting = fitting or [c for c in configs if _fits(c.kwargs, n_cols)]
     few_rows = [c for c in fitting if c.kwargs["ROWS"] <= row_bucket]
     if few_rows:
         return few_rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -294,13 +295,19 @@ def test_autotune_candidates_cover_every_row_length():
     every row length and row count, each a valid launch (power-of-two shapes, at most 32 fp32 values
     per thread and held array, whole rows only where the block covers the row, persistent backward
     grids of 1–4 programs per SM), and few enough that tuning a new shape stays quick."""
-    for backward in (False, True):
+    for backward, dtype in itertools.product((False, True), (torch.bfloat16, torch.float32)):
         configs = _triton_configs(backward)
+        tensors = {"X": torch.empty(0, dtype=dtype)}
+        if backward:
+            tensors["DY"] = torch.empty(0, dtype=dtype)
+        bytes_per_col = 2 * dtype.itemsize if backward else dtype.itemsize
         for n in (1, 7, 64, 100, 257, 1000, 1024, 4095, 4096, 5000, 8192, 9000, 16384, 20000, 65536, 262144):
             for row_bucket in (16, 256, 65536):
-                kept = rms_norm_module._prune(configs, {"n_cols": n, "row_bucket": row_bucket})
+                kept = rms_norm_module._prune(configs, {"n_cols": n, "row_bucket": row_bucket, **tensors})
                 assert 1 <= len(kept) <= 16, (n, backward, row_bucket, len(kept))
                 for c in kept:
+                    shared = rms_norm_module._pipelined_shared_bytes(c.kwargs, bytes_per_col, 4 if backward else 0)
+                    assert shared <= rms_norm_module._SHARED_LIMIT
                     block, rows, warps = c.kwargs["BLOCK_N"], c.kwargs["ROWS"], c.num_warps
                     assert block & (block - 1) == 0 and rows & (rows - 1) == 0
                     assert block * rows // (32 * warps) <= 32
