@@ -2,7 +2,7 @@
 the same function runs in the test process (plain, or after autopatch.apply) and in a fresh process
 that imports nothing from autopatch (patched by the environment alone), and saves what it measured.
 
-    python tests/stack_worker.py trainer OUT.pt OUTPUT_DIR
+    python tests/stack_worker.py trainer OUT.pt OUTPUT_DIR      (also under `accelerate launch`)
 
 `trainer`: Hugging Face Trainer on a tiny Llama (from a config, fixed seed, float32, CPU), a synthetic
 dataset of variable-length sequences padded per batch (padding labelled -100), gradient accumulation 2,
@@ -12,6 +12,7 @@ per-step logged losses, the final parameters, the Triton launches and autopatch'
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -110,6 +111,8 @@ def train_with_trainer(output_dir: str, apply_config: dict | None = None, steps:
         "accepts_loss_kwargs": trainer.model_accepts_loss_kwargs,
         "launches": {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)},
         "records": records(),
+        "pid": os.getpid(),
+        "parent_pid": os.getppid(),
     }
 
 

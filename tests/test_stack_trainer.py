@@ -2,15 +2,18 @@
 accumulation 2, variable-length padded batches with ignored labels) by tests/stack_worker.py.
 
   - plain, in this process (nothing patched, no kernel runs): the reference;
-  - FUSED_KERNELS=all in a fresh process that imports nothing from autopatch: same per-step losses and
-    final parameters (float32: 1e-5 relative), the fused linear CE and the other kernels ran, so
-    Trainer's num_items_in_batch (counted over both micro-batches) reached the fused loss;
+  - FUSED_KERNELS=all, the worker started by `accelerate launch --cpu` (a fresh process that imports
+    nothing from autopatch, patched by the environment alone): same per-step losses and final parameters
+    (float32: 1e-5 relative), the fused linear CE and the other kernels ran, so Trainer's
+    num_items_in_batch (counted over both micro-batches) reached the fused loss. (Two ranks, DDP and
+    FSDP2 under torchrun: tests/test_stack_launchers.py; accelerate with two GPUs: scripts/two_gpu_check.sh);
   - autopatch.apply(trainer.model, **liger_kernel_config) in this process, with a config that takes
     the fused cross_entropy instead of the fused linear CE: the same again.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -55,15 +58,19 @@ def assert_same_training(got: dict, ref: dict, what: str) -> None:
         assert_close(got["params"][name], value, F32, f"{what}: parameter {name} after training")
 
 
-def test_trainer_patched_by_environment_alone(plain, tmp_path):
+def test_trainer_under_accelerate_launch_patched_by_environment_alone(plain, tmp_path):
     out = tmp_path / "trainer.pt"
+    # accelerate's launcher on the CPU starts the script as one child process with the environment
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "stack_worker.py"), "trainer", str(out), str(tmp_path / "run")],
+        [*launch, str(REPO / "tests" / "stack_worker.py"), "trainer", str(out), str(tmp_path / "run")],
         env=clean_env(FUSED_KERNELS="all"), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
     got = torch.load(out, weights_only=False)
-    assert_same_training(got, plain, "Trainer, FUSED_KERNELS=all")
+    assert got["pid"] != os.getpid() and got["parent_pid"] != os.getpid(), "the worker is accelerate's child"
+    assert_same_training(got, plain, "Trainer under accelerate launch, FUSED_KERNELS=all")
     assert got["accepts_loss_kwargs"], "the patched forward must keep the signature Trainer inspects"
     launches = got["launches"]
     # 2 steps x 2 micro-batches: every one through the fused linear CE, forward and backward
