@@ -75,15 +75,17 @@ class LaunchConfig(NamedTuple):
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
 
 
-# (largest V, config). The rows for V > 8192 are what scripts/tune_cross_entropy.py tunes (it prints
-# replacements for the last three rows); the defaults before tuning are Liger-Kernel's shape
-# (32768-class blocks, 32 warps, one program per row), and rows of <= 32768 classes held whole.
+# (largest V, config). The rows for V > 8192 are what scripts/tune_cross_entropy.py tunes on the H200
+# (it prints replacements for the last three rows). Until then: 16384-class blocks with 32 warps, one
+# program per row (an SM holds one such program: ~132 rows in flight, 33 MB at V = 128256 bf16, so the
+# second sweep reads from L2). Compiled for sm_90a: 58 registers, no spills; 32768-class blocks spill
+# at 32 warps (64 registers at most) and at 16 (128).
 LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (2048, LaunchConfig(block=2048, warps=4, per_sm=0)),
     (8192, LaunchConfig(block=8192, warps=8, per_sm=0)),
-    (65536, LaunchConfig(block=32768, warps=16, per_sm=0)),
-    (196608, LaunchConfig(block=32768, warps=32, per_sm=0)),
-    (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0)),
+    (65536, LaunchConfig(block=16384, warps=32, per_sm=0)),
+    (196608, LaunchConfig(block=16384, warps=32, per_sm=0)),
+    (math.inf, LaunchConfig(block=16384, warps=32, per_sm=0)),
 )
 
 _CONFIG = {
@@ -136,42 +138,45 @@ def _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS: tl.constexp
 
 
 @triton.jit
-def _stats_block(x_row, cols, V, m, s, sumz, logit_scale, softcap, EVICT: tl.constexpr, MASKED: tl.constexpr,
+def _stats_block(x_blk, offs, lim, m, s, sumz, logit_scale, softcap, EVICT: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr):
-    """One block of the first sweep: the running max m, Σ exp(z − m) and Σ z, updated."""
+    """One block of the first sweep (x_blk: the block's first logit, lim: classes left in the row):
+    the running max m, Σ exp(z − m) and Σ z, updated. Addresses are one scalar base plus the constant
+    offsets, which keeps them out of registers."""
     if MASKED:
-        mask = cols < V
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=EVICT)
+        mask = offs < lim
+        x = tl.load(x_blk + offs, mask=mask, other=0.0, eviction_policy=EVICT)
         z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
     else:
-        z = _capped(tl.load(x_row + cols, eviction_policy=EVICT), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = _capped(tl.load(x_blk + offs, eviction_policy=EVICT), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
     m_new = tl.maximum(m, tl.max(z, 0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far: Σ stays 0
     s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
     if HAS_LS:
         if MASKED:
-            sumz += tl.sum(tl.where(cols < V, z, 0.0), 0)
+            sumz += tl.sum(tl.where(offs < lim, z, 0.0), 0)
         else:
             sumz += tl.sum(z, 0)
     return m_new, s, sumz
 
 
 @triton.jit
-def _grad_block(x_row, g_row, cols, V, y, lse, coef_p, coef_u, coef_y, logit_scale, softcap,
+def _grad_block(x_blk, g_blk, offs, lim, y_rel, lse, coef_p, coef_u, coef_y, logit_scale, softcap,
                 LOAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, MASKED: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """One block of the second sweep: re-read the logits, write the gradient."""
+    """One block of the second sweep: re-read the logits, write the gradient (y_rel: the target's
+    position within the block, outside [0, BLOCK) when it lies elsewhere)."""
     if MASKED:
-        mask = cols < V
-        x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
+        mask = offs < lim
+        x = tl.load(x_blk + offs, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
     else:
-        x = tl.load(x_row + cols, eviction_policy=LOAD_EVICT)
+        x = tl.load(x_blk + offs, eviction_policy=LOAD_EVICT)
     z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-    d = _dlogits(tl.exp(z - lse), z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+    d = _dlogits(tl.exp(z - lse), z, offs, y_rel, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
     if MASKED:
-        tl.store(g_row + cols, d.to(g_row.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
+        tl.store(g_blk + offs, d.to(g_blk.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
     else:
-        tl.store(g_row + cols, d.to(g_row.dtype.element_ty), eviction_policy=STORE_EVICT)
+        tl.store(g_blk + offs, d.to(g_blk.dtype.element_ty), eviction_policy=STORE_EVICT)
 
 
 @triton.jit
@@ -202,6 +207,7 @@ def _ce_kernel(
         in_range = (y >= 0) & (y < V)
         tl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
         if kept & in_range:
+            yc = y.to(tl.int32)  # in [0, V): 32-bit compares against the class offsets
             coef = coef_all
             if HAS_ROW_SCALE:
                 coef = coef * tl.load(row_scale_ptr + row)
@@ -214,27 +220,27 @@ def _ce_kernel(
                 e = tl.exp(z - m)
                 s = tl.sum(e, 0)
                 lse = m + tl.log(s)
-                zy = tl.sum(tl.where(offs == y, z, 0.0), 0)
+                zy = tl.sum(tl.where(offs == yc, z, 0.0), 0)
                 sumz = 0.0
                 if HAS_LS:
                     sumz = tl.sum(tl.where(mask, z, 0.0), 0)
                 tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
-                    d = _dlogits(e * (1.0 / s), z, offs, y, coef * (1.0 + 2.0 * z_loss * lse),
+                    d = _dlogits(e * (1.0 / s), z, offs, yc, coef * (1.0 + 2.0 * z_loss * lse),
                                  coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
                     tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=mask, eviction_policy=DROP)
             else:
                 # z_y first: with the gradient written in place over the logits it would be gone.
-                zy = _capped(tl.load(x_row + y), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                zy = _capped(tl.load(x_row + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.full((), 0.0, tl.float32)
                 sumz = tl.full((), 0.0, tl.float32)
                 for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
-                    m, s, sumz = _stats_block(x_row, start + offs, V, m, s, sumz, logit_scale, softcap, KEEP, False,
-                                              HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                    m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale, softcap, KEEP,
+                                              False, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
                 if v_full < V:
-                    m, s, sumz = _stats_block(x_row, v_full + offs, V, m, s, sumz, logit_scale, softcap, KEEP, True,
-                                              HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                    m, s, sumz = _stats_block(x_row + v_full, offs, V - v_full, m, s, sumz, logit_scale, softcap, KEEP,
+                                              True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
                 lse = m + tl.log(s)
                 tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
@@ -242,11 +248,11 @@ def _ce_kernel(
                     coef_u = coef * label_smoothing * inv_v
                     coef_y = coef * (1.0 - label_smoothing)
                     for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
-                        _grad_block(x_row, g_row, start + offs, V, y, lse, coef_p, coef_u, coef_y, logit_scale,
-                                    softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP)
+                        _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p, coef_u,
+                                    coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP)
                     if v_full < V:
-                        _grad_block(x_row, g_row, v_full + offs, V, y, lse, coef_p, coef_u, coef_y, logit_scale,
-                                    softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP)
+                        _grad_block(x_row + v_full, g_row + v_full, offs, V - v_full, yc - v_full, lse, coef_p, coef_u,
+                                    coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP)
         else:
             tl.store(loss_ptr + row, 0.0)
             if WRITE_GRAD:

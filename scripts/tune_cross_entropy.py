@@ -1,0 +1,283 @@
+"""Tune fused_kernels.cross_entropy's launch shapes on the GPU (the lead runs this once on the H200).
+
+    TRITON_INTERPRET=0 python scripts/tune_cross_entropy.py            (one command, <= ~90 s)
+    options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce
+    --cpu-smoke: the same steps on tiny CPU tensors under the Triton interpreter (checks the script)
+
+What is timed is the real thing: the forward kernel writing the loss and the gradient of 8192 bf16 rows
+(what a training step runs; the backward is free when the upstream gradient is 1), CUDA-event medians,
+against the floor of reading the logits once and writing the gradient once at the copy bandwidth
+measured in the same run. Per V in 32000, 128256, 262144:
+  stage 1  block × warps (spill-free on sm_90a, plus Liger's 32768 × 32) × programs per SM (0 = one per row)
+  stage 2  the two best of stage 1 with pipelined block loops (stages 2, 3) and with L2 eviction hints
+Then: the LAUNCH_TABLE rows to paste into fused_kernels/cross_entropy.py; the functional forward and
+forward+backward with the winners (and Liger-Kernel's, when importable) against the floor; and the fused
+linear cross entropy at 8192 x 4096 -> 128256 for a few chunk sizes against three bf16 GEMMs timed here.
+A candidate that fails to compile or run is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import statistics
+import sys
+import time
+
+SMOKE = "--cpu-smoke" in sys.argv
+os.environ["TRITON_INTERPRET"] = "1" if SMOKE else "0"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import fused_kernels  # noqa: E402
+
+ce = importlib.import_module("fused_kernels.cross_entropy")
+flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
+LaunchConfig = ce.LaunchConfig
+
+# V tuned -> the LAUNCH_TABLE bound its winner is pasted under.
+VOCABS = {32000: 65536, 128256: 196608, 262144: math.inf}
+BLOCK_WARPS = [(16384, 32), (8192, 16), (16384, 16), (8192, 8), (32768, 32)]
+DEVICE = "cpu" if SMOKE else "cuda"
+if SMOKE:  # tiny stand-ins: the script's steps, not its numbers
+    VOCABS = {300: 65536, 700: 196608, 1100: math.inf}
+    BLOCK_WARPS = [(256, 4), (1024, 4)]
+
+
+def event_ms(fn, reps: int = 7) -> float:
+    """Median GPU time of fn() over `reps` calls, each bracketed by CUDA events (fn already warm)."""
+    times = []
+    for _ in range(reps):
+        if SMOKE:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench(fn, reps: int = 20) -> float:
+    return event_ms(fn, reps=2) if SMOKE else do_bench(fn, warmup=10, rep=60)
+
+
+def sync() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+class Case:
+    """Buffers for one V: bf16 logits (N, V), targets with 10 % ignored, the gradient and the rest."""
+
+    def __init__(self, n: int, v: int):
+        self.v = v
+        self.x = (torch.randn(n, v, device=DEVICE) * 2).to(torch.bfloat16)
+        self.target = torch.randint(0, v, (n,), device=DEVICE)
+        self.target[torch.rand(n, device=DEVICE) < 0.1] = -100
+        self.grad = torch.empty_like(self.x)
+        self.loss_rows = torch.empty(n, device=DEVICE)
+        self.coef = torch.full((1,), 1.0 / n, device=DEVICE)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+    def launch(self):
+        ce.launch_ce(self.x, self.target, self.grad, self.loss_rows, self.coef, None, self.flag,
+                     ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+
+    def time(self, cfg: LaunchConfig) -> float:
+        ce._CONFIG["force"] = cfg
+        try:
+            self.launch()  # compiles on first use of these constexprs
+            sync()
+            return event_ms(self.launch, reps=2 if SMOKE else 7)
+        finally:
+            ce._CONFIG["force"] = None
+
+
+def fmt(cfg: LaunchConfig) -> str:
+    return (f"LaunchConfig(block={cfg.block}, warps={cfg.warps}, per_sm={cfg.per_sm:g}, stages={cfg.stages}, "
+            f"l2_hints={cfg.l2_hints})")
+
+
+def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, LaunchConfig]]:
+    results: list[tuple[float, LaunchConfig]] = []
+    seen: set[LaunchConfig] = set()
+
+    def run(cfg: LaunchConfig) -> None:
+        if cfg in seen or time.monotonic() > deadline:
+            return
+        seen.add(cfg)
+        try:
+            ms = case.time(cfg)
+        except Exception as exc:  # a candidate that does not compile or run: say so, go on
+            print(f"    FAILED {fmt(cfg)}: {type(exc).__name__}: {str(exc)[:160]}")
+            return
+        results.append((ms, cfg))
+        print(f"    {ms:7.3f} ms  {floor_ms / ms:6.1%} of floor  {fmt(cfg)}", flush=True)
+
+    per_sm_options = [0, 1, 2] + ([0.5] if case.v > 196608 else [])
+    for block, warps in BLOCK_WARPS:
+        for per_sm in per_sm_options:
+            run(LaunchConfig(block, warps, per_sm))
+    stage1 = sorted(results, key=lambda r: r[0])[:2]
+    for _, cfg in stage1:
+        for stages, hints in ((1, True), (2, False), (2, True), (3, True)):
+            run(cfg._replace(stages=stages, l2_hints=hints))
+    return sorted(results, key=lambda r: r[0])
+
+
+def liger_ce():
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except Exception:
+        return None
+    return lambda logits, target: liger_cross_entropy(logits, target, ignore_index=-100)
+
+
+def time_functional(name, fn, x, target, floor_ms) -> None:
+    """do_bench medians of the forward (with the gradient: logits require grad) and of forward+backward."""
+    leaf = x.detach().clone().requires_grad_()  # a peer may overwrite its input with the gradient
+
+    def fwd():
+        leaf.grad = None
+        return fn(leaf, target)
+
+    def step():
+        fwd().backward()
+
+    try:
+        f_ms, s_ms = bench(fwd), bench(step)
+    except Exception as exc:
+        print(f"  {name}: FAILED {type(exc).__name__}: {str(exc)[:160]}")
+        return
+    print(f"  {name:14s} fwd {f_ms:6.3f}  bwd {s_ms - f_ms:6.3f}  fwd+bwd {s_ms:6.3f} ms   "
+          f"(floor {floor_ms:.3f}: {floor_ms / s_ms:.0%})")
+
+
+def memory_allocated() -> int:
+    return 0 if SMOKE else torch.cuda.memory_allocated()
+
+
+def max_memory_allocated() -> int:
+    return 0 if SMOKE else torch.cuda.max_memory_allocated()
+
+
+def flce_section(h: int = 4096, v: int = 128256, n: int = 8192) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(n, h, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    weight = (torch.randn(v, h, device=DEVICE) * 0.02).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, v, (n,), device=DEVICE)
+    target[torch.rand(n, device=DEVICE) < 0.1] = -100
+    with torch.no_grad():
+        logits = torch.empty(n, v, device=DEVICE, dtype=torch.bfloat16)
+        mm_ms = event_ms(lambda: torch.mm(hidden, weight.t(), out=logits), reps=5)
+        del logits
+    print(f"\nfused linear CE {n}x{h}->{v} bf16: one full-size GEMM {mm_ms:.2f} ms "
+          f"({2 * n * h * v / mm_ms / 1e9:.0f} TFLOP/s); three: {3 * mm_ms:.2f} ms")
+
+    def step():
+        hidden.grad = None
+        weight.grad = None
+        fused_kernels.fused_linear_cross_entropy(hidden, weight, target).backward()
+
+    default = flce.chunk_rows(n, v, 2)
+    for rows in sorted({512, default, 1024, 2048} if not SMOKE else {4, default}):
+        flce._CONFIG["chunk_rows"] = rows
+        try:
+            step()
+            sync()
+            hidden.grad = None
+            weight.grad = None
+            if not SMOKE:
+                torch.cuda.reset_peak_memory_stats()
+            base = memory_allocated()
+            ms = event_ms(step, reps=3)
+            extra = max_memory_allocated() - base - (hidden.numel() + weight.numel()) * 2
+            print(f"  chunk rows {rows:5d}{' (default)' if rows == default else '          '}: fwd+bwd {ms:6.2f} ms "
+                  f"({3 * mm_ms / ms:.0%} of three GEMMs), peak beyond inputs+grads {extra / 2**20:5.0f} MiB")
+        except Exception as exc:
+            print(f"  chunk rows {rows}: FAILED {type(exc).__name__}: {str(exc)[:160]}")
+        finally:
+            flce._CONFIG["chunk_rows"] = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=80.0, help="time for the search (the summary always prints)")
+    ap.add_argument("--rows", type=int, default=8192)
+    ap.add_argument("--no-flce", action="store_true")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    torch.manual_seed(0)
+    if SMOKE:
+        args.rows = min(args.rows, 6)
+        ce._CONFIG["sm_count"] = 2
+        bw = 1e9
+        print(f"CPU smoke run under the Triton interpreter  torch {torch.__version__}  triton {triton.__version__}")
+    else:
+        src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = do_bench(lambda: dst.copy_(src))
+        bw = 2 * src.numel() / (copy_ms * 1e-3)
+        del src, dst
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}  "
+              f"copy {bw / 1e9:.0f} GB/s")
+    # Search budget shared by the three vocabularies; the FLCE section and the summary come after.
+    search_budget = args.budget_s - (12.0 if not args.no_flce else 0.0)
+    winners = {}
+    for i, v in enumerate(VOCABS):
+        case = Case(args.rows, v)
+        floor_ms = 2 * case.x.numel() * 2 / bw * 1e3
+        deadline = t0 + search_budget * (i + 1) / len(VOCABS)
+        print(f"\nV = {v}: {args.rows} rows bf16, forward writing the gradient; floor {floor_ms:.3f} ms "
+              f"(table now: {fmt(ce.launch_config(v))})", flush=True)
+        ranked = search(case, floor_ms, deadline)
+        if ranked:
+            winners[v] = (ranked[0][1], ranked[0][0], floor_ms)
+            print("  best: " + "; ".join(f"{ms:.3f} ms {fmt(c)}" for ms, c in ranked[:3]))
+        del case
+        if not SMOKE:
+            torch.cuda.empty_cache()
+
+    print("\nLAUNCH_TABLE rows to paste into fused_kernels/cross_entropy.py (replacing the last three):")
+    for v, bound in VOCABS.items():
+        if v in winners:
+            cfg, ms, floor_ms = winners[v]
+            bound_s = "math.inf" if bound == math.inf else str(bound)
+            print(f"    ({bound_s}, {fmt(cfg)}),  # V={v}: {ms:.3f} ms, {floor_ms / ms:.0%} of floor")
+    # The functional entry with the winners in place (eager autograd.Function, host checks included).
+    table = dict(ce.LAUNCH_TABLE)
+    for v, bound in VOCABS.items():
+        if v in winners:
+            table[bound] = winners[v][0]
+    ce.LAUNCH_TABLE = tuple(sorted(table.items()))
+    liger = liger_ce()
+    print("\nfunctional forward / backward with the winners (do_bench medians, ms):")
+    for v in VOCABS:
+        case = Case(args.rows, v)
+        floor_ms = 2 * case.x.numel() * 2 / bw * 1e3
+        print(f" V = {v}")
+        time_functional("ours", lambda x, t: fused_kernels.cross_entropy(x, t), case.x, case.target, floor_ms)
+        if liger is not None:
+            time_functional("liger", liger, case.x, case.target, floor_ms)
+        del case
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    if not args.no_flce:
+        flce_section(*((8, 1100, 10) if SMOKE else ()))
+    print(f"\ntotal {time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
