@@ -250,7 +250,7 @@ def test_launch_table_and_grid():
         assert ce.grid_programs(ce.LaunchConfig(32768, 32, 1), 8192, cpu) == 132
         assert ce.grid_programs(ce.LaunchConfig(32768, 32, 0.5), 8192, cpu) == 66
         assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 100, cpu) == 100
-    assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 100, torch.device("cpu")) == 100  # no SMs: per row
+    assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 1000, torch.device("cpu")) == 1000  # no SMs: per row
 
 
 def test_large_logits_and_minus_inf():
