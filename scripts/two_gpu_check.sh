@@ -23,7 +23,7 @@
 #
 # Knobs: STEPS=50  TOTAL_BUDGET_S=470  RUN_CAP_S=150  RUNS="ddp fsdp tests accelerate fsdp_lm_head ddp_fp32"
 #        (a subset, any order; a second call can take the rest)  STACK_TESTS=1  TEST_BUDGET_S=120
-#        STACK_TESTS_K="second_gpu or device_map" (pytest -k; "" runs the convergence tests too)
+#        STACK_TESTS_K="second_gpu or device_map" (pytest -k; STACK_TESTS_K="" runs the convergence tests too)
 #        PYTHON=python3;  CPU_DRY_RUN=1: the same runs on the CPU (gloo, tiny model, kernels in Triton's
 #        interpreter, no wheels) to check this script itself, e.g.
 #        CPU_DRY_RUN=1 PYTHON=.venv/bin/python STEPS=2 STACK_TESTS=0 RUNS="ddp fsdp" bash scripts/two_gpu_check.sh
@@ -36,7 +36,7 @@ TOTAL_BUDGET_S=${TOTAL_BUDGET_S:-470}
 RUN_CAP_S=${RUN_CAP_S:-150}
 STEPS=${STEPS:-50}
 RUNS=${RUNS:-"ddp fsdp tests accelerate fsdp_lm_head ddp_fp32"}
-STACK_TESTS_K=${STACK_TESTS_K:-"second_gpu or device_map"}
+STACK_TESTS_K=${STACK_TESTS_K-"second_gpu or device_map"}
 since() { echo $((SECONDS - START)); }
 left() { echo $((TOTAL_BUDGET_S - $(since))); }
 
