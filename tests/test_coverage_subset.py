@@ -1,0 +1,51 @@
+"""The coverage matrix's CI subset: one architecture per quirk, patched vs unpatched on a tiny random
+model (scripts/coverage_matrix.py's check), asserting the kinds we expect to be verified and that no
+row is a MISMATCH. The full matrix (docs/coverage.md) is `python scripts/coverage_matrix.py`."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "coverage_matrix", Path(__file__).resolve().parents[1] / "scripts" / "coverage_matrix.py")
+coverage_matrix = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(coverage_matrix)
+
+# model dir -> (kinds that must be verified, the quirk it stands for)
+SUBSET = {
+    "llama": ({"rms_norm", "rope", "glu", "loss"}, "the standard decoder"),
+    "gemma": ({"rms_norm", "rope", "glu", "loss"}, "offset-1 gemma-casting norm, GELU-tanh MLP, tied embeddings"),
+    "gemma2": ({"rms_norm", "rope", "glu", "loss"}, "final-logit softcapping"),
+    "qwen3": ({"rms_norm", "rope", "glu", "loss"}, "per-head q/k norms"),
+    "cohere": ({"rope", "glu", "loss"}, "interleaved rotary, logit_scale; its LayerNorm is left alone"),
+    "glm": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary, fused gate_up_proj"),
+    "phi": ({"rope", "loss"}, "partial rotary, lm_head bias"),
+    "phi3": ({"rms_norm", "rope", "glu", "loss"}, "fused gate_up_proj"),
+    "granite": ({"rms_norm", "rope", "glu", "loss"}, "logits_scaling divide"),
+    "mixtral": ({"rms_norm", "rope", "loss"}, "MoE experts left alone, router aux loss"),
+    "qwen2_moe": ({"rms_norm", "rope", "glu", "loss"}, "MoE with a dense shared-expert MLP"),
+    "deepseek_v3": ({"rms_norm", "rope", "loss"}, "MLA, de-interleaved rotary"),
+    "gpt_oss": ({"rms_norm", "rope", "loss"}, "half-size cos/sin that is not partial rotary"),
+    "zamba": ({"glu", "loss"}, "GELU-erf gated MLP"),
+    "falcon_mamba": ({"rms_norm", "loss"}, "weightless RMSNorm"),
+    "ernie4_5": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary in another family"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_dir", sorted(SUBSET))
+def test_architecture_patched_and_verified(model_dir):
+    expected, quirk = SUBSET[model_dir]
+    from autopatch.tiny_models import causal_lm_architectures
+
+    archs = coverage_matrix.select(causal_lm_architectures(), [model_dir])
+    assert archs, f"{model_dir} not found in this transformers"
+    row = coverage_matrix.check_architecture(archs[0])
+    assert row["status"] == "ok", f"{model_dir} ({quirk}): {row}"
+    verdicts = {kind: row[kind]["verdict"] for kind in coverage_matrix.KINDS}
+    assert "MISMATCH" not in verdicts.values(), f"{model_dir} ({quirk}): {row}"
+    missing = {k for k in expected if verdicts[k] != "verified"}
+    assert not missing, f"{model_dir} ({quirk}): {sorted(missing)} not verified: {row}"
