@@ -316,3 +316,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def describe_exc(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def dressed_forward(forward, original_forward, variant_text: str):
+    """Give a replacement forward the original's name, qualname and docstring (tracebacks and
+    introspection read like transformers'), a link to it (__wrapped__) and the detected variant."""
+    forward.__name__ = "forward"
+    forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
+    forward.__doc__ = getattr(original_forward, "__doc__", None)
+    forward.__wrapped__ = original_forward
+    forward._autopatch_variant = variant_text
+    return forward
+

@@ -296,12 +296,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             hidden = fk.geglu(gate, up, **kernel_kwargs)
         return self.down_proj(hidden)
 
-    forward.__name__ = "forward"
-    forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
-    forward.__doc__ = getattr(original_forward, "__doc__", None)
-    forward.__wrapped__ = original_forward
-    forward._autopatch_variant = variant.describe()
-    return forward
+    return _probe.dressed_forward(forward, original_forward, variant.describe())
 
 
 # --- the rule -----------------------------------------------------------------------------------

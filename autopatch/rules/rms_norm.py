@@ -259,12 +259,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
         out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
-    forward.__name__ = "forward"
-    forward.__qualname__ = getattr(original_forward, "__qualname__", "forward")
-    forward.__doc__ = getattr(original_forward, "__doc__", None)
-    forward.__wrapped__ = original_forward
-    forward._autopatch_variant = variant.describe()
-    return forward
+    return _probe.dressed_forward(forward, original_forward, variant.describe())
 
 
 # --- the rule --------------------------------------------------------------------------------
