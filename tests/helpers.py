@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 # Relative-error bounds by the dtype of the kernel's inputs (DESIGN.md "How we know it is right").
@@ -45,3 +47,23 @@ def randn(*shape, dtype=torch.float32, device="cpu", scale=1.0, requires_grad=Fa
     if requires_grad:
         t.requires_grad_(True)
     return t
+
+
+# --- rule tests -------------------------------------------------------------------------------
+
+
+def everything(kernel: str) -> bool:
+    """An `enabled` callback that turns every kernel on."""
+    return True
+
+
+def modeling(name: str):
+    """transformers.models.<name>.modeling_<name>, imported."""
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def verdict_of(records, target):
+    """The one record a rule returned for `target`."""
+    found = [r for r in records if r.target == target]
+    assert len(found) == 1, f"expected one record for {target}, got {records}"
+    return found[0]

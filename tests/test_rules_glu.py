@@ -5,14 +5,13 @@ kernels counted, the activation read from each instance at run time, and look-al
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close
+from helpers import assert_close, everything, modeling, verdict_of
 
 pytest.importorskip("transformers")
 
@@ -23,24 +22,10 @@ from autopatch.rules import glu_mlp  # noqa: E402
 RULE = glu_mlp.RULE
 
 
-def everything(kernel: str) -> bool:
-    return True
-
-
 @pytest.fixture(autouse=True)
 def restore():
     yield
     patching.restore_all()
-
-
-def modeling(name: str):
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-
-
-def verdict_of(records, target):
-    found = [r for r in records if r.target == target]
-    assert len(found) == 1, f"expected one record for {target}, got {records}"
-    return found[0]
 
 
 CASES = [

@@ -5,13 +5,12 @@ kernels counted, and tiny one-layer models whose attention goes through the rebo
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, everything, modeling
 
 pytest.importorskip("transformers")
 
@@ -24,18 +23,10 @@ TARGET = "apply_rotary_pos_emb"
 INTERLEAVE = "apply_rotary_pos_emb_interleave"  # DeepSeek-V3's de-interleaving rotation
 
 
-def everything(kernel: str) -> bool:
-    return True
-
-
 @pytest.fixture(autouse=True)
 def restore():
     yield
     patching.restore_all()
-
-
-def modeling(name: str):
-    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
 
 def record_for(records, target=TARGET):
