@@ -31,22 +31,25 @@ VOCABS = [1, 7, 100, 257, 1000]
 LOSS_TOL = 1e-5  # the loss is computed in fp32 from the (exactly represented) inputs, whatever their dtype
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _poison_outputs():
-    old = ce._CONFIG["poison"]
-    ce._CONFIG["poison"] = True
-    yield
-    ce._CONFIG["poison"] = old
-
-
 @contextlib.contextmanager
-def ce_config(**overrides):
-    old = {k: ce._CONFIG[k] for k in overrides}
-    ce._CONFIG.update(overrides)
+def overridden(config: dict, **overrides):
+    """Set entries of a kernel module's _CONFIG for the duration of a block."""
+    old = {k: config[k] for k in overrides}
+    config.update(overrides)
     try:
         yield
     finally:
-        ce._CONFIG.update(old)
+        config.update(old)
+
+
+def ce_config(**overrides):
+    return overridden(ce._CONFIG, **overrides)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _poison_outputs():
+    with ce_config(poison=True):
+        yield
 
 
 # Forced launch shapes, by name: what each makes the kernel do on the CPU.

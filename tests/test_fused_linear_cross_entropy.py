@@ -9,7 +9,6 @@ for every reduction (reduction="none" recomputes the chunks in the backward).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 
@@ -20,30 +19,17 @@ from hypothesis import strategies as st
 
 import fused_kernels
 from helpers import assert_close
-from test_cross_entropy import (DTYPES, LAUNCHES, VOCABS, assert_grad_close, capped, ce, ce_config, follow_buffers,
-                                grad_terms, make_target, reference_loss, storage_refs)
+from test_cross_entropy import (DTYPES, LAUNCHES, VOCABS, _poison_outputs, assert_grad_close, capped, ce,  # noqa: F401
+                                ce_config, follow_buffers, grad_terms, make_target, overridden, reference_loss,
+                                storage_refs)
 
 flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
 
 LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # bf16/fp16 logits are rounded
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _poison_outputs():
-    old = ce._CONFIG["poison"]
-    ce._CONFIG["poison"] = True
-    yield
-    ce._CONFIG["poison"] = old
-
-
-@contextlib.contextmanager
 def chunk_rows(rows):
-    old = flce._CONFIG["chunk_rows"]
-    flce._CONFIG["chunk_rows"] = rows
-    try:
-        yield
-    finally:
-        flce._CONFIG["chunk_rows"] = old
+    return overridden(flce._CONFIG, chunk_rows=rows)
 
 
 def check_against_reference(n, h, v, dtype, has_bias, reduction, ignore, ignore_index, ls, zl, softcap, logit_scale,
