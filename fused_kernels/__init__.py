@@ -2,6 +2,7 @@
 
 Functional API (names fixed; see DESIGN.md):
     rms_norm, rope, swiglu, geglu, cross_entropy, fused_linear_cross_entropy
+    (+ glu_linear: the GLU and the down projection, without keeping their product)
 Every op has forward and backward kernels, is registered as a torch.library custom op with a fake
 implementation (so torch.compile(fullgraph=True) traces it) and runs where Triton runs: CUDA, or the
 CPU under TRITON_INTERPRET=1.
@@ -10,7 +11,7 @@ CPU under TRITON_INTERPRET=1.
 from fused_kernels._utils import interpreter_on, launch_counts, reset_launch_counts, triton_can_run
 from fused_kernels.rms_norm import rms_norm
 from fused_kernels.rope import rope
-from fused_kernels.glu import geglu, swiglu
+from fused_kernels.glu import geglu, glu_linear, swiglu
 from fused_kernels.cross_entropy import cross_entropy
 from fused_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -19,6 +20,7 @@ __all__ = [
     "rope",
     "swiglu",
     "geglu",
+    "glu_linear",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "triton_can_run",

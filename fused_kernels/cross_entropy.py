@@ -75,17 +75,19 @@ class LaunchConfig(NamedTuple):
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
 
 
-# (largest V, config). The rows for V > 8192 are what scripts/tune_cross_entropy.py tunes on the H200
-# (it prints replacements for the last three rows). Until then: 16384-class blocks with 32 warps, one
-# program per row (an SM holds one such program: ~132 rows in flight, 33 MB at V = 128256 bf16, so the
-# second sweep reads from L2). Compiled for sm_90a: 58 registers, no spills; 32768-class blocks spill
-# at 32 warps (64 registers at most) and at 16 (128).
+# (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
+# (benchmarks/h200-2026-11-30-tune-cross-entropy.txt: forward writing the gradient, 8192 rows bf16).
+# V = 32000: 8192-class blocks, 8 warps, 2-stage pipelined sweeps, 0.377 ms (67 % of the floor);
+# V = 128256 / 262144: 32768-class blocks with 32 warps, one program per row (one per SM at a time:
+# ~132 rows of 256-512 KB in flight, so the second sweep reads from L2), and the L2 hints (first
+# sweep evict_last, second sweep and stores evict_first): 1.325 / 2.878 ms, 76 % / 72 % of the floor,
+# against 1.75 / 3.60 ms for the 16384 x 32 shape used before.
 LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (2048, LaunchConfig(block=2048, warps=4, per_sm=0)),
     (8192, LaunchConfig(block=8192, warps=8, per_sm=0)),
-    (65536, LaunchConfig(block=16384, warps=32, per_sm=0)),
-    (196608, LaunchConfig(block=16384, warps=32, per_sm=0)),
-    (math.inf, LaunchConfig(block=16384, warps=32, per_sm=0)),
+    (65536, LaunchConfig(block=8192, warps=8, per_sm=0, stages=2, l2_hints=True)),
+    (196608, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
+    (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
 )
 
 _CONFIG = {

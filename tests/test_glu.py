@@ -210,6 +210,62 @@ def test_backward_saves_only_gate_and_up():
         assert all(t.data_ptr() != out.data_ptr() for t in saved)
 
 
+GLU_LINEAR_ACTS = {"silu": ("swiglu", None), "gelu_tanh": ("geglu", "tanh"), "gelu": ("geglu", "none")}
+
+
+@pytest.mark.parametrize("activation", list(GLU_LINEAR_ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_glu_linear_matches_float64(activation, dtype, with_bias):
+    """linear(act(gate) * up, W, b): output and every gradient against float64, from the halves of one
+    fused projection (strided views), with poisoned output buffers."""
+    op, approximate = GLU_LINEAR_ACTS[activation]
+    x = randn(2, 5, 2 * 48, dtype=dtype, requires_grad=True)
+    w = randn(24, 48, dtype=dtype, scale=0.2, requires_grad=True)
+    b = randn(24, dtype=dtype, requires_grad=True) if with_bias else None
+    dout = randn(2, 5, 24, dtype=dtype)
+    with poisoned_outputs_and_tile():
+        gate, up = x.chunk(2, dim=-1)
+        out = fused_kernels.glu_linear(gate, up, w, b, activation=activation)
+        out.backward(dout)
+    leaves = [t for t in (x, w, b) if t is not None]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    g64, u64 = ref_leaves[0].chunk(2, dim=-1)
+    ref = F.linear(reference(op, approximate, g64, u64), ref_leaves[1], ref_leaves[2] if with_bias else None)
+    ref.backward(dout.double())
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, f"{activation} out")
+    for t, r, name in zip(leaves, ref_leaves, ("gate/up", "weight", "bias")):
+        assert_close(t.grad, r.grad, dtype, f"{activation} grad {name}")
+
+
+def test_glu_linear_does_not_keep_the_product():
+    """Autograd keeps gate, up and the weight, never act(gate) * up; the backward recomputes it."""
+    x = randn(4, 2 * 32, requires_grad=True)
+    w = randn(16, 32, requires_grad=True)
+    gate, up = x.chunk(2, dim=-1)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused_kernels.glu_linear(gate, up, w)
+    assert {(t.data_ptr(), tuple(t.shape)) for t in saved} == {
+        (gate.data_ptr(), (4, 32)), (up.data_ptr(), (4, 32)), (w.data_ptr(), (16, 32))}
+    before = fused_kernels.launch_counts()
+    out.sum().backward()
+    after = fused_kernels.launch_counts()
+    assert after.get("swiglu_recompute", 0) - before.get("swiglu_recompute", 0) == 1
+    assert after.get("swiglu_bwd", 0) - before.get("swiglu_bwd", 0) == 1
+
+
+def test_glu_linear_bad_inputs():
+    gate, up = randn(3, 8), randn(3, 8)
+    with pytest.raises(ValueError, match="out_features, 8"):
+        fused_kernels.glu_linear(gate, up, randn(4, 7))
+    with pytest.raises(TypeError, match="dtype"):
+        fused_kernels.glu_linear(gate, up, randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="activation"):
+        fused_kernels.glu_linear(gate, up, randn(4, 8), activation="relu")
+
+
 def test_chunked_halves_are_read_in_place():
     """Halves of a fused gate_up tensor reach the kernel as strided views, not copies."""
     x = randn(3, 5, 2 * 24)

@@ -114,6 +114,9 @@ def test_patched_matches_original(model, cls_name, config_name, extra, op, dtype
     after = fused_kernels.launch_counts()
     assert after.get(f"{op}_fwd", 0) > before.get(f"{op}_fwd", 0), f"{op} forward did not run"
     assert after.get(f"{op}_bwd", 0) > before.get(f"{op}_bwd", 0), f"{op} backward did not run"
+    # down_proj is a plain nn.Linear: gate and down projection ran as one node (glu_linear), whose
+    # backward recomputes act(gate) * up instead of keeping it
+    assert after.get(f"{op}_recompute", 0) > before.get(f"{op}_recompute", 0), "glu_linear was not used"
     ref = _run(mlp, original, x, grad_out)
     assert len(out) == len(ref)
     for i, (a, r) in enumerate(zip(out, ref)):
@@ -264,3 +267,29 @@ def test_look_alikes():
     ref = _run(mlp, patching.original(FakeUpFirstMLP, "forward"), x, grad_out)
     for a, r in zip(out, ref):
         assert_close(a, r, torch.float32, "FakeUpFirstMLP")
+
+
+def test_hooked_or_wrapped_down_proj_keeps_its_module_call():
+    """A down_proj with a forward hook (FSDP units, activation probes) or of a Linear subclass (LoRA,
+    quantized layers) is still called as a module: the hook runs, glu_linear does not."""
+    module = modeling("llama")
+    cls = module.LlamaMLP
+    assert verdict_of(RULE.patch_module(module, everything), "LlamaMLP").patched
+    gen = torch.Generator().manual_seed(3)
+    mlp = _build(cls, _config(module, "LlamaConfig"), gen, torch.float32)
+    x = torch.randn(2, 3, 32, generator=gen)
+    calls = []
+    handle = mlp.down_proj.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    try:
+        before = fused_kernels.launch_counts()
+        mlp(x.requires_grad_(True)).sum().backward()
+        after = fused_kernels.launch_counts()
+    finally:
+        handle.remove()
+    assert calls == [torch.Size([2, 3, 32])]
+    assert after.get("swiglu_fwd", 0) > before.get("swiglu_fwd", 0)
+    assert after.get("swiglu_recompute", 0) == before.get("swiglu_recompute", 0)
+    ref = _run(mlp, patching.original(cls, "forward"), x, torch.ones(2, 3, 32))
+    out = _run(mlp, cls.forward, x, torch.ones(2, 3, 32))
+    for a, r in zip(out, ref):
+        assert_close(a, r, torch.float32, "hooked down_proj")

@@ -18,7 +18,9 @@ approximate="tanh", GELU-erf -> geglu approximate="none", anything else (or a di
 original forward.
 
 Patch. The class's `forward` is replaced by one that calls the instance's own projections (so LoRA
-wrappers around them keep working) and the fused gate kernel; tensors Triton cannot run on go to the
+wrappers around them keep working) and the fused gate kernel. When `down_proj` is a plain nn.Linear
+(no hooks, no subclass, no autocast) the gate and the down projection run as one node,
+fused_kernels.glu_linear, which recomputes act(gate) * up in the backward instead of keeping it; tensors Triton cannot run on go to the
 original forward, with one notice per process.
 """
 
@@ -266,6 +268,27 @@ def _kernels():
     return fused_kernels
 
 
+GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "gelu"}
+
+
+def _plain_linear(down, gate: torch.Tensor) -> bool:
+    """Whether `down` may be replaced by a call of F.linear with its weight: an nn.Linear itself (not a
+    LoRA, quantized or FSDP-wrapped subclass), no hooks that would be skipped, plain tensors of gate's
+    dtype (no DTensor), and no autocast (which would recast the weight inside the Linear)."""
+    from torch.nn.modules import module as _module
+
+    if type(down) is not nn.Linear or down._forward_hooks or down._forward_pre_hooks:
+        return False
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    weight, bias = down.weight, down.bias
+    if weight.dtype != gate.dtype or weight.device != gate.device or hasattr(weight, "device_mesh"):
+        return False
+    if bias is not None and (bias.dtype != gate.dtype or hasattr(bias, "device_mesh")):
+        return False
+    return not torch.is_autocast_enabled(gate.device.type)
+
+
 def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str):
     fused, gate_first, act_attr, state = variant.fused, variant.gate_first, variant.act_attr, variant.state
 
@@ -289,12 +312,17 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
         if gate.dtype != up.dtype or gate.dtype not in _FLOAT_DTYPES or gate.shape != up.shape:
             # float64 or mixed dtypes: the kernel does not take them; this is the probed formula
             return self.down_proj(getattr(self, act_attr)(gate) * up)
+        down = self.down_proj
+        if _plain_linear(down, gate):
+            # One node for the gate and the down projection: the product is recomputed in the
+            # backward instead of being kept alive by the Linear (tokens × intermediate per layer).
+            return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind])
         kernel, kernel_kwargs = KINDS[kind]
         if kernel == "swiglu":
             hidden = fk.swiglu(gate, up)
         else:
             hidden = fk.geglu(gate, up, **kernel_kwargs)
-        return self.down_proj(hidden)
+        return down(hidden)
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
 
