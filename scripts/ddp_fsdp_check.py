@@ -16,8 +16,9 @@ started (see scripts/two_gpu_check.sh and README "Using it with your stack").
                       fused linear CE step aside (lm_head and the loss run as the model defines them)
 
 Every rank trains on its own stream of synthetic, learnable sequences (token t is followed by perm[t],
-a fixed random permutation; the first tokens of each row are ignored: -100), AdamW, gradient clipping
-at 1.0. Rank 0 writes JSON: the all-reduced mean loss and the gradient norm per step, a fingerprint of
+a fixed random permutation; the first tokens of each row are ignored: -100), AdamW with a linear
+warm-up (--warmup) and cosine decay, gradient clipping at 1.0. Rank 0 writes JSON: the all-reduced mean
+loss and the gradient norm per step, a fingerprint of
 the final parameters, and per rank the Triton launches (fused_kernels.launch_counts()) and what
 autopatch patched, or nothing when autopatch was not loaded. --device cpu runs the same on gloo (the
 kernels then need TRITON_INTERPRET=1; tests/test_stack_launchers.py does that with --size tiny).
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before the cosine decay")
     p.add_argument("--max-seconds", type=float, default=240.0, help="stop training after this long (all ranks agree)")
     p.add_argument("--out", help="JSON written by rank 0")
     p.add_argument("--compare", nargs=2, metavar=("PLAIN", "PATCHED"), help="compare two JSON results and exit")
@@ -160,6 +162,11 @@ def train(args) -> int:
     train_model, inner = wrap(model, args, device)
     train_model.train()
     optimizer = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.0)
+    # Linear warm-up then cosine decay (as tests/test_stack_gpu.py): with a constant lr from step 0 the
+    # loss spiked near step 17-23 and amplified rounding differences by orders of magnitude.
+    warmup = max(1, min(args.warmup, args.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
+                                                 * 0.5 * (1.0 + math.cos(math.pi * s / args.steps)))
     perm = torch.randperm(size["data_vocab"], generator=torch.Generator().manual_seed(1234))
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the stream
     autocast = args.parallel == "ddp" and args.dtype == "bf16"
@@ -173,6 +180,7 @@ def train(args) -> int:
         out.loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(train_model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         stats = torch.stack([out.loss.detach().float(), full(norm).detach().float()])
         dist.all_reduce(stats)
