@@ -65,6 +65,31 @@ def modules_of(model) -> list:
     return [sys.modules[n] for n in names if n in sys.modules]
 
 
+def _rebind_hooked_forwards(model) -> None:
+    """accelerate's hooks (device_map="auto", CPU offload) keep each hooked module's forward as it was
+    when the hook was added, a bound method in `module._old_forward`, and call that. A model loaded
+    before apply() would keep running the unpatched forwards there; point them at the patched ones."""
+    import types
+
+    from autopatch import patching
+
+    modules_fn = getattr(model, "modules", None)
+    if not callable(modules_fn):
+        return
+    for module in modules_fn():
+        old = vars(module).get("_old_forward")
+        func = getattr(old, "__func__", None)
+        if func is None or getattr(old, "__self__", None) is not module:
+            continue
+        for owner in type(module).__mro__:
+            if "forward" in vars(owner):
+                break
+        else:
+            continue
+        if patching.is_patched(owner, "forward") and func is patching.original(owner, "forward"):
+            module._old_forward = types.MethodType(owner.forward, module)
+
+
 def apply(model, **toggles) -> list:
     """Patch the components `model` uses; returns the records of this call (also in applied())."""
     from autopatch import hooks, report, rules
@@ -91,6 +116,7 @@ def apply(model, **toggles) -> list:
         if line:
             print(line, file=sys.stderr, flush=True)
         records.extend(found)
+    _rebind_hooked_forwards(model)
     if settings.strict:
         refused = report.refusals(records, enabled)
         if refused:

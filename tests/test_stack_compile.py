@@ -184,3 +184,28 @@ def test_peft_lora_over_patched_base(restore_patches, targets):
         assert "fused_linear_cross_entropy_fwd" not in ran, ran
     else:
         assert ran.get("fused_linear_cross_entropy_fwd") == steps and ran.get("fused_linear_cross_entropy_bwd") == steps, ran
+
+
+def test_apply_after_accelerate_hooks_runs_the_kernels(restore_patches):
+    """A model loaded with device_map / offloading carries accelerate hooks that call the forward each
+    module had when the hook was added (module._old_forward). autopatch.apply() afterwards must still
+    reach those modules: same loss and gradients as plain, and the module kernels run."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    ids, labels = batch()
+    plain = train_step(stack_worker.tiny_llama(), ids, labels)
+    model = stack_worker.tiny_llama()
+    for module in model.modules():
+        if module is not model and not list(module.children()):  # leaves, as device_map="auto" does
+            accelerate_hooks.add_hook_to_module(module, accelerate_hooks.ModelHook())
+        elif type(module).__name__.endswith(("MLP", "RMSNorm")):
+            accelerate_hooks.add_hook_to_module(module, accelerate_hooks.ModelHook())
+    import autopatch
+
+    autopatch.apply(model)
+    before = launches()
+    got = train_step(model, ids, labels)
+    ran = delta(before, launches())
+    assert_same(got, plain, "apply() after accelerate hooks vs plain")
+    # (a hooked lm_head makes the fused linear CE step aside, by design: the hook may move its weight)
+    for kernel in ("rms_norm", "rope", "swiglu"):
+        assert ran.get(f"{kernel}_fwd", 0) > 0, (kernel, ran)
