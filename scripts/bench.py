@@ -96,6 +96,13 @@ def _cell(r: dict, mode: str) -> str:
     return f"{m['ms']:.3f}" + (f"/{mib:.0f}" if mib is not None else "")
 
 
+def _gpu_cell(r, mode):
+    if not r or r.get("status") != "ok":
+        return "-"
+    g = r.get("modes", {}).get(mode, {}).get("gpu_ms")
+    return "-" if g is None else f"{g:.3f}"
+
+
 def format_tables(data: dict, mode: str = "fwdbwd") -> str:
     lines = []
     meta, ceil = data.get("meta", {}), data.get("ceilings", {})
@@ -126,6 +133,18 @@ def format_tables(data: dict, mode: str = "fwdbwd") -> str:
             frac = ours.get("frac_ceiling")
             row += f" {'-' if ratio is None else f'{ratio:.2f}':>9s} {'-' if frac is None else f'{100 * frac:.0f}%':>6s}"
             lines.append(row)
+        if any("gpu_ms" in (p.get("modes", {}).get(mode, {})) for k in kernels for p in k.get("peers", {}).values()):
+            lines.append(f"\nkernels, {mode}, GPU time only (kernel durations summed; no launch gaps): ms")
+            lines.append(f"{'case':36s} {'floor':>7s} " + " ".join(f"{p[:14]:>14s}" for p in peers) + f" {'%ceil':>6s}")
+            for k in kernels:
+                if "skipped" in k or mode not in k.get("modes", []):
+                    continue
+                floor = k.get("floor", {}).get(mode, {}).get("ms")
+                row = f"{k['case'][:36]:36s} {'-' if floor is None else f'{floor:.3f}':>7s} "
+                row += " ".join(f"{_gpu_cell(k['peers'].get(p), mode):>14s}" for p in peers)
+                frac = k["peers"].get("ours", {}).get("modes", {}).get(mode, {}).get("gpu_frac_ceiling")
+                row += f" {'-' if frac is None else f'{100 * frac:.0f}%':>6s}"
+                lines.append(row)
     e2e = data.get("e2e") or []
     if e2e:
         lines.append("\nend to end (training step): k tok/s, peak GiB; speed-up vs HF eager")

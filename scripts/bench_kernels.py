@@ -12,7 +12,8 @@ peers in this process:
   ours           fused_kernels.* (the functional API in DESIGN.md)
 
 Per peer and mode: median ms (bench_common.bench_ms), peak MiB beyond the inputs and the gradients the
-call leaves behind, achieved GB/s (or TFLOP/s for FLCE) from the case's byte/FLOP floor, the fraction
+call leaves behind, for fwd+bwd also `gpu_ms` (the kernels' own durations summed, torch.profiler: the
+time with the host's launch overhead taken out), achieved GB/s (or TFLOP/s for FLCE) from the case's byte/FLOP floor, the fraction
 of the ceiling measured in this run, and the relative error of outputs and input gradients against
 hf_eager (a peer computing something else shows up there, not only in its speed).
 
@@ -391,6 +392,28 @@ def _floor_ms(floor, ceilings):
     return None
 
 
+def kernel_ms(fn, device, leaves, calls: int = 3):
+    """Sum of the CUDA kernels' durations in one fn() call (torch.profiler, `calls` calls averaged),
+    or None when the profiler is unavailable. Idle gaps between kernels are not counted."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                _clear_grads(leaves)
+                fn()
+            sync(device)
+        total_us = 0.0
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                total_us += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
+        return total_us / calls / 1e3 if total_us > 0 else None
+    except Exception:  # noqa: BLE001 - a diagnostic; the wall time stands on its own
+        return None
+
+
 def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadline: Deadline, ref: dict | None,
              seed: int, keep_ref: bool) -> tuple[dict, dict | None]:
     """Measure one peer on one case. Returns (result, reference outputs if keep_ref)."""
@@ -471,6 +494,15 @@ def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadli
                 ms = bench_after_setup_ms(fwd, lambda out: _backward(out, go), device, grad_to_none=leaves,
                                           min_reps=case.min_reps, max_ms=case.max_ms)
             m.update(_metrics(ms, case.floors[mode], ceilings))
+            if mode == "fwdbwd" and device.type == "cuda":
+                # The GPU's own time: what the kernels take once launched. do_bench's wall time also
+                # holds whatever the GPU spent waiting for Python to launch them (host-bound below
+                # ~0.5 ms on a slow host, for every peer alike).
+                _clear_grads(leaves)
+                gpu = kernel_ms(fwdbwd, device, leaves)
+                if gpu is not None:
+                    m["gpu_ms"] = gpu
+                    m["gpu_frac_ceiling"] = _metrics(gpu, case.floors[mode], ceilings).get("frac_ceiling")
         except Exception as exc:
             m["error"] = _short(exc)
         finally:

@@ -7,7 +7,8 @@
     pure bf16 weights. Compared: the per-step training loss, the final parameters and the eval logits
     and eval loss on a held-out batch. Tolerances (per step |Δloss| <= atol + rtol * |loss|):
         fp32            atol 2e-5, rtol 2e-5; parameters and eval logits 2e-4 relative (norm-wise)
-        bf16 (both)     atol 1e-2, rtol 1e-2; parameters and eval logits 5e-2 relative
+        bf16 (both)     atol 1e-2, rtol 1e-2; parameters and eval logits 5e-2 relative; and the mean
+                        distance of ours from a plain fp32 run at most 1.5x plain bf16's + atol
     (Liger-Kernel's convergence tests use atol 1e-2 / rtol 5e-2 per step in bf16.) The measured
     differences go to $OUT/stack_convergence.json when OUT is set. (Measured on the CPU, kernels in
     Triton's interpreter, a 2-layer tiny Llama, fp32, 200 steps: max |Δloss| 1e-6, parameters 1.6e-6.)
@@ -157,11 +158,10 @@ def test_convergence_patched_vs_plain(precision):
         "launches": patched["launches"], "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
     }
     if precision != "fp32":
-        # Two bf16 trajectories of a 200-step run separate once a loss spike amplifies rounding (seen
-        # on the H200: plain vs patched bf16 apart by 0.79 at step 38, equal again at the end, while
-        # fp32 stays within 2e-5 all the way). Step-by-step equality of two bf16 runs is therefore
-        # not the question; the question is whether ours tracks the exact (fp32) training as closely
-        # as transformers' own bf16 code does. The yardstick: a plain fp32 run from the same start.
+        # Besides step-by-step equality with plain bf16: does ours track the exact (fp32) training as
+        # closely as transformers' own bf16 code does? The yardstick: a plain fp32 run from the same
+        # start. (With a constant lr and no warm-up, a loss spike near step 35 drove two bf16 runs
+        # 0.65 apart; this criterion was what still held there.)
         truth = train(small_llama(torch.float32), "fp32")
         ours_dev = [abs(a - b) for a, b in zip(patched["losses"], truth["losses"])]
         theirs_dev = [abs(a - b) for a, b in zip(plain["losses"], truth["losses"])]
@@ -185,8 +185,14 @@ def test_convergence_patched_vs_plain(precision):
         assert logits_err <= rel, f"{precision}: eval logits rel err {logits_err:.3e} > {rel}"
         assert abs(patched["eval_loss"] - plain["eval_loss"]) <= atol + rtol * abs(plain["eval_loss"]), entry
         return
-    # bf16: the first steps, before any spike, still agree step by step (Liger's bound: 1e-2 / 5e-2)
-    assert not [i for i in bad if i < 10], f"{precision}: early steps differ: {bad[:10]}: {entry}"
+    # bf16: every step within atol 1e-2 + rtol 1e-2 (Liger's convergence tests: rtol 5e-2), and the final
+    # parameters and eval logits within 5e-2 (H200, this schedule: steps 4.2e-3 / 2.5e-3 at most,
+    # parameters 1.0e-2 / 1.9e-2, logits 2.5e-3 / 3.5e-3 for bf16-autocast / bf16)
+    assert not bad, f"{precision}: loss differs beyond atol {atol} + rtol {rtol} at steps {bad[:10]}: {entry}"
+    worst = max(param_err, key=param_err.get)
+    assert param_err[worst] <= rel, f"{precision}: parameter {worst} rel err {param_err[worst]:.3e} > {rel}"
+    assert logits_err <= rel, f"{precision}: eval logits rel err {logits_err:.3e} > {rel}"
+    # and ours tracks exact (fp32) training about as closely as transformers' own bf16 code does
     dev = entry["mean_abs_dev_from_fp32"]
     assert dev["ours"] <= 1.5 * dev["plain"] + atol, f"{precision}: ours strays further from fp32 training: {entry}"
     pe = entry["param_rel_err_vs_fp32"]
