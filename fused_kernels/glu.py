@@ -23,7 +23,9 @@ dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB,
 glu_linear(gate, up, weight, bias, activation) is the gated MLP's tail, `linear(act(g) · u, weight, bias)`
 (the down projection), as one autograd node that saves gate, up and the weight but not the product
 h = act(g) · u: the backward recomputes h (one more forward kernel, 3·N·b bytes) for the weight
-gradient, dweight = doutᵀ h, then runs the usual GLU backward on dh = dout · weight. A plain
+gradient, dweight = doutᵀ h, then runs the usual GLU backward on dh = dout · weight, writing dgate and
+dup over gate and up (saved for this node only, dead after it; their version counters are bumped so
+that a retain_graph second backward fails loudly). A plain
 `down_proj(swiglu(gate, up))` keeps h alive from the forward to the backward (the Linear saves its
 input): tokens × intermediate × b bytes per layer, 96 MiB per Qwen3-0.6B layer at 16384 tokens bf16.
 
@@ -235,17 +237,19 @@ def _device_guard(t: torch.Tensor):
 
 
 def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], act: int):
-    """Run `kernel` over same-shaped `inputs` (read) and freshly allocated contiguous `outputs`."""
-    if all(t.is_contiguous() for t in inputs):
+    """Run `kernel` over same-shaped `inputs` (read) and `outputs` (written): fresh contiguous tensors,
+    or (the in-place backward) views that `_writable_rows` accepted, all with one row stride."""
+    if all(t.is_contiguous() for t in (*inputs, *outputs)):
         # One flat row: the longest contiguous run there is, and no row arithmetic.
         n_rows, n_cols = 1, outputs[0].numel()
         ins, in_strides = inputs, [0] * len(inputs)
         out_stride = 0
     else:
         ins = [_as_rows(t) for t in inputs]
+        outputs = [t.view(-1, t.shape[-1]) for t in outputs]
         n_rows, n_cols = ins[0].shape
         in_strides = [t.stride(0) for t in ins]
-        out_stride = n_cols
+        out_stride = outputs[0].stride(0) if n_rows > 1 else n_cols
     cfg = _block_config(n_rows, n_cols, inputs[0].element_size(), direction)
     n_row_blocks = -(-n_rows // cfg.block_m)
     n_col_blocks = -(-n_cols // cfg.block_n)
@@ -292,6 +296,40 @@ def _backward(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     if dgate.numel():
         _launch(_glu_bwd_kernel, "bwd", [dout, gate, up], [dgate, dup], act)
     return dgate, dup
+
+
+def _writable_rows(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether dgate and dup may be written over gate and up by one launch: both viewable as rows with
+    unit column stride and one common row stride, and not overlapping each other."""
+    n_cols = gate.shape[-1] if gate.dim() else 1
+    try:
+        g2, u2 = gate.view(-1, n_cols), up.view(-1, n_cols)
+    except RuntimeError:
+        return False
+    if n_cols > 1 and (g2.stride(1) != 1 or u2.stride(1) != 1):
+        return False
+    if g2.shape[0] > 1 and g2.stride(0) != u2.stride(0):
+        return False
+    if gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr():
+        return True
+    gap = abs(gate.storage_offset() - up.storage_offset())  # same storage: the halves of gate_up_proj
+    return gap >= n_cols and (g2.shape[0] <= 1 or gap + n_cols <= g2.stride(0))
+
+
+def _backward_in_place(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int):
+    """dgate and dup written over gate and up, whose values the caller needs no more (no new
+    gate-sized buffers); falls back to fresh buffers for layouts one launch cannot write in place.
+    The version counters of gate and up are bumped, so a second backward through a graph that saved
+    them (retain_graph=True) fails loudly instead of reading gradients as activations."""
+    if not _writable_rows(gate, up) or gate.numel() == 0:
+        return _backward(op, dout, gate, up, act)
+    _require_triton(op, dout, gate, up)
+    count_launch(op)
+    if dout.dtype != gate.dtype:
+        dout = dout.to(gate.dtype)
+    _launch(_glu_bwd_kernel, "bwd", [dout, gate, up], [gate, up], act)
+    torch.autograd.graph.increment_version((gate, up))
+    return gate, up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,11 +445,11 @@ def _dispatch(op: str, gate: torch.Tensor, up: torch.Tensor, act: int, compiled_
 
 class _GLULinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, act: int, op: str):
+    def forward(ctx, gate, up, weight, bias, act: int, op: str, temporaries: bool):
         hidden = _forward(f"{op}_fwd", gate, up, act)
         out = torch.nn.functional.linear(hidden, weight, bias)
         ctx.save_for_backward(gate, up, weight)  # not hidden: the backward recomputes it
-        ctx.act, ctx.op, ctx.has_bias = act, op, bias is not None
+        ctx.act, ctx.op, ctx.has_bias, ctx.temporaries = act, op, bias is not None, temporaries
         return out
 
     @staticmethod
@@ -429,20 +467,28 @@ class _GLULinearFunction(torch.autograd.Function):
         dgate = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dhidden = dout.matmul(weight)
-            dgate, dup = _backward(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act)
-        return dgate, dup, dweight, dbias, None, None
+            if ctx.temporaries:
+                # gate and up die with this node: their buffers take the gradients (two fewer
+                # tokens × intermediate buffers at the backward's peak)
+                dgate, dup = _backward_in_place(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act)
+            else:
+                dgate, dup = _backward(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act)
+        return dgate, dup, dweight, dbias, None, None, None
 
 
 GLU_ACTIVATIONS = {"silu": ("swiglu", _SILU), "gelu_tanh": ("geglu", _GELU_TANH), "gelu": ("geglu", _GELU_ERF)}
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=None,
-               activation: str = "silu") -> torch.Tensor:
+               activation: str = "silu", temporaries: bool = False) -> torch.Tensor:
     """linear(act(gate) * up, weight, bias): a gated MLP's down projection after its gate, where the
     backward recomputes act(gate) * up instead of keeping it (see the module docstring).
 
     activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (GeGLU with the exact erf). gate and up as for
     `swiglu`; weight (out_features, gate.shape[-1]) and bias (out_features,) or None, of gate's dtype.
+    temporaries: gate and up are intermediate results nobody else reads or keeps (a module's own
+    projection outputs); the backward then writes their gradients over them. Never pass True for
+    tensors you hold (leaves, views of leaves, anything read after the backward): they are overwritten.
     Under torch.compile this is `F.linear(swiglu(gate, up), weight, bias)` (or geglu).
     """
     check_choice("activation", activation, tuple(GLU_ACTIVATIONS))
@@ -461,7 +507,8 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=
             or (bias is not None and bias.requires_grad)):
         hidden = swiglu(gate, up) if act == _SILU else geglu(gate, up, "tanh" if act == _GELU_TANH else "none")
         return torch.nn.functional.linear(hidden, weight, bias)
-    return _GLULinearFunction.apply(gate, up, weight, bias, act, op)
+    temporaries = bool(temporaries) and gate.grad_fn is not None and up.grad_fn is not None
+    return _GLULinearFunction.apply(gate, up, weight, bias, act, op, temporaries)
 
 
 # ----------------------------------------------------------------------------------------------

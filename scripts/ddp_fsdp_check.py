@@ -53,6 +53,14 @@ SIZES = {
 }
 
 
+def lr_schedule(optimizer, warmup: int, steps: int):
+    """Linear warm-up then cosine decay (as tests/test_stack_gpu.py): with a constant lr from step 0 the
+    loss spiked near steps 17-23 and amplified rounding differences by orders of magnitude."""
+    warmup = max(1, min(warmup, steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parallel", choices=["ddp", "fsdp"], default="ddp")
@@ -162,11 +170,7 @@ def train(args) -> int:
     train_model, inner = wrap(model, args, device)
     train_model.train()
     optimizer = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.0)
-    # Linear warm-up then cosine decay (as tests/test_stack_gpu.py): with a constant lr from step 0 the
-    # loss spiked near step 17-23 and amplified rounding differences by orders of magnitude.
-    warmup = max(1, min(args.warmup, args.steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
-                                                 * 0.5 * (1.0 + math.cos(math.pi * s / args.steps)))
+    schedule = lr_schedule(optimizer, args.warmup, args.steps)
     perm = torch.randperm(size["data_vocab"], generator=torch.Generator().manual_seed(1234))
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the stream
     autocast = args.parallel == "ddp" and args.dtype == "bf16"

@@ -256,6 +256,41 @@ def test_glu_linear_does_not_keep_the_product():
     assert after.get("swiglu_bwd", 0) - before.get("swiglu_bwd", 0) == 1
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["gate_proj+up_proj", "gate_up_proj"])
+def test_glu_linear_temporaries_take_their_gradients(fused):
+    """temporaries=True: dgate and dup are written over gate and up (no new buffers), the gradients
+    are the same as without, a retain_graph second backward fails loudly, and leaves are never
+    overwritten even when the flag is passed."""
+    x = randn(3, 4, 16, requires_grad=True)
+    wg, wu, wd = randn(24, 16, scale=0.3), randn(24, 16, scale=0.3), randn(16, 24, scale=0.3, requires_grad=True)
+    dout = randn(3, 4, 16)
+
+    def run(temporaries, retain=False):
+        x.grad = wd.grad = None
+        if fused:
+            gate, up = F.linear(x, torch.cat([wg, wu])).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(x, wg), F.linear(x, wu)
+        seen = {}
+        gate.register_hook(lambda g: seen.update(dgate=g.data_ptr()))
+        out = fused_kernels.glu_linear(gate, up, wd, temporaries=temporaries)
+        out.backward(dout, retain_graph=retain)
+        return out, x.grad.clone(), wd.grad.clone(), seen["dgate"] == gate.data_ptr(), out
+
+    ref_out, ref_dx, ref_dw, ref_shared, _ = run(False)
+    out, dx, dw, shared, _ = run(True)
+    assert shared and not ref_shared
+    for a, b, what in ((out, ref_out, "out"), (dx, ref_dx, "dx"), (dw, ref_dw, "dweight")):
+        assert_close(a, b, torch.float32, what, tol=1e-6)
+    with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
+        *_, out = run(True, retain=True)
+        out.backward(dout)
+    gate, up = randn(5, 8, requires_grad=True), randn(5, 8, requires_grad=True)
+    kept = gate.detach().clone(), up.detach().clone()
+    fused_kernels.glu_linear(gate, up, randn(4, 8), temporaries=True).sum().backward()
+    assert torch.equal(gate.detach(), kept[0]) and torch.equal(up.detach(), kept[1])
+
+
 def test_glu_linear_bad_inputs():
     gate, up = randn(3, 8), randn(3, 8)
     with pytest.raises(ValueError, match="out_features, 8"):

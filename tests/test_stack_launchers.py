@@ -60,6 +60,7 @@ def reference_losses():
     model = check.build_model("tiny")
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    schedule = check.lr_schedule(optimizer, check.parse_args([]).warmup, STEPS)
     perm = torch.randperm(size["data_vocab"], generator=torch.Generator().manual_seed(1234))
     streams = [torch.Generator().manual_seed(1000 + rank) for rank in range(2)]
     losses = []
@@ -72,6 +73,7 @@ def reference_losses():
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses

@@ -289,6 +289,17 @@ def _plain_linear(down, gate: torch.Tensor) -> bool:
     return not torch.is_autocast_enabled(gate.device.type)
 
 
+def _unobserved(mlp, fused: bool) -> bool:
+    """Whether the projections' outputs are private to this forward: no forward hooks on them (a hook
+    could keep the output), so the backward may write gradients over them."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks:
+        return False
+    names = ("gate_up_proj",) if fused else ("gate_proj", "up_proj")
+    return all(not getattr(mlp, n)._forward_hooks for n in names)
+
+
 def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str):
     fused, gate_first, act_attr, state = variant.fused, variant.gate_first, variant.act_attr, variant.state
 
@@ -316,7 +327,8 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
         if _plain_linear(down, gate):
             # One node for the gate and the down projection: the product is recomputed in the
             # backward instead of being kept alive by the Linear (tokens × intermediate per layer).
-            return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind])
+            return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind],
+                                 temporaries=_unobserved(self, fused))
         kernel, kernel_kwargs = KINDS[kind]
         if kernel == "swiglu":
             hidden = fk.swiglu(gate, up)
