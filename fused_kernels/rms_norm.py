@@ -19,7 +19,11 @@ Backward (g = dL/dxhat, c = mean over the row of g · xhat):
     dx = r · (g − xhat · c)
     dw = Σ_rows dy · h     (h = round_x(xhat) for "llama", xhat otherwise), accumulated in fp32
 
-Saved for backward: x (the input itself, no copy) and r (fp32, one per row) — never y.
+Saved for backward: x (the input itself, no copy) and r (fp32, one per row). With keep="output" (the
+autopatch rule's choice) y instead of x: the backward then takes xhat = y / w_eff, which is round_x(xhat)
+up to one rounding of y (2^-8 relative in bf16, 2^-23 in fp32) — the same information for dw, and for
+dx an error of the order of the output's own rounding. A Linear after the norm saves y anyway, so x's
+memory is freed (per decoder layer, two hidden-sized activations).
 
 Bytes moved (rows × N elements of B bytes): forward reads x, writes y (2·rows·N·B, plus rows·4 for
 r); backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of dw per persistent
@@ -58,6 +62,7 @@ import triton.language as tl
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
 
 CASTING_MODES = ("llama", "gemma", "none")
+_KEEP = ("input", "output")
 # How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
 _INTERPRETED = interpreter_on()
 _CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
@@ -426,9 +431,16 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """(xhat, g = dL/dxhat, h = what dw multiplies dy by) for a tile, following the casting mode."""
-    xhat = x * rstd[:, None]
+def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.constexpr,
+                FROM_OUTPUT: tl.constexpr = False):
+    """(xhat, g = dL/dxhat, h = what dw multiplies dy by) for a tile, following the casting mode.
+    FROM_OUTPUT: `x` holds the forward's output y instead, and xhat = y / w_eff (0 where w_eff is 0;
+    the host saves y only for weights without zeros)."""
+    if FROM_OUTPUT:
+        w_row = w_eff[None, :]
+        xhat = tl.where(w_row != 0.0, x / tl.where(w_row != 0.0, w_row, 1.0), 0.0)
+    else:
+        xhat = x * rstd[:, None]
     g = dy * w_eff[None, :]
     h = xhat
     if CASTING == 0:
@@ -448,6 +460,7 @@ def _rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # not read: sizes the persistent grid (see _backward_impl)
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop (1: none)
+    FROM_OUTPUT: tl.constexpr = False,  # X holds the forward's output y (see _grad_terms)
 ):
     # Persistent: program p takes tiles p, p + P, p + 2P, ... and sums its rows' dy·h into one
     # fp32 partial row DW_PARTIAL[p, :]; the host sums the P partial rows afterwards.
@@ -470,7 +483,7 @@ def _rms_norm_bwd_kernel(
             x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            xhat, g, h = _grad_terms(x, dy, rstd, w_eff, X, CASTING, EXACT_BF16)
+            xhat, g, h = _grad_terms(x, dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = rstd[:, None] * (g - xhat * c[:, None])
             dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
@@ -497,7 +510,8 @@ def _rms_norm_bwd_kernel(
                 x = tl.load(x_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
                 dy = tl.load(dy_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_last")
                 w_eff = _effective_weight(W, c_idx, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-                xhat, g, h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16)
+                xhat, g, h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, DX, CASTING, EXACT_BF16,
+                                         FROM_OUTPUT)
                 acc += g * xhat
             c = tl.sum(acc, axis=1) / n_cols
             for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
@@ -508,7 +522,7 @@ def _rms_norm_bwd_kernel(
                 dy = tl.load(dy_rows + c_idx[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
                 dy = dy.to(tl.float32)
                 w_eff = _effective_weight(W, c_idx, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-                xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, X, CASTING, EXACT_BF16)
+                xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
                 dx = rstd[:, None] * (g - xhat * c[:, None])
                 dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
                 tl.store(DX + rows64[:, None] * stride_dx + c_idx[None, :], dx, mask=mask)
@@ -525,7 +539,7 @@ def _rms_norm_bwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 def _autotuned(kernel, backward: bool):
-    key = ["n_cols", "row_bucket", "CASTING", "HAS_WEIGHT"] + (["COMPUTE_DW"] if backward else [])
+    key = ["n_cols", "row_bucket", "CASTING", "HAS_WEIGHT"] + (["COMPUTE_DW", "FROM_OUTPUT"] if backward else [])
     return triton.autotune(
         configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
                  for c in candidate_configs(backward)],
@@ -648,10 +662,12 @@ def _backward_impl(
     offset: float,
     casting_mode: str,
     compute_dw: bool,
+    from_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
     False. One kernel launch, plus torch's sum over the dw partial rows (and a cast when weight is
-    not fp32); nothing else touches full-size tensors."""
+    not fp32); nothing else touches full-size tensors. from_output: `x` is the forward's output y
+    (of x's dtype), from which the kernel recovers xhat = y / (offset + weight)."""
     compute_dw = compute_dw and weight is not None
     device = x.device
     dx = _new_output(x.shape, x.dtype, device)
@@ -674,7 +690,8 @@ def _backward_impl(
         n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
         offset, _row_bucket(n_rows),
     )
-    flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw)
+    flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw,
+                 FROM_OUTPUT=from_output)
     if cfg is None:
         launched = [0]
 
@@ -685,8 +702,8 @@ def _backward_impl(
                                     n_rows, n_cols, bytes_per_col, sm_count)
             return (launched[0],)
 
-        key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, dy.dtype, x.dtype,
-               args[2].dtype)
+        key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy.dtype,
+               x.dtype, args[2].dtype)
         _launch_tuned(_rms_norm_bwd_tuned, _rms_norm_bwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
         programs = launched[0]
     else:
@@ -767,11 +784,36 @@ _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # which leaves the GPU idle between 0.1 ms kernels)
 # ----------------------------------------------------------------------------------------------
 
+def _weight_without_zeros(weight: Optional[torch.Tensor], offset: float, casting_mode: str) -> bool:
+    """Whether offset + weight (as the kernels form it) has no element equal to 0, so that the input
+    can be recovered from the output. Checked once per weight storage (one host sync on first use);
+    the answer is kept on the weight object. A weight None is 1 everywhere."""
+    if weight is None:
+        return True
+    key = (weight.data_ptr(), weight.dtype, float(offset), casting_mode)
+    if getattr(weight, "_fused_kernels_nonzero", None) == key:
+        return True
+    if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # no sync allowed: keep the input
+    w_eff = weight.detach().float() + offset
+    if casting_mode == "llama":
+        w_eff = w_eff.to(weight.dtype)
+    if bool((w_eff == 0).any()):
+        return False
+    try:
+        weight._fused_kernels_nonzero = key
+    except Exception:  # noqa: BLE001 - a tensor type without attributes: checked again next time
+        pass
+    return True
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode):
+    def forward(ctx, x, weight, eps, offset, casting_mode, keep_output):
         y, rstd = _forward_impl(x, weight, eps, offset, casting_mode)
-        ctx.save_for_backward(x, weight, rstd)
+        ctx.from_output = (keep_output and y.dtype == x.dtype and y.shape == x.shape
+                           and _weight_without_zeros(weight, offset, casting_mode))
+        ctx.save_for_backward(y if ctx.from_output else x, weight, rstd)
         ctx.offset = offset
         ctx.casting_mode = casting_mode
         return y
@@ -779,10 +821,11 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
+        x_or_y, weight, rstd = ctx.saved_tensors
         compute_dw = weight is not None and ctx.needs_input_grad[1]
-        dx, dw = _backward_impl(dy, x, weight, rstd, ctx.offset, ctx.casting_mode, compute_dw)
-        return dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, None, None, None
+        dx, dw = _backward_impl(dy, x_or_y, weight, rstd, ctx.offset, ctx.casting_mode, compute_dw,
+                                ctx.from_output)
+        return dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -803,6 +846,7 @@ def rms_norm(
     eps: float = 1e-6,
     offset: float = 0.0,
     casting_mode: str = "llama",
+    keep: str = "input",
 ) -> torch.Tensor:
     """RMSNorm over the last dimension of `x`, differentiable in `x` and `weight`.
 
@@ -813,6 +857,12 @@ def rms_norm(
         torch's promoted dtype), "gemma" (all in fp32, x·rstd·(offset + weight), cast to x.dtype at the
         end), or "none" (fp32 throughout, one cast to x.dtype at the end).
     Output dtype: promote_types(weight.dtype, x.dtype) for "llama" with a weight, else x.dtype.
+    keep: what the backward keeps alive. "input" (exact): x. "output": y, from which the backward
+        recovers xhat = y / (offset + weight) (to within one rounding of y's dtype, ~2^-8 relative in
+        bf16): the memory of x is freed whenever the next layer keeps y anyway (a Linear saves its
+        input). Used only where y has x's dtype and offset + weight has no zero (checked once per
+        weight storage, one host sync); an element of the weight that becomes exactly 0 later would
+        get a zero gradient. Eager autograd only; under torch.compile the input is kept.
 
     Eager calls run a torch.autograd.Function; under torch.compile the registered custom op
     (fused_kernels::rms_norm_fwd) is traced instead. Both launch the same kernels.
@@ -832,6 +882,8 @@ def rms_norm(
         check_choice("casting_mode", casting_mode, CASTING_MODES)
     _check_scalar("eps", eps, "a finite float >= 0", non_negative=True)
     _check_scalar("offset", offset, "a finite float (0.0 for Llama, 1.0 for Gemma)", non_negative=False)
+    if keep not in _KEEP:
+        check_choice("keep", keep, _KEEP)
     if not (x.is_cuda or (x.device.type == "cpu" and interpreter_on())):
         raise RuntimeError(
             f"rms_norm runs Triton kernels: x must be on a CUDA device, or on the CPU with "
@@ -842,5 +894,5 @@ def rms_norm(
         y, _rstd = torch.ops.fused_kernels.rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode)
         return y
     if torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad)):
-        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode)
+        return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, keep == "output")
     return _forward_impl(x, weight, float(eps), float(offset), casting_mode)[0]

@@ -72,7 +72,7 @@ def poisoned_outputs():
         rms_norm_module._new_output = original
 
 
-def check_against_reference(x, weight, eps, offset, casting_mode, tol=None):
+def check_against_reference(x, weight, eps, offset, casting_mode, tol=None, keep="input"):
     """Run forward + backward of rms_norm on (x, weight) and of the float64 reference; compare y,
     dx, dw. `x` may be a non-contiguous view."""
     x_dtype = x.dtype
@@ -82,7 +82,7 @@ def check_against_reference(x, weight, eps, offset, casting_mode, tol=None):
     x_in = x.detach().requires_grad_(True)
     w_in = None if weight is None else weight.detach().clone().requires_grad_(True)
     with poisoned_outputs():
-        y = rms_norm(x_in, w_in, eps=eps, offset=offset, casting_mode=casting_mode)
+        y = rms_norm(x_in, w_in, eps=eps, offset=offset, casting_mode=casting_mode, keep=keep)
     assert y.dtype == expected_dtype(x_dtype, w_dtype, casting_mode)
     assert y.shape == x.shape
 
@@ -252,6 +252,58 @@ def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
     weight = randn(150, dtype=dtype)
     check_against_reference(x, weight, 1e-6, 1.0, casting_mode)
     check_against_reference(x, None, 1e-6, 0.0, casting_mode)
+
+
+# --- keep="output": the backward recovers xhat from y -------------------------------------------
+
+@pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("offset,weight_kind", [(0.0, "random"), (1.0, "random"), (0.0, "none")])
+def test_keep_output_matches_reference(dtype, casting_mode, offset, weight_kind):
+    """Same tolerances against float64 as keeping the input (fp32 1e-5, bf16 1e-2)."""
+    x = randn(6, 3, 100, dtype=dtype, scale=3.0)
+    weight = None if weight_kind == "none" else randn(100, dtype=dtype, scale=0.5)
+    check_against_reference(x, weight, 1e-6, offset, casting_mode, keep="output")
+
+
+@pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
+def test_keep_output_forced_chunked_path(monkeypatch, casting_mode):
+    config = rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True)
+    monkeypatch.setattr(rms_norm_module, "launch_config", lambda n_cols, backward: config)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = randn(11, 150, dtype=dtype, scale=2.0)
+        check_against_reference(x, randn(150, dtype=dtype), 1e-6, 1.0, casting_mode, keep="output")
+
+
+def _saved(fn):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+def test_keep_output_saves_y_not_x_and_zero_weights_keep_x():
+    """keep="output" keeps y (which a following Linear keeps anyway), not x; a weight with an exact
+    zero in offset + weight keeps x, and its gradient there is exact."""
+    x = randn(4, 64, requires_grad=True)
+    w = randn(64, requires_grad=True)
+    y, saved = _saved(lambda: rms_norm(x, w, keep="output"))
+    ptrs = {t.data_ptr() for t in saved}
+    assert y.data_ptr() in ptrs and x.data_ptr() not in ptrs
+    _, saved = _saved(lambda: rms_norm(x, w))
+    assert x.data_ptr() in {t.data_ptr() for t in saved}
+    for offset, zero_value in ((0.0, 0.0), (1.0, -1.0)):
+        w0 = w.detach().clone()
+        w0[5] = zero_value
+        w0.requires_grad_(True)
+        y0, saved = _saved(lambda: rms_norm(x, w0, offset=offset, keep="output"))
+        assert x.data_ptr() in {t.data_ptr() for t in saved}, "a zero in offset + weight must keep x"
+        check_against_reference(x.detach(), w0.detach(), 1e-6, offset, "llama", keep="output")
+
+
+def test_keep_output_rejects_unknown_choice():
+    with pytest.raises(ValueError, match="keep"):
+        rms_norm(randn(2, 8), randn(8), keep="both")
 
 
 @pytest.mark.parametrize("hidden", (9000, 20000))
@@ -566,13 +618,14 @@ def test_double_backward_is_refused():
         (1024, 65536, "gemma"),  # chunked forward and backward
     ],
 )
-def test_gpu_real_sizes(device, rows, hidden, casting_mode):
+@pytest.mark.parametrize("keep", ("input", "output"))
+def test_gpu_real_sizes(device, rows, hidden, casting_mode, keep):
     torch.manual_seed(0)
     x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
     w = randn(hidden, dtype=torch.bfloat16, device=device, scale=0.5)
     offset = 1.0 if casting_mode == "gemma" else 0.0
     x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
+    y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode, keep=keep)
     dy = randn(rows, hidden, dtype=y.dtype, device=device)
     y.backward(dy)
 

@@ -256,7 +256,9 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             out_dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
         else:
             out_dtype = x.dtype
-        out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting)
+        # keep="output": the backward works from y, which the next layer keeps anyway, so that x (a
+        # residual-stream activation) is freed after the forward
+        out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting, keep="output")
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
