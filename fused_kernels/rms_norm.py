@@ -437,8 +437,8 @@ def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.con
     FROM_OUTPUT: `x` holds the forward's output y instead, and xhat = y / w_eff (0 where w_eff is 0;
     the host saves y only for weights without zeros)."""
     if FROM_OUTPUT:
-        w_row = w_eff[None, :]
-        xhat = tl.where(w_row != 0.0, x / tl.where(w_row != 0.0, w_row, 1.0), 0.0)
+        inv_w = tl.where(w_eff != 0.0, 1.0 / tl.where(w_eff != 0.0, w_eff, 1.0), 0.0)  # once per column
+        xhat = x * inv_w[None, :]
     else:
         xhat = x * rstd[:, None]
     g = dy * w_eff[None, :]
