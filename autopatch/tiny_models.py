@@ -19,10 +19,13 @@ import torch
 # attribute name -> tiny value; applied only where the architecture's config has that attribute.
 SHRINK: dict[str, object] = {
     "vocab_size": 256,
+    "vocab_size_per_layer_input": 256,  # Gemma 3n / 4 per-layer embeddings (262144 x layers x 256 otherwise)
     "hidden_size": 64,
     "d_model": 64,
     "n_embd": 64,
+    "embed_dim": 64,  # Kosmos2 / Kosmos2.5 text models
     "intermediate_size": 128,
+    "ffn_dim": 128,  # OPT, XGLM, Kosmos2
     "ffn_hidden_size": 128,
     "n_inner": 128,
     "moe_intermediate_size": 32,
