@@ -14,7 +14,8 @@ torch.optim.AdamW(fused=True), labels = input ids (the model shifts them):
 Peers: hf_eager, torch_compile (torch.compile(model), or each decoder layer with --compile-mode
 layers), liger (rope, rms_norm, swiglu, fused_linear_cross_entropy), ours
 (autopatch.apply(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)),
-ours_compile (ours, then torch.compile).
+ours_compile (ours, then torch.compile), ours_keep_input (ours with the rules' memory trade-offs off:
+RMSNorm keeps its input, the gated MLP keeps act(gate)·up, as in session 1; for A/B of speed and memory).
 
 Per run: a few warm-up steps (they include compilation), then timed steps; tokens/s from the median
 step; peak = torch.cuda.max_memory_allocated over the timed steps (weights, AdamW state, activations:
@@ -63,7 +64,7 @@ MODELS = {
         "batch": 2, "seq": 32,
     },
 }
-PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile")
+PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile", "ours_keep_input")
 OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 
 
@@ -121,6 +122,12 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
     res["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     if peer.startswith("ours"):
         import autopatch
+
+        if peer == "ours_keep_input":  # A/B: the memory trade-offs of the rules off (norms keep x, MLPs keep h)
+            from autopatch.rules import glu_mlp, rms_norm
+
+            rms_norm.KEEP = "input"
+            glu_mlp.FUSE_DOWN_PROJ = False
 
         records = autopatch.apply(model, **OUR_TOGGLES)
         recs = [r.as_dict() if hasattr(r, "as_dict") else str(r) for r in (records or [])]
@@ -190,11 +197,12 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
 def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
     """Cheapest and most telling runs first, so a budget cut drops compile peers, not the baselines."""
     if tiny:
-        order = [("tiny_llama", p) for p in ("hf_eager", "ours", "liger")]
+        order = [("tiny_llama", p) for p in ("hf_eager", "ours", "liger", "ours_keep_input")]
     else:
         q, l = "qwen3_0.6b", "llama3_8b_4layers"
         order = [(q, "hf_eager"), (q, "ours"), (q, "liger"), (l, "hf_eager"), (l, "ours"), (l, "liger"),
-                 (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile")]
+                 (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile"),
+                 (q, "ours_keep_input"), (l, "ours_keep_input")]
     if models:
         order = [o for o in order if o[0] in models]
     if peers:

@@ -269,6 +269,9 @@ def _kernels():
 
 
 GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "gelu"}
+# Gate and down projection as one node (fused_kernels.glu_linear) where down_proj allows it.
+# scripts/bench_e2e.py's "ours_keep_input" peer turns it off to measure the difference.
+FUSE_DOWN_PROJ = True
 
 
 def _plain_linear(down, gate: torch.Tensor) -> bool:
@@ -324,7 +327,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             # float64 or mixed dtypes: the kernel does not take them; this is the probed formula
             return self.down_proj(getattr(self, act_attr)(gate) * up)
         down = self.down_proj
-        if _plain_linear(down, gate):
+        if FUSE_DOWN_PROJ and _plain_linear(down, gate):
             # One node for the gate and the down projection: the product is recomputed in the
             # backward instead of being kept alive by the Linear (tokens × intermediate per layer).
             return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind],

@@ -38,6 +38,10 @@ from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
 
 KERNEL = "rms_norm"
+# What the patched norms keep for the backward (fused_kernels.rms_norm's `keep`): "output" frees the
+# input whenever the next layer keeps the output anyway. scripts/bench_e2e.py's "ours_keep_input" peer
+# sets "input" to measure the difference.
+KEEP = "output"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel takes
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 
@@ -258,7 +262,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             out_dtype = x.dtype
         # keep="output": the backward works from y, which the next layer keeps anyway, so that x (a
         # residual-stream activation) is freed after the forward
-        out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting, keep="output")
+        out = fk.rms_norm(x, weight, getattr(self, eps_attr), offset, casting, keep=KEEP)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
