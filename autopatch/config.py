@@ -15,6 +15,10 @@ Variables (process environment, or lines of an env file):
                                           component falling back to the original code, is an error
     AUTOPATCH_RUN_KERNELS=list            what `autopatch run --kernels LIST` sets for itself and its
                                           children: the kernel set, beating FUSED_KERNELS and toggles
+    AUTOPATCH_RETURN_LOGITS=auto|true|false
+                                          in training with the fused linear cross entropy, also return
+                                          the logits (no grad; tokens x vocab memory): true, false, or
+                                          auto = when `trl` is loaded (its SFTTrainer reads them)
 
 Sources, strongest first: `autopatch run` flags (init keywords here), the process environment, the
 env file, the defaults (nothing on). Sources merge per variable, then the kernel set is computed:
@@ -51,7 +55,9 @@ SCALAR_VARIABLES: dict[str, str] = {
     "AUTOPATCH_ENV_FILE": "env_file",
     "AUTOPATCH_REPORT": "report",
     "AUTOPATCH_STRICT": "strict",
+    "AUTOPATCH_RETURN_LOGITS": "return_logits",
 }
+RETURN_LOGITS_CHOICES = ("auto", "true", "false")
 # Variables an env file may not set: they choose the file, or belong to `autopatch run`.
 NOT_IN_ENV_FILE = ("AUTOPATCH_ENV_FILE", "AUTOPATCH_RUN_KERNELS")
 FLAG_NAMES = {"run_kernels": "--kernels", "env_file": "--env-file", "report": "--report", "strict": "--strict"}
@@ -334,6 +340,7 @@ class Settings(BaseSettings):
     env_file: str | None = None  # the env file that was read
     report: str | None = None  # AUTOPATCH_REPORT
     strict: bool = False  # AUTOPATCH_STRICT
+    return_logits: str = "auto"  # AUTOPATCH_RETURN_LOGITS
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -408,6 +415,17 @@ class Settings(BaseSettings):
         except ValueError as exc:
             raise _BadValue(("strict",), str(exc)) from None
 
+    @field_validator("return_logits", mode="before")
+    @classmethod
+    def _return_logits(cls, value):
+        text = str(value).strip().lower()
+        if text == "auto":
+            return text
+        try:
+            return "true" if parse_bool(text) else "false"
+        except ValueError:
+            raise _BadValue(("return_logits",), f"expected auto, true or false, got {value!r}") from None
+
     @field_validator("report", mode="before")
     @classmethod
     def _report(cls, value):
@@ -463,6 +481,7 @@ class Settings(BaseSettings):
             "env_file": self.env_file,
             "report": self.report,
             "strict": self.strict,
+            "return_logits": self.return_logits,
         }
 
 

@@ -533,3 +533,45 @@ def test_gpu_bf16_loss_grads_and_memory(arch, kernels, device):
     logits_bytes = ids.numel() * cfg.vocab_size * 2
     print(f"{arch}: peak {ref_peak / 2**20:.0f} MiB -> {peak / 2**20:.0f} MiB (bf16 logits alone {logits_bytes / 2**20:.0f} MiB)")
     assert peak < ref_peak - logits_bytes, "the fused path should save at least one bf16 logits tensor"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: the softcap runs on the returned logits
+def test_return_logits_setting(arch, kernels, monkeypatch, capsys):
+    """AUTOPATCH_RETURN_LOGITS: "true" returns the real (no-grad) logits from a fused training call,
+    equal to the plain model's, with the same loss and gradients; "false" returns None; "auto" (the
+    default) returns them while `trl` is loaded (its SFTTrainer reads them), with one notice."""
+    monkeypatch.setattr(loss_runtime, "_noticed", set())  # notices are once per process
+    model = _build(arch)
+    ids, labels = _inputs()
+    ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    assert loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    for mode, trl_loaded, expect_logits in (("true", False, True), ("false", True, False),
+                                            ("auto", False, False), ("auto", True, True)):
+        monkeypatch.setattr(loss_runtime, "return_logits_mode", lambda mode=mode: mode)
+        if trl_loaded:
+            monkeypatch.setitem(__import__("sys").modules, "trl", types.ModuleType("trl"))
+        else:
+            monkeypatch.delitem(__import__("sys").modules, "trl", raising=False)
+        flce_before = _launches(kernels, "fused_linear_cross_entropy")
+        out, grads = _train_step(model, input_ids=ids, labels=labels)
+        what = f"{arch} AUTOPATCH_RETURN_LOGITS={mode} trl={'loaded' if trl_loaded else 'absent'}"
+        assert _launches(kernels, "fused_linear_cross_entropy") > flce_before, what
+        assert_close(out.loss, ref_out.loss, FP32, f"{what}: loss")
+        for pname, ref_grad in ref_grads.items():
+            assert_close(grads[pname], ref_grad, FP32, f"{what}: grad {pname}")
+        if expect_logits:
+            assert out.logits is not None and not out.logits.requires_grad, what
+            assert_close(out.logits, ref_out.logits, FP32, f"{what}: logits")
+        else:
+            assert out.logits is None, what
+    assert capsys.readouterr().err.count("trl is loaded") == 1
+
+
+def test_return_logits_variable_is_validated():
+    from autopatch.config import ConfigError, load_settings
+
+    assert load_settings({}).return_logits == "auto"
+    assert load_settings({"AUTOPATCH_RETURN_LOGITS": "1"}).return_logits == "true"
+    assert load_settings({"AUTOPATCH_RETURN_LOGITS": "OFF"}).return_logits == "false"
+    with pytest.raises(ConfigError, match="AUTOPATCH_RETURN_LOGITS.*auto, true or false"):
+        load_settings({"AUTOPATCH_RETURN_LOGITS": "sometimes"})

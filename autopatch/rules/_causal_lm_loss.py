@@ -20,8 +20,11 @@ architecture; no forward is copied):
     ForCausalLMLoss replaced by `fused_causal_lm_loss` when the cross_entropy kernel is on.
 
 In that fused case the output's `logits` is None (a tuple output loses that element): the full
-logits are exactly what the fused kernel avoids materialising. Eval, no labels, or no grad: the
-original forward runs untouched and returns the logits.
+logits are exactly what the fused kernel avoids materialising. With AUTOPATCH_RETURN_LOGITS=true (or
+auto, the default, while `trl` is loaded: TRL's SFTTrainer reads the logits in training) the stand-in
+returns the real lm_head output computed without a graph instead, the forward's own transformations run
+on it and the output keeps it; the loss and its gradients still come from the fused kernel. Eval, no
+labels, or no grad: the original forward runs untouched and returns the logits.
 
 Nothing here swaps attributes of instances except `_autopatch_flce_call`, a plain Python attribute set
 and cleared around the call, which torch.compile(fullgraph=True) traces as a side effect.
@@ -176,16 +179,21 @@ class LMHeadStandIn:
 
     def __call__(self, hidden_states):
         self._call.hidden_states = hidden_states
+        if self._call.keep_logits:
+            # the real logits, without a graph: the loss comes from the fused kernel all the same
+            with torch.no_grad():
+                return self._lm_head(hidden_states)
         return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
 
 
 class FusedLinearLossCall:
     """One forward call of a patched model that computes its loss with fused_linear_cross_entropy."""
 
-    def __init__(self, lm_head, logit_scale, softcap):
+    def __init__(self, lm_head, logit_scale, softcap, keep_logits=False):
         self.lm_head = lm_head
         self.logit_scale = logit_scale
         self.softcap = softcap
+        self.keep_logits = keep_logits  # the output carries the (no-grad) logits instead of None
         self.hidden_states = None
         self.stand_in_logits = None
         self.lm_head_stand_in = LMHeadStandIn(self, lm_head)
@@ -227,9 +235,9 @@ class FusedLinearLossCall:
         )
 
     def drop_logits(self, output):
-        """The forward's output without the stand-in logits (logits=None)."""
+        """The forward's output without the stand-in logits (logits=None), unless they are real."""
         stand_in = self.stand_in_logits
-        if stand_in is None:
+        if stand_in is None or self.keep_logits:
             return output
         if isinstance(output, tuple):
             return tuple(x for x in output if x is not stand_in)
@@ -320,7 +328,44 @@ def _start_fused_call(model, patch: LossPatch):
             "run as the model defines them",
         )
         return None
-    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1])
+    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], keep_logits=keep_logits())
+
+
+_mode_read: list[str] = []
+
+
+def return_logits_mode() -> str:
+    """AUTOPATCH_RETURN_LOGITS ("auto", "true" or "false"): from the settings the import hooks loaded,
+    else read once from the environment (autopatch.apply without the hooks)."""
+    from autopatch import hooks
+
+    settings = hooks.active_settings()
+    if settings is not None:
+        return settings.return_logits
+    if not _mode_read:
+        from autopatch.config import load_settings
+
+        _mode_read.append(load_settings().return_logits)
+    return _mode_read[0]
+
+
+def keep_logits() -> bool:
+    """Whether a fused training call also returns the logits: AUTOPATCH_RETURN_LOGITS=true, or auto
+    (the default) while `trl` is loaded: TRL's SFTTrainer reads outputs.logits for its entropy and
+    token-accuracy metrics and fails on None."""
+    mode = return_logits_mode()
+    if mode == "auto":
+        import sys
+
+        if "trl" not in sys.modules:
+            return False
+        _notice_once(
+            "fused_linear_cross_entropy",
+            "trl is loaded, so fused training calls also return the logits (no grad; tokens x vocab memory) "
+            "for TRL's entropy and token-accuracy metrics; AUTOPATCH_RETURN_LOGITS=false leaves them out",
+        )
+        return True
+    return mode == "true"
 
 
 _noticed: set[str] = set()
