@@ -120,12 +120,19 @@ def causal_lm_architectures() -> list[Architecture]:
     return found
 
 
+# Fields whose default None some modeling code reads as a number without deriving it (Ministral's
+# head_dim, Nemotron's num_key_value_heads, DeepSeek-V2's num_experts_per_tok): given the tiny value,
+# which equals what a derivation would give (hidden 64 / 4 heads = 16) or is a valid choice. Not
+# sliding_window and the like, where None means "off".
+FILL_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "topk_group", "n_group")
+
+
 def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
     default = config_cls()
     values = default.to_dict()
     kwargs: dict = {}
     for name, value in values.items():
-        if name in SHRINK and not isinstance(value, (dict, list)) and value is not None:
+        if name in SHRINK and not isinstance(value, (dict, list)) and (value is not None or name in FILL_NONE):
             kwargs[name] = SHRINK[name]
         elif ZERO.match(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
             kwargs[name] = type(value)(0)
