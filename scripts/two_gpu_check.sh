@@ -17,11 +17,14 @@
 #   ddp  bf16 patched via `autopatch run -m accelerate.commands.launch --multi_gpu` (if accelerate is there)
 #   fsdp bf16 patched with lm_head in a fully_shard unit of its own (the fused linear CE steps aside)
 #   ddp  fp32               plain | patched (tighter tolerance)
+#   fsdp fp32               plain | patched (only when asked: RUNS="... fsdp_fp32"; FSDP2's numerics
+#                           without bf16 rounding, to tell kernel differences from bf16 drift)
 # Output: $OUT/<run>.json (per run), $OUT/<run>.log, $OUT/compare_<run>.json, $OUT/two_gpu_summary.json,
 # $OUT/stack_gpu_tests.log; a compact summary is printed last. Exit 0 when every comparison and the tests
 # passed, 1 otherwise.
 #
 # Knobs: STEPS=50  TOTAL_BUDGET_S=470  RUN_CAP_S=150  RUNS="ddp fsdp tests accelerate fsdp_lm_head ddp_fp32"
+#        (also: fsdp_fp32)
 #        (a subset, any order; a second call can take the rest)  STACK_TESTS=1  TEST_BUDGET_S=120
 #        STACK_TESTS_K="second_gpu or device_map" (pytest -k; STACK_TESTS_K="" runs the convergence tests too)
 #        PYTHON=python3;  CPU_DRY_RUN=1: the same runs on the CPU (gloo, tiny model, kernels in Triton's
@@ -133,8 +136,10 @@ for run in $RUNS; do
                   compare fsdp_lm_head plain_fsdp patched_fsdp_lm_head ;;
     ddp_fp32) launch plain_ddp_fp32 plain --parallel ddp --dtype fp32; launch patched_ddp_fp32 patched --parallel ddp --dtype fp32
               compare ddp_fp32 plain_ddp_fp32 patched_ddp_fp32 ;;
+    fsdp_fp32) launch plain_fsdp_fp32 plain --parallel fsdp --dtype fp32; launch patched_fsdp_fp32 patched --parallel fsdp --dtype fp32
+               compare fsdp_fp32 plain_fsdp_fp32 patched_fsdp_fp32 ;;
     tests) [ "${STACK_TESTS:-1}" = 1 ] && stack_tests ;;
-    *) echo "[two_gpu] unknown run $run (valid: ddp fsdp tests accelerate fsdp_lm_head ddp_fp32)" ;;
+    *) echo "[two_gpu] unknown run $run (valid: ddp fsdp tests accelerate fsdp_lm_head ddp_fp32 fsdp_fp32)" ;;
   esac
 done
 
