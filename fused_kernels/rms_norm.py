@@ -786,11 +786,12 @@ _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _weight_without_zeros(weight: Optional[torch.Tensor], offset: float, casting_mode: str) -> bool:
     """Whether offset + weight (as the kernels form it) has no element equal to 0, so that the input
-    can be recovered from the output. Checked once per weight storage (one host sync on first use);
-    the answer is kept on the weight object. A weight None is 1 everywhere."""
+    can be recovered from the output. Checked once per weight object (one host sync on its first use)
+    and remembered on it: not per storage, since FSDP2 re-allocates an unsharded parameter's storage
+    every step and a sync per norm per step would stall training. A weight None is 1 everywhere."""
     if weight is None:
         return True
-    key = (weight.data_ptr(), weight.dtype, float(offset), casting_mode)
+    key = (weight.dtype, float(offset), casting_mode)
     if getattr(weight, "_fused_kernels_nonzero", None) == key:
         return True
     if weight.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -861,8 +862,9 @@ def rms_norm(
         recovers xhat = y / (offset + weight) (to within one rounding of y's dtype, ~2^-8 relative in
         bf16): the memory of x is freed whenever the next layer keeps y anyway (a Linear saves its
         input). Used only where y has x's dtype and offset + weight has no zero (checked once per
-        weight storage, one host sync); an element of the weight that becomes exactly 0 later would
-        get a zero gradient. Eager autograd only; under torch.compile the input is kept.
+        weight object, one host sync); an element of the weight that becomes exactly 0 later (or is
+        loaded as 0 into the same parameter) would get a zero gradient. Eager autograd only; under
+        torch.compile the input is kept.
 
     Eager calls run a torch.autograd.Function; under torch.compile the registered custom op
     (fused_kernels::rms_norm_fwd) is traced instead. Both launch the same kernels.
