@@ -20,6 +20,7 @@ import torch
 SHRINK: dict[str, object] = {
     "vocab_size": 256,
     "vocab_size_per_layer_input": 256,  # Gemma 3n / 4 per-layer embeddings (262144 x layers x 256 otherwise)
+    "num_kv_shared_layers": 0,  # Gemma 3n / 4: the last 15 of 35 layers reuse earlier KV; 4 layers cannot
     "hidden_size": 64,
     "d_model": 64,
     "n_embd": 64,
@@ -124,7 +125,8 @@ def causal_lm_architectures() -> list[Architecture]:
 # head_dim, Nemotron's num_key_value_heads, DeepSeek-V2's num_experts_per_tok): given the tiny value,
 # which equals what a derivation would give (hidden 64 / 4 heads = 16) or is a valid choice. Not
 # sliding_window and the like, where None means "off".
-FILL_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "topk_group", "n_group")
+FILL_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "topk_group", "n_group", "n_routed_experts",
+             "n_shared_experts")
 
 
 def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
