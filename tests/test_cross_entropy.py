@@ -544,3 +544,32 @@ def test_gpu_real_size(v):
               f"fwd+bwd {ms:.3f} ms (floor {floor_ms:.3f} ms), extra memory beyond the gradient "
               f"{extra / 2**20:.1f} MiB, grad rel err {err:.2e}")
     assert extra <= 16 * 2**20, f"{extra / 2**20:.1f} MiB beyond the gradient"
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_range_target_is_a_device_assert():
+    """On the GPU an out-of-range target makes a device-side assert (as torch's own cross entropy does),
+    with no host sync in the forward: the failure surfaces at the next synchronisation. In a child
+    process, since a device assert ends the CUDA context. In-range targets pass the same path."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    body = textwrap.dedent("""
+        import sys, torch, fused_kernels as fk
+        bad = len(sys.argv) > 1
+        logits = torch.randn(64, 1000, device="cuda", requires_grad=True)
+        target = torch.randint(0, 1000, (64,), device="cuda")
+        if bad:
+            target[7] = 1000
+        fk.cross_entropy(logits, target).backward()
+        torch.cuda.synchronize()
+        print("finished")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    good = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, env=env, timeout=300)
+    assert good.returncode == 0 and "finished" in good.stdout, good.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", body, "bad"], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "finished" not in bad.stdout, "an out-of-range target went through silently"
+    assert "device-side assert" in bad.stderr or "Assertion" in bad.stderr, bad.stderr[-2000:]
