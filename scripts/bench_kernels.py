@@ -13,8 +13,8 @@ peers in this process:
 
 Per peer and mode: median ms (bench_common.bench_ms), peak MiB beyond the inputs and the gradients the
 call leaves behind, for fwd+bwd also `gpu_ms` (the kernels' own durations summed, torch.profiler: the
-time with the host's launch overhead taken out), achieved GB/s (or TFLOP/s for FLCE) from the case's byte/FLOP floor, the fraction
-of the ceiling measured in this run, and the relative error of outputs and input gradients against
+time with the host's launch overhead taken out), achieved GB/s (or TFLOP/s for FLCE) from the
+case's byte/FLOP floor, the fraction of the ceiling measured in this run, and the relative error of outputs and input gradients against
 hf_eager (a peer computing something else shows up there, not only in its speed).
 
 Floors (issue 6): RMSNorm fwd 2 passes over x-sized tensors (read x, write y), bwd 3 (read x, dy;
@@ -392,26 +392,35 @@ def _floor_ms(floor, ceilings):
     return None
 
 
-def kernel_ms(fn, device, leaves, calls: int = 3):
-    """Sum of the CUDA kernels' durations in one fn() call (torch.profiler, `calls` calls averaged),
-    or None when the profiler is unavailable. Idle gaps between kernels are not counted."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
+def kernel_times(fn, device, leaves, calls: int = 3) -> dict:
+    """The CUDA kernels of one fn() call: name -> [µs, launches], averaged over `calls` calls under
+    torch.profiler (leaves' .grad cleared before each). Idle gaps between kernels are not counted."""
+    from torch.profiler import ProfilerActivity, profile
 
-        fn()
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            _clear_grads(leaves)
+            fn()
         sync(device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                _clear_grads(leaves)
-                fn()
-            sync(device)
-        total_us = 0.0
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                total_us += getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)
-        return total_us / calls / 1e3 if total_us > 0 else None
+    kernels: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(ev.name, [0.0, 0.0])
+            entry[0] += (getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)) / calls
+            entry[1] += 1 / calls
+    return kernels
+
+
+def kernel_ms(fn, device, leaves, calls: int = 3):
+    """Sum of the CUDA kernels' durations in one fn() call (see kernel_times), or None when the
+    profiler is unavailable or saw nothing."""
+    try:
+        total_us = sum(us for us, _ in kernel_times(fn, device, leaves, calls).values())
     except Exception:  # noqa: BLE001 - a diagnostic; the wall time stands on its own
         return None
+    return total_us / 1e3 if total_us > 0 else None
 
 
 def run_peer(case: Case, peer: str, device: torch.device, ceilings: dict, deadline: Deadline, ref: dict | None,

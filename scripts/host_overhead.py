@@ -15,24 +15,13 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import PEERS, _backward, cross_entropy_case, rms_norm_case, rope_case  # noqa: E402
-
-
-def per_call_us(fn, calls=300) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+from tune_common import host_us  # noqa: E402
 
 
 def main() -> int:
@@ -60,10 +49,10 @@ def main() -> int:
                 _backward(fn(*inp.args), inp.grad_out)
 
             with torch.no_grad():
-                f_us = per_call_us(fwd)
-            fb_us = per_call_us(fwdbwd)
+                f_us = host_us(fwd)
+            fb_us = host_us(fwdbwd)
             torch.autograd.set_multithreading_enabled(False)
-            fb1_us = per_call_us(fwdbwd)
+            fb1_us = host_us(fwdbwd)
             print(f"{case.name:28s} {peer:8s} fwd(no_grad) {f_us:6.1f} us  fwd+bwd {fb_us:6.1f} us  "
                   f"(single-threaded autograd {fb1_us:6.1f} us)", flush=True)
             if a.profile:

@@ -16,14 +16,13 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import bench_ms, free_memory  # noqa: E402
-from bench_kernels import PEERS, _backward, real_cases  # noqa: E402
+from bench_kernels import PEERS, _backward, kernel_times, real_cases  # noqa: E402
 
 
 def profile_one(case, peer: str, device, reps: int = 5) -> dict:
@@ -50,26 +49,13 @@ def profile_one(case, peer: str, device, reps: int = 5) -> dict:
         fwdbwd()
         host.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
-    kernels = defaultdict(lambda: [0.0, 0])
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(reps):
-            for t in leaves:
-                t.grad = None
-            fwdbwd()
-        torch.cuda.synchronize()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[ev.name[:90]]
-            k[0] += ev.device_time / reps if hasattr(ev, "device_time") else ev.cuda_time / reps
-            k[1] += 1
+    kernels = kernel_times(fwdbwd, device, leaves, calls=reps)
     gpu_us = sum(v[0] for v in kernels.values())
     del inp, leaves, go, args
     free_memory(device, full=True)
     return {
         "wall_ms": wall, "gpu_ms": gpu_us / 1e3, "host_us": sorted(host)[len(host) // 2],
-        "kernels": sorted(([n, round(v[0], 1), v[1] / reps] for n, v in kernels.items()), key=lambda r: -r[1]),
+        "kernels": sorted(([n[:90], round(us, 1), count] for n, (us, count) in kernels.items()), key=lambda r: -r[1]),
     }
 
 
