@@ -286,15 +286,26 @@ def _forward(op: str, gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.T
     return out
 
 
-def _backward(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int):
+def _backward(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int,
+              in_place: bool = False):
+    """(dgate, dup) in fresh buffers; with in_place, written over gate and up instead (whose values
+    the caller needs no more) where one launch can do that (`_writable_rows`). In place, the version
+    counters of gate and up are bumped, so a second backward through a graph that saved them
+    (retain_graph=True) fails loudly instead of reading gradients as activations."""
     _require_triton(op, dout, gate, up)
     count_launch(op)
     if dout.dtype != gate.dtype:
         dout = dout.to(gate.dtype)
-    dgate = _empty_output(gate.shape, gate)
-    dup = _empty_output(gate.shape, gate)
+    in_place = in_place and gate.numel() > 0 and _writable_rows(gate, up)
+    if in_place:
+        dgate, dup = gate, up
+    else:
+        dgate = _empty_output(gate.shape, gate)
+        dup = _empty_output(gate.shape, gate)
     if dgate.numel():
         _launch(_glu_bwd_kernel, "bwd", [dout, gate, up], [dgate, dup], act)
+    if in_place:
+        torch.autograd.graph.increment_version((gate, up))
     return dgate, dup
 
 
@@ -314,22 +325,6 @@ def _writable_rows(gate: torch.Tensor, up: torch.Tensor) -> bool:
         return True
     gap = abs(gate.storage_offset() - up.storage_offset())  # same storage: the halves of gate_up_proj
     return gap >= n_cols and (g2.shape[0] <= 1 or gap + n_cols <= g2.stride(0))
-
-
-def _backward_in_place(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int):
-    """dgate and dup written over gate and up, whose values the caller needs no more (no new
-    gate-sized buffers); falls back to fresh buffers for layouts one launch cannot write in place.
-    The version counters of gate and up are bumped, so a second backward through a graph that saved
-    them (retain_graph=True) fails loudly instead of reading gradients as activations."""
-    if not _writable_rows(gate, up) or gate.numel() == 0:
-        return _backward(op, dout, gate, up, act)
-    _require_triton(op, dout, gate, up)
-    count_launch(op)
-    if dout.dtype != gate.dtype:
-        dout = dout.to(gate.dtype)
-    _launch(_glu_bwd_kernel, "bwd", [dout, gate, up], [gate, up], act)
-    torch.autograd.graph.increment_version((gate, up))
-    return gate, up
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,12 +462,9 @@ class _GLULinearFunction(torch.autograd.Function):
         dgate = dup = None
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             dhidden = dout.matmul(weight)
-            if ctx.temporaries:
-                # gate and up die with this node: their buffers take the gradients (two fewer
-                # tokens × intermediate buffers at the backward's peak)
-                dgate, dup = _backward_in_place(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act)
-            else:
-                dgate, dup = _backward(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act)
+            # temporaries: gate and up die with this node, so their buffers take the gradients (two
+            # fewer tokens × intermediate buffers at the backward's peak)
+            dgate, dup = _backward(f"{ctx.op}_bwd", dhidden, gate, up, ctx.act, in_place=ctx.temporaries)
         return dgate, dup, dweight, dbias, None, None, None
 
 
