@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from autopatch import report
+from autopatch.rules import _probe
 from autopatch.rules._causal_lm_source import Transform
 
 CALL_ATTR = "_autopatch_flce_call"
@@ -245,18 +246,6 @@ class FusedLinearLossCall:
         return type(output)(**fields)
 
 
-def _plain_linear(module) -> bool:
-    """An nn.Linear whose call is exactly F.linear: no subclass forward (quantised, LoRA), no
-    instance-level forward (accelerate hooks), no module hooks (FSDP units, user hooks)."""
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and "forward" not in module.__dict__
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-    )
-
-
 def _labels_position(forward) -> int | None:
     """Index of `labels` in the positional arguments after self, or None."""
     try:
@@ -303,7 +292,7 @@ def _start_fused_call(model, patch: LossPatch):
     if patch.base_loss_property.fget(model) is not _original_causal_lm_loss():
         return None  # a user-set loss_function or a config loss_type other than ForCausalLM
     lm_head = model._modules.get("lm_head")
-    if not _plain_linear(lm_head):
+    if not _probe.plain_linear(lm_head):
         _notice_once(
             "fused_linear_cross_entropy",
             f"{type(model).__name__}.lm_head is not a plain nn.Linear here (a subclass, hooks, accelerate "

@@ -1,6 +1,7 @@
 """What the rules share for numerical detection: finding the classes a modeling module defines,
 building a tiny instance of a component (from plain sizes or from a tiny config of the module's own
-config class), random CPU inputs from a local generator, and comparing outputs.
+config class), random CPU inputs from a local generator, and comparing outputs; and the run-time
+checks the patched forwards share (same_state, plain_linear).
 
 Everything here runs while a user's program imports a modeling module, so it must be cheap
 (milliseconds), must not leave any trace in global state — the global RNG above all: building a
@@ -316,6 +317,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def describe_exc(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def plain_linear(module) -> bool:
+    """An nn.Linear whose call is exactly F.linear(x, weight, bias), so that a patched forward may use
+    its weight directly: no subclass forward (quantised, LoRA), no instance-level forward (accelerate
+    hooks), no module hooks (FSDP units, user hooks)."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and "forward" not in module.__dict__
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    )
 
 
 def dressed_forward(forward, original_forward, variant_text: str):

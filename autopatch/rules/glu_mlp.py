@@ -274,13 +274,14 @@ GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "
 FUSE_DOWN_PROJ = True
 
 
-def _plain_linear(down, gate: torch.Tensor) -> bool:
-    """Whether `down` may be replaced by a call of F.linear with its weight: an nn.Linear itself (not a
-    LoRA, quantized or FSDP-wrapped subclass), no hooks that would be skipped, plain tensors of gate's
-    dtype (no DTensor), and no autocast (which would recast the weight inside the Linear)."""
+def _fusable_down_proj(down, gate: torch.Tensor) -> bool:
+    """Whether `down` may be replaced by a call of F.linear with its weight: a plain nn.Linear
+    (_probe.plain_linear: no forward of its own, no hooks that would be skipped), no global module
+    hooks, plain tensors of gate's dtype (no DTensor), and no autocast (which would recast the weight
+    inside the Linear)."""
     from torch.nn.modules import module as _module
 
-    if type(down) is not nn.Linear or down._forward_hooks or down._forward_pre_hooks:
+    if not _probe.plain_linear(down):
         return False
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
@@ -327,7 +328,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             # float64 or mixed dtypes: the kernel does not take them; this is the probed formula
             return self.down_proj(getattr(self, act_attr)(gate) * up)
         down = self.down_proj
-        if FUSE_DOWN_PROJ and _plain_linear(down, gate):
+        if FUSE_DOWN_PROJ and _fusable_down_proj(down, gate):
             # One node for the gate and the down projection: the product is recomputed in the
             # backward instead of being kept alive by the Linear (tokens × intermediate per layer).
             return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind],
