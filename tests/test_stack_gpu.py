@@ -46,9 +46,9 @@ TOLERANCE = {  # precision -> (atol, rtol) per step, relative bound for paramete
 }
 # The schedule a real run would use (Trainer's defaults are similar: linear warm-up, decay, max_grad_norm
 # 1.0). With a constant lr 1e-3, no warm-up and no clipping, the loss spiked near step 35 and two fp32
-# runs of the *plain* model whose initial weights differ by 1e-6 (relative) were 1.1e-2 apart there (CPU,
-# /tmp experiment recorded in the session-2 closing note); with this schedule the same two runs stay
-# within 1.7e-5 for all 200 steps. Equality tests need a schedule on which rounding does not explode.
+# runs of the *plain* model whose initial weights differ by 1e-6 (relative) were 1.1e-2 apart there; with
+# this schedule the same two runs stay within 1.7e-5 for all 200 steps (CPU: scripts/schedule_sensitivity.py,
+# benchmarks/session2/schedule_sensitivity.txt). Equality tests need a schedule on which rounding does not explode.
 LR, WARMUP, CLIP = 1e-3, 20, 1.0
 
 
@@ -60,16 +60,16 @@ CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidde
               num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
-def small_llama(dtype=torch.float32, **overrides):
+def small_llama(dtype=torch.float32, device="cuda", **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{**CONFIG, **overrides})
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def learnable_batch(perm, generator, batch=8, seq=128, noise=0.1):
+def learnable_batch(perm, generator, batch=8, seq=128, noise=0.1, device="cuda"):
     """Token ids below perm.numel(): each follows perm[previous], except a `noise` fraction drawn at random."""
     n = perm.numel()
     rows = torch.empty(batch, seq, dtype=torch.long)
@@ -80,7 +80,7 @@ def learnable_batch(perm, generator, batch=8, seq=128, noise=0.1):
         rows[swap, t] = torch.randint(0, n, (int(swap.sum()),), generator=generator)
     labels = rows.clone()
     labels[:, :4] = -100  # a prompt that is not trained on
-    return rows.cuda(), labels.cuda()
+    return rows.to(device), labels.to(device)
 
 
 def train(model, precision: str) -> dict:
