@@ -81,7 +81,7 @@ def parse_args(argv=None):
 # Tables
 # ----------------------------------------------------------------------------------------------------
 
-KERNEL_PEER_ORDER = ("hf_eager", "torch_compile", "liger", "cutce", "cutce_exact", "ours")
+KERNEL_PEER_ORDER = ("hf_eager", "torch_compile", "liger", "cutce", "cutce_exact", "ours", "host_floor")
 
 
 def _cell(r: dict, mode: str) -> str:

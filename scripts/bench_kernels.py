@@ -10,6 +10,8 @@ peers in this process:
   cutce          cut_cross_entropy.linear_cross_entropy (FLCE only; default filter_eps="high", which
                  skips small gradient entries: approximate gradients), and cutce_exact (filter_eps=None)
   ours           fused_kernels.* (the functional API in DESIGN.md)
+  host_floor     not a peer: one autograd node launching one empty Triton kernel each way (_HostFloor);
+                 its wall time is what this host's Python costs any eager fused op, its GPU time ~0
 
 Per peer and mode: median ms (bench_common.bench_ms), peak MiB beyond the inputs and the gradients the
 call leaves behind, for fwd+bwd also `gpu_ms` (the kernels' own durations summed, torch.profiler: the
@@ -33,6 +35,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from bench_common import (
     Deadline,
@@ -168,6 +172,43 @@ def _peer_ours(op):
     raise KeyError(op)
 
 
+@triton.jit
+def _touch_kernel(ptr):
+    """Writes nothing (the mask is off): a launch through Triton's Python path, and no more."""
+    tl.store(ptr, 0.0, mask=tl.program_id(0) < 0)
+
+
+class _HostFloor(torch.autograd.Function):
+    """The least any eager fused op does: one autograd node, one Triton launch each way, empty outputs
+    of the right shapes. Its fwd+bwd time is this host's floor for every peer built that way (all of
+    ours and Liger's); a wall-time target below it cannot be met here, whatever the kernels do."""
+
+    @staticmethod
+    def forward(ctx, shapes_like, *inputs):
+        ctx.like = [(t.shape, t.dtype) if t.requires_grad else None for t in inputs]
+        outs = [torch.empty_like(t) for t in shapes_like] if shapes_like else [inputs[0].new_empty((), dtype=torch.float32)]
+        _touch_kernel[(1,)](outs[0])
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = [None if like is None else torch.empty(like[0], dtype=like[1], device=grads[0].device) for like in ctx.like]
+        _touch_kernel[(1,)](grads[0])
+        return (None, *out)
+
+
+def _peer_host_floor(op):
+    if op == "rms_norm":
+        return lambda x, w: _HostFloor.apply((x,), x, w)
+    if op == "rope":
+        return _rope_views(lambda q, k, cos, sin: _HostFloor.apply((q, k), q, k, cos, sin))
+    if op == "swiglu":
+        return lambda gate, up: _HostFloor.apply((gate,), gate, up)
+    if op == "cross_entropy":
+        return lambda logits, target: _HostFloor.apply((), logits, target)
+    raise KeyError(op)
+
+
 PEERS: dict[str, Callable[[str], Callable]] = {
     "hf_eager": _peer_hf_eager,
     "torch_compile": _peer_torch_compile,
@@ -175,8 +216,11 @@ PEERS: dict[str, Callable[[str], Callable]] = {
     "cutce": lambda op: _peer_cutce(op, exact=False),
     "cutce_exact": lambda op: _peer_cutce(op, exact=True),
     "ours": _peer_ours,
+    "host_floor": _peer_host_floor,
 }
-ELEMENTWISE_PEERS = ("hf_eager", "torch_compile", "liger", "ours")
+# host_floor is a yardstick, not a peer: it computes nothing and is left out of the ratios.
+ELEMENTWISE_PEERS = ("hf_eager", "torch_compile", "liger", "ours", "host_floor")
+NOT_A_PEER = ("host_floor",)
 FLCE_PEERS = ("hf_eager", "torch_compile", "liger", "cutce", "cutce_exact", "ours")
 
 
@@ -564,7 +608,7 @@ def _ratios(entry: dict) -> None:
     entry["best"] = {}
     for mode in entry["modes"]:
         times = {p: r["modes"][mode]["ms"] for p, r in entry["peers"].items()
-                 if r.get("status") == "ok" and "ms" in r.get("modes", {}).get(mode, {})}
+                 if r.get("status") == "ok" and "ms" in r.get("modes", {}).get(mode, {}) and p not in NOT_A_PEER}
         for p, t in times.items():
             others = [v for q, v in times.items() if q != p]
             if others:

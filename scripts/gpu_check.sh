@@ -22,6 +22,7 @@
 # Knobs (environment):
 #   TOTAL_BUDGET_S=480     wall-clock budget of the whole script (the device tool's limit is 600 s)
 #   GPU_TESTS=1            0 skips the tests (e.g. a second call that only runs the e2e part)
+#   GPU_TEST_K             pytest -k expression selecting some of the gpu tests (default: all)
 #   TEST_BUDGET_S=100      time box of the test run
 #   BENCH_PARTS=kernels,e2e
 #   BENCH_KERNEL_BUDGET_S, BENCH_E2E_BUDGET_S   default: what is left, split 55 % / 45 %
@@ -76,7 +77,7 @@ TEST_NOTE="not run (GPU_TESTS=0)"
 if [ "${GPU_TESTS:-1}" = "1" ]; then
   echo "== (c) gpu tests (time box ${TEST_BUDGET_S} s)"
   timeout --kill-after=10 "$TEST_BUDGET_S" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-    python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -q -m gpu tests -p no:cacheprovider ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   case $TEST_RC in
     0) TEST_NOTE="passed" ;;
