@@ -29,9 +29,10 @@ graph owns the buffers, and whether .grad is the buffer or a copy is up to AOTAu
 Kernel: one program per row, or (`per_sm` > 0) a persistent grid of per_sm·#SMs programs each taking
 rows pid, pid + P, ... A row of at most BLOCK classes is held whole in registers (read once, written
 once). A longer row is swept twice in BLOCK-wide blocks: first the online max / sum-exp in fp32 (plus
-z_y, Σz for label smoothing, the softcap tanh), then the gradient (softmax − onehot)·scale. The second
-read of a ≤ 512 KB row comes from L2 when rows in flight × row bytes stay well under the 50 MB L2,
-which is what the persistent grid and the L2 eviction hints are for. Bytes moved, 8192 × 128256
+z_y, Σz for label smoothing, the softcap tanh), then the gradient (softmax − onehot)·scale. The first
+sweep's last block stays in registers and the second sweep runs backwards from it, so what it
+re-reads was read most recently: the likeliest to come from L2 rather than HBM (with ~132 rows of
+256–512 KB in flight, the L2 of 50 MB holds only part of them; the eviction hints help too). Bytes moved, 8192 × 128256
 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
 floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
@@ -61,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
 
 __all__ = ["cross_entropy"]
 
@@ -74,7 +75,6 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
-    segment: int = 0  # > 0: the segmented kernel, one program per `segment` classes of a row (block unused)
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -239,24 +239,35 @@ def _ce_kernel(
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.full((), 0.0, tl.float32)
                 sumz = tl.full((), 0.0, tl.float32)
-                for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                n_blk = tl.cdiv(V, BLOCK)
+                last = (n_blk - 1) * BLOCK  # the last block (masked when BLOCK does not divide V)
+                for start in tl.range(0, last, BLOCK, num_stages=NUM_STAGES):
                     m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale, softcap, KEEP,
                                               False, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                if v_full < V:
-                    m, s, sumz = _stats_block(x_row + v_full, offs, V - v_full, m, s, sumz, logit_scale, softcap, KEEP,
-                                              True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                lse = m + tl.log(s)
+                # The last block stays in registers: the second sweep starts with it, reading nothing.
+                mask_l = offs < V - last
+                x_l = tl.load(x_row + last + offs, mask=mask_l, other=0.0, eviction_policy=DROP)
+                z_l = tl.where(mask_l, _capped(x_l, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+                m_new = tl.maximum(m, tl.max(z_l, 0))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z_l - m_ref), 0)
+                if HAS_LS:
+                    sumz += tl.sum(tl.where(mask_l, z_l, 0.0), 0)
+                lse = m_ref + tl.log(s)
                 tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
                     coef_p = coef * (1.0 + 2.0 * z_loss * lse)
                     coef_u = coef * label_smoothing * inv_v
                     coef_y = coef * (1.0 - label_smoothing)
-                    for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                    d_l = _dlogits(tl.exp(z_l - lse), z_l, offs, yc - last, coef_p, coef_u, coef_y, softcap,
+                                   HAS_SOFTCAP)
+                    tl.store(g_row + last + offs, d_l.to(grad_ptr.dtype.element_ty), mask=mask_l,
+                             eviction_policy=DROP)
+                    # Then backwards: the blocks read most recently are the likeliest to be still in L2.
+                    for i in tl.range(1, n_blk, num_stages=NUM_STAGES):
+                        start = last - i * BLOCK
                         _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p, coef_u,
                                     coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP)
-                    if v_full < V:
-                        _grad_block(x_row + v_full, g_row + v_full, offs, V - v_full, yc - v_full, lse, coef_p, coef_u,
-                                    coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP)
         else:
             tl.store(loss_ptr + row, 0.0)
             if WRITE_GRAD:
@@ -264,93 +275,6 @@ def _ce_kernel(
                 for start in range(0, V, BLOCK):
                     cols = start + offs
                     tl.store(g_row + cols, zero, mask=cols < V)
-
-
-@triton.jit
-def _ce_segment_kernel(
-    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr, stats_ptr, sync_ptr,
-    n_rows, V, n_seg, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr, PHASE: tl.constexpr,
-):
-    """One program per (row, segment of SEG classes); the segment stays in registers, so the logits
-    are read once. The row's segments exchange (max, Σexp, Σz) through stats_ptr (n_rows × n_seg × 4
-    fp32). PHASE 0 (GPU): publish, arrive on the row's counter (sync_ptr[1 + row]), spin until all
-    n_seg have arrived, then finish. Programs take their task from a ticket (sync_ptr[0]) in the order
-    they actually started, so a waiting program only waits on tasks already running or not yet
-    claimed while a program is free to claim them: no deadlock whatever the launch order, as long as
-    n_seg programs fit on the GPU at once (NSEG <= the SM count, checked on the host).
-    PHASE 1 publishes only and PHASE 2 finishes only (re-reading the segment): the same math in two
-    launches, for the interpreter (it runs programs one after another, a spin would never end).
-    The loss is written by the segment holding the target (it alone knows z_y)."""
-    if (PHASE == 0) and (NSEG > 1):
-        task = tl.atomic_add(sync_ptr, 1)
-    else:
-        task = tl.program_id(0)
-    row32 = task // n_seg
-    seg = task - row32 * n_seg
-    row = tl.cast(row32, tl.int64)
-    cols = seg * SEG + tl.arange(0, SEG)
-    mask = cols < V
-    y = tl.load(tgt_ptr + row).to(tl.int64)
-    kept = y != ignore_index
-    in_range = (y >= 0) & (y < V)
-    if seg == 0:
-        tl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
-    g_row = grad_ptr + row * grad_stride
-    if kept & in_range:
-        yc = y.to(tl.int32)
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
-        m = tl.max(z, 0)
-        m_ref = tl.where(m == float("-inf"), 0.0, m)  # a segment of -inf logits: Σ = 0, not NaN
-        e = tl.exp(z - m_ref)
-        s = tl.sum(e, 0)
-        zy = tl.sum(tl.where(cols == yc, z, 0.0), 0)
-        sumz = 0.0
-        if HAS_LS:
-            sumz = tl.sum(tl.where(mask, z, 0.0), 0)
-        if NSEG > 1:
-            slot = stats_ptr + (row * n_seg) * 4
-            if PHASE != 2:
-                tl.store(slot + seg * 4, m)
-                tl.store(slot + seg * 4 + 1, s)
-                tl.store(slot + seg * 4 + 2, sumz)
-            if PHASE == 0:
-                tl.debug_barrier()  # every thread's stats stores before the (one-thread) release
-                arrived = tl.atomic_add(sync_ptr + 1 + row, 1, sem="release") + 1
-                while arrived < n_seg:
-                    arrived = tl.atomic_add(sync_ptr + 1 + row, 0, sem="acquire")
-            if PHASE != 1:
-                k = tl.arange(0, NSEG)
-                kmask = k < n_seg
-                m_k = tl.load(slot + k * 4, mask=kmask, other=float("-inf"), cache_modifier=".cg")
-                s_k = tl.load(slot + k * 4 + 1, mask=kmask, other=0.0, cache_modifier=".cg")
-                m_all = tl.max(m_k, 0)
-                m_all_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-                lse = m_all_ref + tl.log(tl.sum(s_k * tl.exp(m_k - m_all_ref), 0))
-                if HAS_LS:
-                    sumz = tl.sum(tl.load(slot + k * 4 + 2, mask=kmask, other=0.0, cache_modifier=".cg"), 0)
-        else:
-            lse = m_ref + tl.log(s)
-        if PHASE != 1:
-            if (yc >= seg * SEG) & (yc < seg * SEG + SEG):
-                tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, 1.0 / V, label_smoothing, z_loss, HAS_LS))
-            if WRITE_GRAD:
-                coef = tl.load(coef_ptr)
-                if HAS_SCALE:
-                    coef = coef * logit_scale  # ∂z/∂x = s (times the softcap factor)
-                if HAS_ROW_SCALE:
-                    coef = coef * tl.load(row_scale_ptr + row)
-                p = e * tl.exp(m_ref - lse)
-                d = _dlogits(p, z, cols, yc, coef * (1.0 + 2.0 * z_loss * lse), coef * label_smoothing / V,
-                             coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
-                tl.store(g_row + cols, d.to(grad_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
-    elif PHASE != 1:
-        if seg == 0:
-            tl.store(loss_ptr + row, 0.0)
-        if WRITE_GRAD:
-            tl.store(g_row + cols, tl.zeros([SEG], dtype=grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -461,10 +385,6 @@ def launch_ce(
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
     cfg = launch_config(v)
-    if cfg.segment > 0:
-        _launch_segmented(cfg, x, target, grad, loss_rows, coef, row_scale, flag, ignore_index=ignore_index,
-                          label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale)
-        return
     block = min(cfg.block, triton.next_power_of_2(v))
     hints = cfg.l2_hints and v > block  # a row held whole is read once: nothing to keep in L2
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
@@ -479,36 +399,6 @@ def launch_ce(
             BLOCK=block, NUM_STAGES=cfg.stages, KEEP="evict_last" if hints else "",
             DROP="evict_first" if hints else "", num_warps=cfg.warps,
         )
-
-
-def _launch_segmented(cfg: LaunchConfig, x, target, grad, loss_rows, coef, row_scale, flag, *, ignore_index,
-                      label_smoothing, z_loss, softcap, logit_scale) -> None:
-    """launch_ce with _ce_segment_kernel: n_seg = ⌈V / segment⌉ programs per row. On a GPU one launch
-    whose programs meet per row (needs n_seg programs resident at once: at most one per SM is
-    assumed); under the interpreter, or with more segments than SMs, two launches (publish, finish)
-    that read each segment twice."""
-    n, v = x.shape
-    seg = min(cfg.segment, triton.next_power_of_2(v))
-    n_seg = triton.cdiv(v, seg)
-    g = grad if grad is not None else x  # never written when WRITE_GRAD is False
-    rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
-    stats = sync = flag  # placeholders, never touched with one segment
-    if n_seg > 1:
-        stats = torch.empty((n * n_seg * 4,), dtype=torch.float32, device=x.device)
-    sms = _sm_count(x.device)
-    one_launch = n_seg == 1 or (x.is_cuda and not interpreter_on() and sms is not None and n_seg <= sms)
-    if one_launch and n_seg > 1:
-        sync = torch.zeros((n + 1,), dtype=torch.int32, device=x.device)  # ticket, per-row arrivals
-    with _device_guard(x):
-        for phase in (0,) if one_launch else (1, 2):
-            _ce_segment_kernel[(n * n_seg,)](
-                x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag, stats, sync,
-                n, v, n_seg, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
-                float(label_smoothing), float(z_loss),
-                HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
-                HAS_ROW_SCALE=row_scale is not None, WRITE_GRAD=grad is not None, SEG=seg,
-                NSEG=triton.next_power_of_2(n_seg), PHASE=phase, num_warps=cfg.warps,
-            )
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:

@@ -58,10 +58,6 @@ LAUNCHES = {
     "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
     "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
     "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
-    # Segmented kernel: 64-class segments (V = 257: five, the last masked) exchanging row stats; on the CPU
-    # in two launches. A 512-class segment holds the row whole (one launch, no exchange).
-    "segments": dict(force=ce.LaunchConfig(block=0, warps=4, per_sm=0, segment=64)),
-    "one_segment": dict(force=ce.LaunchConfig(block=0, warps=4, per_sm=0, segment=512)),
 }
 
 
@@ -223,7 +219,7 @@ def test_matches_reference(n, v, dtype, reduction, ignore, ignore_index, ls, zl,
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @given(
     n=st.integers(1, 7),
-    v=st.sampled_from([64, 100, 257]),
+    v=st.sampled_from([64, 100, 192, 257]),
     dtype=st.sampled_from(DTYPES),
     reduction=st.sampled_from(ce.REDUCTIONS),
     ignore=st.sampled_from(["none", "some"]),
@@ -233,8 +229,9 @@ def test_matches_reference(n, v, dtype, reduction, ignore, ignore_index, ls, zl,
     seed=st.integers(0, 2**31 - 1),
 )
 def test_launch_shapes_match_reference(launch, n, v, dtype, reduction, ignore, ls, zl, softcap, seed):
-    """Every launch shape: rows held whole, swept in blocks (V = 64: full blocks only; 100, 257: a
-    masked tail), several rows per program, pipelined loops and eviction hints."""
+    """Every launch shape: rows held whole, swept in blocks (V = 64: one block; 192: three full blocks,
+    the last held in registers; 100, 257: a masked last block), several rows per program, pipelined
+    loops and eviction hints."""
     with ce_config(**LAUNCHES[launch]):
         check_against_reference((n,), v, dtype, reduction, ignore, -100, ls, zl, softcap, None, "random",
                                 "contiguous", seed)
@@ -262,7 +259,7 @@ def test_launch_table_and_grid():
 
 def test_large_logits_and_minus_inf():
     """Logits of ±1e4 (exp overflows without the max shift) and a block of -inf logits."""
-    for name in ("whole_row", "blocks", "persistent", "segments"):
+    for name in ("whole_row", "blocks", "persistent"):
         with ce_config(**LAUNCHES[name]):
             x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 1e4
             x[1, 64:128] = float("-inf")
@@ -510,19 +507,8 @@ def _grad_rel_err(grad, ref_chunks, rows=1024):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", ["table", "segmented"])
 @pytest.mark.parametrize("v", [128256, 32000, 262144])
-def test_gpu_real_size(v, launch):
-    """The table's launch shape, and the segmented kernel forced (its one-launch path, where a row's
-    programs meet through atomics, runs only on a GPU)."""
-    import triton.testing
-
-    force = ce.LaunchConfig(block=0, warps=4, per_sm=0, segment=4096) if launch == "segmented" else None
-    with ce_config(force=force):
-        _gpu_real_size(v)
-
-
-def _gpu_real_size(v):
+def test_gpu_real_size(v):
     import triton.testing
 
     torch.manual_seed(0)
