@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps before the cosine decay")
     p.add_argument("--max-seconds", type=float, default=240.0, help="stop training after this long (all ranks agree)")
+    p.add_argument("--perturb", type=float, default=0.0,
+                   help="multiply every initial weight by (1 + perturb * N(0, 1)), fixed noise (the control run)")
     p.add_argument("--out", help="JSON written by rank 0")
     p.add_argument("--compare", nargs=2, metavar=("PLAIN", "PATCHED"), help="compare two JSON results and exit")
     p.add_argument("--rtol", type=float, default=None, help="--compare: per-step loss tolerance |a-b| <= atol + rtol*|a| "
@@ -167,6 +169,14 @@ def train(args) -> int:
     size = SIZES[args.size]
 
     model = build_model(args.size)
+    if args.perturb:
+        # The control: the same plain training from weights moved by `perturb` (relative, fixed noise).
+        # How far that moves the loss curve is the training's own sensitivity, the floor under which
+        # no comparison of two runs can say anything.
+        noise = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(1.0 + args.perturb * torch.randn(param.shape, generator=noise))
     train_model, inner = wrap(model, args, device)
     train_model.train()
     optimizer = torch.optim.AdamW(train_model.parameters(), lr=args.lr, weight_decay=0.0)

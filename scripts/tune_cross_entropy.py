@@ -215,17 +215,27 @@ def flce_section(h: int = 4096, v: int = 128256, n: int = 8192) -> None:
     # goes beyond three full-size GEMMs.
     with torch.no_grad():
         grad_w = torch.zeros_like(weight)
-        for rows in ((768, 2048) if not SMOKE else (4,)):
+        for rows in ((768, 1024, 2048) if not SMOKE else (4,)):
             h_c = hidden[:rows]
             buf = torch.empty(rows, v, device=DEVICE, dtype=torch.bfloat16)
             dh = torch.empty(rows, h, device=DEVICE, dtype=torch.bfloat16)
             scale = n / rows
             t_logits = event_ms(lambda: torch.mm(h_c, weight.t(), out=buf), reps=5) * scale
+            buf_t = torch.empty(v, rows, device=DEVICE, dtype=torch.bfloat16)
+            t_logits_t = event_ms(lambda: torch.mm(weight, h_c.t(), out=buf_t), reps=5) * scale
+            del buf_t
             buf.normal_().mul_(1e-4)
             t_dh = event_ms(lambda: torch.mm(buf, weight, out=dh), reps=5) * scale
+            splits = {}
+            for k in (2, 4):  # split-K over the vocabulary as a strided batched GEMM (more output tiles)
+                if v % k == 0:
+                    g3 = buf.view(rows, k, v // k).transpose(0, 1)
+                    w3 = weight.view(k, v // k, h)
+                    splits[k] = event_ms(lambda: torch.bmm(g3, w3).sum(0, dtype=torch.float32).to(dh.dtype), reps=5) * scale
             t_dw = event_ms(lambda: grad_w.addmm_(buf.t(), h_c), reps=5) * scale
-            print(f"  GEMMs at chunk rows {rows}: logits {t_logits:.2f}, grad_hidden {t_dh:.2f}, grad_weight (addmm) "
-                  f"{t_dw:.2f} ms; sum {t_logits + t_dh + t_dw:.2f} ms")
+            print(f"  GEMMs at chunk rows {rows}: logits {t_logits:.2f} (as W h^T: {t_logits_t:.2f}), grad_hidden "
+                  f"{t_dh:.2f} (split-K bmm: {', '.join(f'{k}: {t:.2f}' for k, t in splits.items())}), grad_weight "
+                  f"(addmm) {t_dw:.2f} ms; sum {t_logits + t_dh + t_dw:.2f} ms", flush=True)
             del buf, dh
         del grad_w
 
