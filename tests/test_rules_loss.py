@@ -387,6 +387,33 @@ def test_lm_head_with_hooks_keeps_original_path(kernels, capsys, monkeypatch):
     assert "lm_head is not a plain nn.Linear" in capsys.readouterr().err
 
 
+def test_global_module_hook_keeps_original_lm_head_path(kernels, capsys, monkeypatch):
+    """A global forward hook (nn.modules.module.register_module_forward_hook, as profilers and
+    activation loggers use) must see lm_head's call too: the fused path, which skips that call, is
+    not taken while one is registered, and is taken again once it is removed."""
+    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    model = _build("llama")
+    ids, labels = _inputs()
+    ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda mod, args, out: seen.append(type(mod).__name__) if mod is model.lm_head else None)
+    try:
+        flce = _launches(kernels, "fused_linear_cross_entropy")
+        out, grads = _train_step(model, input_ids=ids, labels=labels)
+        assert _launches(kernels, "fused_linear_cross_entropy") == flce
+    finally:
+        handle.remove()
+    assert seen == ["Linear"] and out.logits is not None
+    assert_close(out.loss, ref.loss, FP32, "global-hook loss")
+    for pname, ref_grad in ref_grads.items():
+        assert_close(grads[pname], ref_grad, FP32, f"global-hook grad {pname}")
+    assert "lm_head is not a plain nn.Linear" in capsys.readouterr().err
+    _train_step(model, input_ids=ids, labels=labels)
+    assert _launches(kernels, "fused_linear_cross_entropy") > flce  # the fused path again
+
+
 # ---------------------------------------------------------------------------------------------
 # the source analysis on forwards written here (every branch of the table)
 

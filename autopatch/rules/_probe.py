@@ -21,6 +21,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks  # the global module hooks
 
 # Sizes of the probe components. Distinct numbers, so that a wrong axis or a swapped pair of
 # projections shows up as a shape error or a numerical mismatch rather than passing by accident.
@@ -322,13 +323,16 @@ def describe_exc(exc: BaseException) -> str:
 def plain_linear(module) -> bool:
     """An nn.Linear whose call is exactly F.linear(x, weight, bias), so that a patched forward may use
     its weight directly: no subclass forward (quantised, LoRA), no instance-level forward (accelerate
-    hooks), no module hooks (FSDP units, user hooks)."""
+    hooks), no module hooks (FSDP units, user hooks) and no global module hooks
+    (nn.modules.module.register_module_forward_hook: they would see every call but this one)."""
     return (
         isinstance(module, nn.Linear)
         and type(module).forward is nn.Linear.forward
         and "forward" not in module.__dict__
         and not module._forward_hooks
         and not module._forward_pre_hooks
+        and not _module_hooks._global_forward_hooks
+        and not _module_hooks._global_forward_pre_hooks
     )
 
 
