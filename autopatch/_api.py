@@ -120,6 +120,8 @@ def apply(model, **toggles) -> list:
     if settings.strict:
         refused = report.refusals(records, enabled)
         if refused:
-            why = "; ".join(f"{r.kernel} left {r.module}.{r.target} alone: {r.reason}" for r in refused)
-            raise report.StrictModeError(f"autopatch (AUTOPATCH_STRICT): {why}")
+            toggles_off = ", ".join(f"{k}=False" for k in report.refused_kernels(refused))
+            where = ", ".join(dict.fromkeys(r.module for r in refused))
+            raise report.StrictModeError("autopatch " + report.strict_refusal_message(
+                where, refused, f"Turn those kernels off in the call (autopatch.apply(model, {toggles_off}))"))
     return records

@@ -172,12 +172,10 @@ def patch_modeling_module(module, settings, *, quiet: bool = False) -> list:
     if settings.strict:
         refused = report.refusals(records, enabled)
         if refused:
-            why = "; ".join(f"{r.kernel} left {r.target} alone: {r.reason or 'no reason given'}" for r in refused)
-            override = f"AUTOPATCH_MODELS__{types[0]}__{refused[0].kernel.upper()}=false"
-            _stop(
-                f"AUTOPATCH_STRICT: {module.__name__}: {why}. Turn that kernel off for this model "
-                f"({override}) or unset AUTOPATCH_STRICT.",
-            )
+            overrides = " ".join(f"AUTOPATCH_MODELS__{types[0]}__{k.upper()}=false"
+                                 for k in report.refused_kernels(refused))
+            _stop(report.strict_refusal_message(
+                module.__name__, refused, f"Turn those kernels off for this model ({overrides})"))
     return records
 
 

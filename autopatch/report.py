@@ -103,6 +103,18 @@ def refusals(records, enabled) -> list[Record]:
     return out
 
 
+def strict_refusal_message(where: str, refused, fix: str) -> str:
+    """The error strict mode stops with when candidates were left alone: what, where, why, and the
+    way out (`fix`, e.g. the per-model override that turns those kernels off)."""
+    why = "; ".join(f"{r.kernel} left {r.target} alone: {r.reason or 'no reason given'}" for r in refused)
+    return f"AUTOPATCH_STRICT: {where}: {why}. {fix}, or unset AUTOPATCH_STRICT."
+
+
+def refused_kernels(refused) -> list[str]:
+    """The kernel names of refusal records, each once, in order (a rule that raised names itself)."""
+    return list(dict.fromkeys(r.kernel for r in refused))
+
+
 # --------------------------------------------------------------------------- one stderr line
 def _short_module(module: str) -> str:
     return module.rsplit(".", 1)[-1]

@@ -171,8 +171,9 @@ def test_apply_strict_raises_on_refusal(fake_world, monkeypatch):
     rule.refuse = True
     assert _api.apply(modeling.FakeModel())[0].patched is False  # not strict: recorded, no error
     monkeypatch.setattr(hooks, "_settings", load_settings({"AUTOPATCH_STRICT": "true"}))
-    with pytest.raises(report.StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched"):
+    with pytest.raises(report.StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched") as err:
         _api.apply(modeling.FakeModel())
+    assert "autopatch.apply(model, rms_norm=False)" in str(err.value)  # the way out
 
 
 # --------------------------------------------------------------------------- hooks' helpers
