@@ -61,11 +61,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
+from fused_kernels._jit import for_store
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
 
 __all__ = ["cross_entropy"]
 
 REDUCTIONS = ("mean", "sum", "none")
+# How triton.jit built the kernels (it reads TRITON_INTERPRET once, when triton is imported): under the
+# interpreter, bf16 stores are rounded to nearest even first, as the GPU's casts do (fused_kernels._jit).
+_INTERPRETED = interpreter_on()
 
 
 class LaunchConfig(NamedTuple):
@@ -166,7 +170,7 @@ def _stats_block(x_blk, offs, lim, m, s, sumz, logit_scale, softcap, EVICT: tl.c
 @triton.jit
 def _grad_block(x_blk, g_blk, offs, lim, y_rel, lse, coef_p, coef_u, coef_y, logit_scale, softcap,
                 LOAD_EVICT: tl.constexpr, STORE_EVICT: tl.constexpr, MASKED: tl.constexpr,
-                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EXACT_BF16: tl.constexpr):
     """One block of the second sweep: re-read the logits, write the gradient (y_rel: the target's
     position within the block, outside [0, BLOCK) when it lies elsewhere)."""
     if MASKED:
@@ -176,10 +180,11 @@ def _grad_block(x_blk, g_blk, offs, lim, y_rel, lse, coef_p, coef_u, coef_y, log
         x = tl.load(x_blk + offs, eviction_policy=LOAD_EVICT)
     z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
     d = _dlogits(tl.exp(z - lse), z, offs, y_rel, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+    d = for_store(d, g_blk.dtype.element_ty, EXACT_BF16).to(g_blk.dtype.element_ty)
     if MASKED:
-        tl.store(g_blk + offs, d.to(g_blk.dtype.element_ty), mask=mask, eviction_policy=STORE_EVICT)
+        tl.store(g_blk + offs, d, mask=mask, eviction_policy=STORE_EVICT)
     else:
-        tl.store(g_blk + offs, d.to(g_blk.dtype.element_ty), eviction_policy=STORE_EVICT)
+        tl.store(g_blk + offs, d, eviction_policy=STORE_EVICT)
 
 
 @triton.jit
@@ -188,7 +193,7 @@ def _ce_kernel(
     n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
     WRITE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    KEEP: tl.constexpr, DROP: tl.constexpr,
+    KEEP: tl.constexpr, DROP: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
     """Rows pid, pid + P, ... (P programs): loss_i into loss_ptr[row]; coef·row_scale_i·∂loss_i/∂x
     into the gradient row. KEEP / DROP: eviction policies ("" for none) of the first sweep's loads and
@@ -231,7 +236,8 @@ def _ce_kernel(
                 if WRITE_GRAD:
                     d = _dlogits(e * (1.0 / s), z, offs, yc, coef * (1.0 + 2.0 * z_loss * lse),
                                  coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
-                    tl.store(g_row + offs, d.to(grad_ptr.dtype.element_ty), mask=mask, eviction_policy=DROP)
+                    d = for_store(d, grad_ptr.dtype.element_ty, EXACT_BF16).to(grad_ptr.dtype.element_ty)
+                    tl.store(g_row + offs, d, mask=mask, eviction_policy=DROP)
             else:
                 # z_y first: with the gradient written in place over the logits it would be gone.
                 zy = _capped(tl.load(x_row + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
@@ -252,10 +258,10 @@ def _ce_kernel(
                     coef_y = coef * (1.0 - label_smoothing)
                     for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
                         _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p, coef_u,
-                                    coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP)
+                                    coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP, EXACT_BF16)
                     if v_full < V:
                         _grad_block(x_row + v_full, g_row + v_full, offs, V - v_full, yc - v_full, lse, coef_p, coef_u,
-                                    coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP)
+                                    coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP, EXACT_BF16)
         else:
             tl.store(loss_ptr + row, 0.0)
             if WRITE_GRAD:
@@ -267,7 +273,7 @@ def _ce_kernel(
 
 @triton.jit
 def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
-                  PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+                  PER_ROW: tl.constexpr, BLOCK: tl.constexpr, EXACT_BF16: tl.constexpr):
     """t *= g in place over a contiguous tensor, g a scalar or one value per row of row_len elements.
     Blocks where g is exactly 1.0 are not touched (no memory traffic when the upstream grad is 1)."""
     pid = tl.program_id(0)
@@ -282,7 +288,7 @@ def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
                 mask = cols < row_len
                 ptr = t_ptr + tl.cast(row, tl.int64) * row_len + cols
                 v = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * g
-                tl.store(ptr, v.to(t_ptr.dtype.element_ty), mask=mask)
+                tl.store(ptr, for_store(v, t_ptr.dtype.element_ty, EXACT_BF16).to(t_ptr.dtype.element_ty), mask=mask)
     else:
         g = tl.load(g_ptr)
         if g != 1.0:
@@ -290,7 +296,7 @@ def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
                 idx = tl.cast(blk, tl.int64) * BLOCK + offs
                 mask = idx < row_len
                 v = tl.load(t_ptr + idx, mask=mask, other=0.0).to(tl.float32) * g
-                tl.store(t_ptr + idx, v.to(t_ptr.dtype.element_ty), mask=mask)
+                tl.store(t_ptr + idx, for_store(v, t_ptr.dtype.element_ty, EXACT_BF16).to(t_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +391,7 @@ def launch_ce(
             HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
             HAS_ROW_SCALE=row_scale is not None, WRITE_GRAD=grad is not None, SINGLE_BLOCK=v <= block,
             BLOCK=block, NUM_STAGES=cfg.stages, KEEP="evict_last" if hints else "",
-            DROP="evict_first" if hints else "", num_warps=cfg.warps,
+            DROP="evict_first" if hints else "", EXACT_BF16=_INTERPRETED, num_warps=cfg.warps,
         )
 
 
@@ -407,7 +413,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
     cap = 8 * _sm_count(t.device) if t.is_cuda else 16
     with _device_guard(t):
         _scale_kernel[(min(n_blocks, cap),)](t, g, row_len, per, n_blocks, PER_ROW=per_row, BLOCK=block,
-                                             num_warps=8)
+                                             EXACT_BF16=_INTERPRETED, num_warps=8)
 
 
 def grad_coef(target: torch.Tensor, ignore_index: int, reduction: str, divisor: Optional[torch.Tensor],

@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._jit import for_store, rounded
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -317,41 +318,13 @@ def _next_pow2(n: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bf16_rtne(v):
-    """fp32 values rounded to the nearest bf16 (ties to even), kept as fp32. The CPU interpreter
-    truncates on fp32 -> bf16 casts where the GPU rounds to nearest even; this bit-exact version is
-    used under the interpreter so that CPU tests see the GPU's roundings."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rounded(v, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """fp32 values rounded to DTYPE and back: the intermediate cast of a casting mode."""
-    if EXACT_BF16 and DTYPE == tl.bfloat16:
-        out = _bf16_rtne(v)
-    else:
-        out = v.to(DTYPE).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _for_store(v, DTYPE: tl.constexpr, EXACT_BF16: tl.constexpr):
-    """Values about to be stored to a DTYPE buffer; only the interpreter needs them pre-rounded."""
-    if EXACT_BF16 and DTYPE == tl.bfloat16:
-        v = _bf16_rtne(v)
-    return v
-
-
-@triton.jit
 def _effective_weight(W, cols, col_mask, offset, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                       EXACT_BF16: tl.constexpr):
     """offset + weight as fp32 values; "llama" rounds the sum to weight.dtype first, as torch does."""
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         if CASTING == 0:
-            w = _rounded(w, W.dtype.element_ty, EXACT_BF16)
+            w = rounded(w, W.dtype.element_ty, EXACT_BF16)
     else:
         w = tl.full(cols.shape, 1.0, tl.float32)
     return w
@@ -364,7 +337,7 @@ def _normalised_output(x, rstd, w_eff, X, CASTING: tl.constexpr, HAS_WEIGHT: tl.
     xhat = x * rstd[:, None]
     if HAS_WEIGHT:
         if CASTING == 0:
-            xhat = _rounded(xhat, X.dtype.element_ty, EXACT_BF16)
+            xhat = rounded(xhat, X.dtype.element_ty, EXACT_BF16)
         xhat = xhat * w_eff[None, :]
     return xhat
 
@@ -399,7 +372,7 @@ def _rms_norm_fwd_kernel(
             x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
             y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
-            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16),
+            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], for_store(y, Y.dtype.element_ty, EXACT_BF16),
                      mask=mask)
             tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
@@ -426,7 +399,7 @@ def _rms_norm_fwd_kernel(
                 x = x.to(tl.float32)
                 w_eff = _effective_weight(W, c, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
                 y = _normalised_output(x, rstd, w_eff, X, CASTING, HAS_WEIGHT, EXACT_BF16)
-                tl.store(y_rows + c[None, :], _for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+                tl.store(y_rows + c[None, :], for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
             tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
@@ -445,8 +418,8 @@ def _grad_terms(x, dy, rstd, w_eff, X, CASTING: tl.constexpr, EXACT_BF16: tl.con
     h = xhat
     if CASTING == 0:
         # autograd hands the gradient of round_x(xhat) back in x.dtype; dw sees the rounded xhat.
-        g = _rounded(g, X.dtype.element_ty, EXACT_BF16)
-        h = _rounded(xhat, X.dtype.element_ty, EXACT_BF16)
+        g = rounded(g, X.dtype.element_ty, EXACT_BF16)
+        h = rounded(xhat, X.dtype.element_ty, EXACT_BF16)
     return xhat, g, h
 
 
@@ -486,7 +459,7 @@ def _rms_norm_bwd_kernel(
             xhat, g, h = _grad_terms(x, dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
             c = tl.sum(g * xhat, axis=1) / n_cols
             dx = rstd[:, None] * (g - xhat * c[:, None])
-            dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
+            dx = for_store(dx, DX.dtype.element_ty, EXACT_BF16)
             tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], dx, mask=mask)
             if COMPUTE_DW:
                 dw_acc += dy * h
@@ -524,7 +497,7 @@ def _rms_norm_bwd_kernel(
                 w_eff = _effective_weight(W, c_idx, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
                 xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
                 dx = rstd[:, None] * (g - xhat * c[:, None])
-                dx = _for_store(dx, DX.dtype.element_ty, EXACT_BF16)
+                dx = for_store(dx, DX.dtype.element_ty, EXACT_BF16)
                 tl.store(DX + rows64[:, None] * stride_dx + c_idx[None, :], dx, mask=mask)
                 if COMPUTE_DW:
                     not_first = (c_idx * 0 + tile) != pid  # elementwise: a scalar mask fails in the interpreter

@@ -2,7 +2,7 @@
 per autotuning candidate, registers per thread, spills and shared memory, so that a candidate that
 spills or cannot fit is seen before the lead's GPU run.
 
-    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|all] [--cols 4096,1024] [--dtype bf16]
+    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|cross_entropy|all] [--cols 4096,1024] [--dtype bf16]
 
 Triton's own compiler and the ptxas it ships do the work; nothing runs. Registers are what decide how
 many programs share an SM (65536 per SM), which rms_norm's persistent backward grid is sized from
@@ -65,6 +65,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
                 flags = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, **cfg.kwargs)
                 if backward:
                     flags["COMPUTE_DW"] = True
+                    flags["FROM_OUTPUT"] = False
                 kernel = rms._rms_norm_bwd_kernel if backward else rms._rms_norm_fwd_kernel
                 sig = bwd_sig if backward else fwd_sig
                 aligned = [k for k, v in sig.items() if v.startswith("*")]
@@ -92,9 +93,30 @@ def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
                 yield label, rope._rope_kernel, sig, flags, aligned, cfg.num_warps, 3, 0
 
 
+def cross_entropy_cases(vocabs: list[int], dtype: str):
+    """The cross-entropy kernel with the launch table's shape for each V, writing the gradient."""
+    ce = importlib.import_module("fused_kernels.cross_entropy")
+    sig = {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
+           "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
+           "V": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
+           "z_loss": "fp32"}
+    aligned = [k for k in sig if k.endswith("_ptr")]
+    for v in vocabs:
+        cfg = ce.launch_config(v)
+        block = min(cfg.block, triton.next_power_of_2(v))
+        hints = cfg.l2_hints and v > block
+        for softcap in (False, True):
+            flags = dict(HAS_SCALE=False, HAS_SOFTCAP=softcap, HAS_LS=softcap, HAS_ROW_SCALE=False, WRITE_GRAD=True,
+                         SINGLE_BLOCK=v <= block, BLOCK=block, NUM_STAGES=cfg.stages,
+                         KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=False)
+            label = f"cross_entropy V={v} softcap/label smoothing {softcap} {cfg}"
+            yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=("rms_norm", "rope", "all"), default="all")
+    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "all"), default="all")
+    ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -105,6 +127,8 @@ def main() -> None:
     if args.op in ("rope", "all"):
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.rope.split(",")]
         cases += list(rope_cases(shapes, args.dtype))
+    if args.op in ("cross_entropy", "all"):
+        cases += list(cross_entropy_cases([int(v) for v in args.vocab.split(",")], args.dtype))
     bad = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:
         try:

@@ -23,6 +23,7 @@ RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.rms_norm",
     "autopatch.rules.rope",
     "autopatch.rules.glu_mlp",
+    "autopatch.rules.moe_gate",
     "autopatch.rules.loss",
 )
 

@@ -4,7 +4,7 @@ Detection. Candidates are the classes a modeling module defines whose __init__ m
 and either `gate_proj` + `up_proj` or a fused `gate_up_proj`. One instance is built from a tiny
 config of the module's own config class (Llama4TextMLP -> Llama4TextConfig). It must hold exactly
 the projections as plain nn.Linear modules (a 3-D `gate_up_proj` parameter is an MoE expert container:
-left alone for now) plus the activation in `act_fn` / `activation_fn` / `act`, and nothing else — no
+autopatch/rules/moe_gate.py takes those whose gate is transformers' default; others are left alone) plus the activation in `act_fn` / `activation_fn` / `act`, and nothing else — no
 dropout, no norm, no parameters of its own. Its forward is run in float64 on random weights and inputs
 against
 
@@ -182,7 +182,11 @@ def detect(cls: type, module: ModuleType) -> Verdict:
         if instance is None:
             return Verdict(target, None, extra or why)
         if _is_expert_container(instance):
-            return Verdict(target, None, "MoE expert container with 3-D parameters (left alone for now)")
+            if callable(getattr(cls, "_apply_gate", None)):
+                return Verdict(target, None, "MoE expert container with a gate of its own (_apply_gate); the "
+                                             "moe_gate rule takes transformers' default expert gate only")
+            return Verdict(target, None, "MoE expert container with 3-D parameters outside transformers' experts "
+                                         "interface (no _apply_gate)")
         if extra:
             return Verdict(target, None, extra)
         return _probe_instance(target, cls, instance)
@@ -349,8 +353,11 @@ class _Rule:
     kernels = ("swiglu", "geglu")
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        from autopatch.rules import moe_gate  # (imports this module: not at the top)
+
         try:
-            classes = [c for c in _probe.defined_classes(module) if looks_like_glu_mlp(c)]
+            # An expert container with transformers' default gate is the moe_gate rule's.
+            classes = [c for c in _probe.defined_classes(module) if looks_like_glu_mlp(c) and not moe_gate.handles(c)]
         except Exception as exc:  # noqa: BLE001
             return [Record("swiglu", module.__name__, "*", False, reason=_probe.describe_exc(exc))]
         records = []
