@@ -48,11 +48,16 @@ SHRINK: dict[str, object] = {
     "n_routed_experts": 4,
     "moe_num_experts": 4,
     "num_experts_per_tok": 2,
+    "num_experts_per_token": 2,  # Kimi-Linear, Bailing
+    "moe_k": 2,  # Ernie 4.5 MoE
     "moe_topk": 2,
     "top_k": 2,
     "n_group": 1,
+    "num_expert_group": 1,
     "topk_group": 1,
     "n_shared_experts": 1,
+    "num_shared_experts": 1,
+    "moe_num_shared_experts": 1,
     "kv_lora_rank": 16,
     "q_lora_rank": 32,
     "qk_rope_head_dim": 8,
@@ -64,6 +69,8 @@ SHRINK: dict[str, object] = {
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_num_heads": 4,  # Kimi-Linear, Bailing hybrid
+    "linear_head_dim": 16,
     "mamba_n_heads": 4,
     "mamba_d_head": 32,
     "mamba_d_state": 8,
