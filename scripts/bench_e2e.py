@@ -163,12 +163,20 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         timed_losses = []
+        host_ms = []
         for i in range(steps):
+            c0 = time.process_time()
             starts[i].record()
             timed_losses.append(step(warmup + i))
             ends[i].record()
+            host_ms.append((time.process_time() - c0) * 1e3)
         torch.cuda.synchronize()
         step_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        # CPU time of the whole process (the autograd engine runs the backward in its own thread) while
+        # each step was being issued: close to step_ms means the step waits on Python's launches, not on
+        # the GPU (a full launch queue also blocks the host, so this is an upper bound on the host work).
+        res["host_cpu_ms"] = host_ms
+        res["host_cpu_ms_median"] = statistics.median(host_ms)
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     else:
@@ -263,12 +271,13 @@ def run_e2e(args, deadline, on_done=None) -> list[dict]:
         results.append(res)
         if res.get("status") == "ok":
             print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
+                  f"step {res['step_ms_median']:.1f} ms (host CPU {res.get('host_cpu_ms_median', float('nan')):.1f} ms), "
                   f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, {res['process_wall_s']:.0f} s", flush=True)
         else:
             print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
+        _ratios(results)  # after every run: a run cut short by the time limit still has its ratios
         if on_done:
             on_done(results)
-    _ratios(results)
     return results
 
 
