@@ -58,7 +58,8 @@ def make_apply_gate(original: Callable, kernels_on: frozenset) -> Callable:
     def _apply_gate(self, gate_up_out):
         kind = glu_mlp.activation_kind(getattr(self, "act_fn", None))
         if (kind is None or glu_mlp.KINDS[kind][0] not in kernels_on or not isinstance(gate_up_out, torch.Tensor)
-                or gate_up_out.dtype not in glu_mlp._FLOAT_DTYPES or gate_up_out.shape[-1] % 2):
+                or gate_up_out.dtype not in glu_mlp._FLOAT_DTYPES or gate_up_out.shape[-1] % 2
+                or hasattr(gate_up_out, "device_mesh")):  # a DTensor (tensor parallel): torch's own ops
             return original(self, gate_up_out)
         fk = glu_mlp._kernels()
         if not fk.triton_can_run(gate_up_out):
