@@ -160,6 +160,7 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         res["allocated_before_timed_gib"] = torch.cuda.memory_allocated() / 2**30
+        res["live_between_steps"] = _live_beyond_params_and_state(model, opt)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         timed_losses = []
@@ -279,6 +280,34 @@ def run_e2e(args, deadline, on_done=None) -> list[dict]:
         if on_done:
             on_done(results)
     return results
+
+
+def _live_beyond_params_and_state(model, opt, top: int = 6) -> dict:
+    """CUDA tensors alive between steps that are neither parameters, their grads, nor optimizer
+    state, found through the garbage collector: whatever a patched model keeps from one step to
+    the next (memory_allocated minus these, minus params and state, is allocator-internal: cuBLAS
+    workspaces and the like)."""
+    import gc
+
+    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    known |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor)}
+    found: dict[int, tuple] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or not obj.is_cuda:
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - fake/meta tensors, lazy wrappers
+            continue
+        ptr = storage.data_ptr()
+        if ptr in known or ptr in found:
+            continue
+        found[ptr] = (storage.nbytes(), tuple(obj.shape), str(obj.dtype))
+    biggest = sorted(found.values(), reverse=True)[:top]
+    return {"bytes": sum(b for b, _, _ in found.values()), "count": len(found),
+            "largest": [{"bytes": b, "shape": list(sh), "dtype": dt} for b, sh, dt in biggest]}
 
 
 def _ratios(results: list[dict]) -> None:
