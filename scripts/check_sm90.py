@@ -100,8 +100,10 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
            "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
            "V": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
            "z_loss": "fp32"}
-    aligned = [k for k in sig if k.endswith("_ptr")]
+    pointers = [k for k in sig if k.endswith("_ptr")]
     for v in vocabs:
+        # what Triton specialises on at launch: V (and the row strides of contiguous logits) divisible by 16
+        aligned = pointers + (["V", "x_stride", "grad_stride"] if v % 16 == 0 else [])
         cfg = ce.launch_config(v)
         block = min(cfg.block, triton.next_power_of_2(v))
         hints = cfg.l2_hints and v > block
