@@ -110,7 +110,8 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
         for softcap in (False, True):
             flags = dict(HAS_SCALE=False, HAS_SOFTCAP=softcap, HAS_LS=softcap, HAS_ROW_SCALE=False, WRITE_GRAD=True,
                          SINGLE_BLOCK=v <= block, BLOCK=block, NUM_STAGES=cfg.stages,
-                         KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=False)
+                         KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=False,
+                         TAIL_IN_LOOP=cfg.tail_in_loop)
             label = f"cross_entropy V={v} softcap/label smoothing {softcap} {cfg}"
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
 
