@@ -86,6 +86,9 @@ class LaunchConfig:
     chunked: bool = False
     # Software pipelining of the tile (or chunk) loop: num_stages - 1 tiles in flight (1: none).
     num_stages: int = 1
+    # Chunked backward: cap the persistent programs so that their rows stay in L2 (L2_BUDGET_BYTES)
+    # for the second sweep. Uncapped is the other candidate: more SMs busy, more re-reads from HBM.
+    l2_cap: bool = True
 
     @property
     def tile(self) -> int:
@@ -94,7 +97,7 @@ class LaunchConfig:
     def meta(self) -> dict:
         """The kernel's constexpr arguments that this config sets."""
         return dict(BLOCK_N=self.block_n, ROWS=self.rows, SINGLE_PASS=not self.chunked,
-                    PROGRAMS_PER_SM=self.programs_per_sm, NUM_STAGES=self.num_stages)
+                    PROGRAMS_PER_SM=self.programs_per_sm, NUM_STAGES=self.num_stages, L2_CAP=self.l2_cap)
 
 
 # The heuristic tables: what the CPU interpreter runs (one config per row length, so it stays fast),
@@ -231,6 +234,8 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
             persistent = backward or (num_stages > 1 and not chunked)
             per_sm = _resident_programs(cfg, backward) if persistent else 0
             out.append(dataclasses.replace(cfg, programs_per_sm=per_sm))
+            if backward and chunked and num_stages == 1:  # the autotuner weighs L2 re-use against idle SMs
+                out.append(dataclasses.replace(cfg, programs_per_sm=per_sm, l2_cap=False))
     return out
 
 
@@ -277,14 +282,14 @@ def _row_bucket(n_rows: int) -> int:
 
 
 def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int, bytes_per_col: int,
-              sm_count: int) -> int:
+              sm_count: int, l2_cap: bool = True) -> int:
     """Grid size: one program per tile when per_sm is 0, else a persistent grid of about per_sm
-    programs per SM (never more than tiles; chunked backward: capped by the L2 budget)."""
+    programs per SM (never more than tiles; chunked backward: capped by the L2 budget, unless not)."""
     n_tiles = _cdiv(n_rows, rows)
     if per_sm <= 0:
         return n_tiles
     programs = max(1, int(per_sm * sm_count))
-    if chunked and bytes_per_col:
+    if chunked and bytes_per_col and l2_cap:
         programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
     programs = min(programs, n_tiles)
     # Same number of sweeps with fewer programs where possible (fewer dw partial rows to sum).
@@ -293,7 +298,8 @@ def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int,
 
 def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
     """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
-    return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count)
+    return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count,
+                     cfg.l2_cap)
 
 
 @functools.lru_cache(maxsize=None)
@@ -352,6 +358,7 @@ def _rms_norm_fwd_kernel(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SINGLE_PASS: tl.constexpr, EXACT_BF16: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr,  # not read: 0 = one tile per program, else sizes a persistent grid
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop (1: none)
+    L2_CAP: tl.constexpr = True,  # not read: a LaunchConfig field of the backward's grid (shared meta)
 ):
     # Tiles of ROWS rows; program p takes tiles p, p + P, p + 2P, ... (P programs: one per tile, or a
     # persistent grid whose loop Triton pipelines, loading later tiles while this one is stored).
@@ -434,6 +441,7 @@ def _rms_norm_bwd_kernel(
     PROGRAMS_PER_SM: tl.constexpr,  # not read: sizes the persistent grid (see _backward_impl)
     NUM_STAGES: tl.constexpr,  # software pipelining depth of the tile loop (1: none)
     FROM_OUTPUT: tl.constexpr = False,  # X holds the forward's output y (see _grad_terms)
+    L2_CAP: tl.constexpr = True,  # not read: whether the persistent grid was capped by the L2 budget
 ):
     # Persistent: program p takes tiles p, p + P, p + 2P, ... and sums its rows' dy·h into one
     # fp32 partial row DW_PARTIAL[p, :]; the host sums the P partial rows afterwards.
@@ -672,7 +680,7 @@ def _backward_impl(
             # Called for every config the autotuner times, then for the launch that counts: the
             # last value is the number of dw partial rows the kernel wrote.
             launched[0] = _programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], not meta["SINGLE_PASS"],
-                                    n_rows, n_cols, bytes_per_col, sm_count)
+                                    n_rows, n_cols, bytes_per_col, sm_count, meta.get("L2_CAP", True))
             return (launched[0],)
 
         key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy.dtype,

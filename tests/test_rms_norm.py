@@ -10,6 +10,7 @@ the original modules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import itertools
 
@@ -335,6 +336,11 @@ def test_launch_config_table():
     programs = rms_norm_module.backward_programs(cfg, 1024, 65536, 8, sm_count=132)
     assert 1 <= programs and programs * 65536 * 8 <= rms_norm_module.L2_BUDGET_BYTES
     assert rms_norm_module.backward_programs(cfg, 3, 65536, 8, sm_count=132) == 3
+    # the uncapped candidate: every SM busy (the autotuner weighs that against the L2 re-use)
+    uncapped = dataclasses.replace(cfg, l2_cap=False)
+    assert rms_norm_module.backward_programs(uncapped, 1024, 65536, 8, sm_count=132) > programs
+    assert any(not c.l2_cap and c.chunked for c in rms_norm_module.candidate_configs(True))
+    assert all(c.l2_cap for c in rms_norm_module.candidate_configs(False))
 
 
 def _triton_configs(backward):
