@@ -160,7 +160,10 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         res["allocated_before_timed_gib"] = torch.cuda.memory_allocated() / 2**30
-        res["live_between_steps"] = _live_beyond_params_and_state(model, opt)
+        try:
+            res["live_between_steps"] = _live_beyond_params_and_state(model, opt)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must not cost the measurement
+            res["live_between_steps"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         timed_losses = []
