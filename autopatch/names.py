@@ -5,8 +5,10 @@ existing config dict carries over unchanged. No imports: start-up and config rea
 KERNELS: dict[str, str] = {
     "rope": "module-level apply_rotary_pos_emb (half rotation, partial rotary, interleaved, GLM-style, de-interleaved MLA) -> fused_kernels.rope",
     "rms_norm": "RMSNorm classes' forward (Llama/Gemma casting, offset 0/1, per-head q/k norms) -> fused_kernels.rms_norm",
-    "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj) -> fused_kernels.swiglu",
-    "geglu": "gated MLP forward with a GELU gate (tanh or erf) -> fused_kernels.geglu",
+    "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj), and MoE experts' "
+              "shared default gate -> fused_kernels.swiglu",
+    "geglu": "gated MLP forward with a GELU gate (tanh or erf), and MoE experts' shared default gate -> "
+             "fused_kernels.geglu",
     "cross_entropy": "the causal-LM loss where logits exist anyway (eval, no labels path) -> fused_kernels.cross_entropy",
     "fused_linear_cross_entropy": "*ForCausalLM forward in training with labels: lm_head + loss without full logits -> fused_kernels.fused_linear_cross_entropy",
 }
