@@ -272,6 +272,13 @@ def _kernels():
     return fused_kernels
 
 
+def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up through the fused kernel of activation kind `kind` (a KINDS key)."""
+    fk = _kernels()
+    kernel, kernel_kwargs = KINDS[kind]
+    return fk.swiglu(gate, up) if kernel == "swiglu" else fk.geglu(gate, up, **kernel_kwargs)
+
+
 GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "gelu"}
 # Gate and down projection as one node (fused_kernels.glu_linear) where down_proj allows it.
 # scripts/bench_e2e.py's "ours_keep_input" peer turns it off to measure the difference.
@@ -333,12 +340,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             # backward instead of being kept alive by the Linear (tokens × intermediate per layer).
             return fk.glu_linear(gate, up, down.weight, down.bias, activation=GLU_LINEAR_ACTIVATION[kind],
                                  temporaries=_unobserved(self, fused))
-        kernel, kernel_kwargs = KINDS[kind]
-        if kernel == "swiglu":
-            hidden = fk.swiglu(gate, up)
-        else:
-            hidden = fk.geglu(gate, up, **kernel_kwargs)
-        return down(hidden)
+        return down(gated(kind, gate, up))
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
 

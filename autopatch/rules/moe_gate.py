@@ -61,13 +61,11 @@ def make_apply_gate(original: Callable, kernels_on: frozenset) -> Callable:
                 or gate_up_out.dtype not in glu_mlp._FLOAT_DTYPES or gate_up_out.shape[-1] % 2
                 or hasattr(gate_up_out, "device_mesh")):  # a DTensor (tensor parallel): torch's own ops
             return original(self, gate_up_out)
-        fk = glu_mlp._kernels()
-        if not fk.triton_can_run(gate_up_out):
+        if not glu_mlp._kernels().triton_can_run(gate_up_out):
             fallback_notice(glu_mlp.KINDS[kind][0], f"{type(self).__name__} got {gate_up_out.device.type} tensors")
             return original(self, gate_up_out)
         gate, up = gate_up_out.chunk(2, dim=-1)
-        kernel, kernel_kwargs = glu_mlp.KINDS[kind]
-        return fk.swiglu(gate, up) if kernel == "swiglu" else fk.geglu(gate, up, **kernel_kwargs)
+        return glu_mlp.gated(kind, gate, up)
 
     _apply_gate.__name__ = _apply_gate.__qualname__ = METHOD
     _apply_gate.__doc__ = getattr(original, "__doc__", None)
