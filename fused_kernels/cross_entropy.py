@@ -404,8 +404,6 @@ def launch_ce(
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
     cfg = launch_config(v)
-    block = min(cfg.block, triton.next_power_of_2(v))
-    hints = cfg.l2_hints and v > block  # a row held whole is read once: nothing to keep in L2
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     with _device_guard(x):
@@ -413,12 +411,25 @@ def launch_ce(
             x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
             n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
             float(label_smoothing), float(z_loss),
-            HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
-            HAS_ROW_SCALE=row_scale is not None, WRITE_GRAD=grad is not None, SINGLE_BLOCK=v <= block,
-            BLOCK=block, NUM_STAGES=cfg.stages, KEEP="evict_last" if hints else "",
-            DROP="evict_first" if hints else "", EXACT_BF16=_INTERPRETED, TAIL_IN_LOOP=cfg.tail_in_loop,
+            **kernel_constexprs(cfg, v, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
+                                has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
+                                write_grad=grad is not None),
             num_warps=cfg.warps,
         )
+
+
+def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
+                      has_row_scale: bool, write_grad: bool, exact_bf16: bool = _INTERPRETED) -> dict:
+    """_ce_kernel's constexpr arguments for rows of v classes under launch shape cfg (launch_ce, and
+    scripts/check_sm90.py, which compiles the same kernels for sm_90a)."""
+    block = min(cfg.block, triton.next_power_of_2(v))
+    hints = cfg.l2_hints and v > block  # a row held whole is read once: nothing to keep in L2
+    return dict(
+        HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
+        WRITE_GRAD=write_grad, SINGLE_BLOCK=v <= block, BLOCK=block, NUM_STAGES=cfg.stages,
+        KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=exact_bf16,
+        TAIL_IN_LOOP=cfg.tail_in_loop,
+    )
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:

@@ -680,7 +680,7 @@ def _backward_impl(
             # Called for every config the autotuner times, then for the launch that counts: the
             # last value is the number of dw partial rows the kernel wrote.
             launched[0] = _programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], not meta["SINGLE_PASS"],
-                                    n_rows, n_cols, bytes_per_col, sm_count, meta.get("L2_CAP", True))
+                                    n_rows, n_cols, bytes_per_col, sm_count, meta["L2_CAP"])
             return (launched[0],)
 
         key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy.dtype,

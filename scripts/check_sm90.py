@@ -105,13 +105,9 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
         # what Triton specialises on at launch: V (and the row strides of contiguous logits) divisible by 16
         aligned = pointers + (["V", "x_stride", "grad_stride"] if v % 16 == 0 else [])
         cfg = ce.launch_config(v)
-        block = min(cfg.block, triton.next_power_of_2(v))
-        hints = cfg.l2_hints and v > block
         for softcap in (False, True):
-            flags = dict(HAS_SCALE=False, HAS_SOFTCAP=softcap, HAS_LS=softcap, HAS_ROW_SCALE=False, WRITE_GRAD=True,
-                         SINGLE_BLOCK=v <= block, BLOCK=block, NUM_STAGES=cfg.stages,
-                         KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=False,
-                         TAIL_IN_LOOP=cfg.tail_in_loop)
+            flags = ce.kernel_constexprs(cfg, v, has_scale=False, has_softcap=softcap, has_ls=softcap,
+                                         has_row_scale=False, write_grad=True, exact_bf16=False)
             label = f"cross_entropy V={v} softcap/label smoothing {softcap} {cfg}"
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
 
