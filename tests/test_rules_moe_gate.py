@@ -38,11 +38,6 @@ def _step(model, inputs):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _swiglu_like_launches():
-    counts = fused_kernels.launch_counts()
-    return sum(v for k, v in counts.items() if k.startswith(("swiglu", "geglu")))
-
-
 @pytest.mark.parametrize("arch,experts_cls,implementation,act", [
     ("Qwen3MoeForCausalLM", "Qwen3MoeExperts", "grouped_mm", None),
     ("Qwen3MoeForCausalLM", "Qwen3MoeExperts", "batched_mm", None),
@@ -89,11 +84,10 @@ def test_eager_experts_never_call_the_gate():
     inputs = tiny_models.smoke_inputs(model)
     ref_loss, _ = _step(model, inputs)
     RULE.patch_module(modeling("qwen3_moe"), everything)
-    experts_before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
-    dense_mlps = sum(1 for m in model.modules() if type(m).__name__ == "Qwen3MoeMLP")
+    before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
     loss, _ = _step(model, inputs)
-    assert fused_kernels.launch_counts().get("swiglu_fwd", 0) == experts_before  # the rule alone: no dense MLP patch
-    assert torch.equal(loss, ref_loss), (loss, ref_loss, dense_mlps)
+    assert fused_kernels.launch_counts().get("swiglu_fwd", 0) == before  # the rule alone: no dense MLP patch
+    assert torch.equal(loss, ref_loss), (loss, ref_loss)
 
 
 def test_custom_gate_is_not_a_candidate():
