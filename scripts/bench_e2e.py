@@ -292,6 +292,8 @@ def _live_beyond_params_and_state(model, opt, top: int = 6) -> dict:
     workspaces and the like)."""
     import gc
 
+    import torch
+
     known = {p.untyped_storage().data_ptr() for p in model.parameters()}
     known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
     known |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()

@@ -24,7 +24,7 @@
 #   GPU_TESTS=1            0 skips the tests (e.g. a second call that only runs the e2e part)
 #   GPU_TEST_K             pytest -k expression selecting some of the gpu tests (default: all)
 #   TEST_BUDGET_S=100      time box of the test run
-#   BENCH_PARTS=kernels,e2e
+#   BENCH_PARTS=kernels,e2e   (empty: the tests only)
 #   BENCH_KERNEL_BUDGET_S, BENCH_E2E_BUDGET_S   default: what is left, split 55 % / 45 %
 #   BENCH_ONLY, BENCH_PEERS, BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers),
 #   BENCH_E2E_RUN_CAP_S (240: the longest one model/peer run may take)
@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
 START=$SECONDS
 TOTAL_BUDGET_S=${TOTAL_BUDGET_S:-480}
 TEST_BUDGET_S=${TEST_BUDGET_S:-100}
-PARTS=${BENCH_PARTS:-kernels,e2e}
+PARTS=${BENCH_PARTS-kernels,e2e}  # set but empty: tests only
 since() { echo $((SECONDS - START)); }
 
 echo "== (a) wheels"
@@ -91,7 +91,9 @@ fi
 
 BENCH_RC=0
 LEFT=$((TOTAL_BUDGET_S - $(since) - 30))
-if [ "$LEFT" -lt 60 ]; then
+if [ -z "$PARTS" ]; then
+  echo "[gpu_check] BENCH_PARTS is empty: benchmark not run"
+elif [ "$LEFT" -lt 60 ]; then
   echo "[gpu_check] only $LEFT s left: benchmark not run"
   BENCH_RC=3
 else
