@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from fused_kernels._jit import for_store
+from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
 
 __all__ = ["cross_entropy"]
@@ -407,14 +408,15 @@ def launch_ce(
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     with _device_guard(x):
-        _ce_kernel[(grid_programs(cfg, n, x.device),)](
-            x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
-            n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
-            float(label_smoothing), float(z_loss),
-            **kernel_constexprs(cfg, v, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
-                                has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
-                                write_grad=grad is not None),
-            num_warps=cfg.warps,
+        launch(
+            _ce_kernel, (grid_programs(cfg, n, x.device),),
+            (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
+             n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
+             float(label_smoothing), float(z_loss)),
+            dict(kernel_constexprs(cfg, v, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
+                                   has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
+                                   write_grad=grad is not None),
+                 num_warps=cfg.warps),
         )
 
 
@@ -449,8 +451,8 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
     n_blocks = rows * per
     cap = 8 * _sm_count(t.device) if t.is_cuda else 16
     with _device_guard(t):
-        _scale_kernel[(min(n_blocks, cap),)](t, g, row_len, per, n_blocks, PER_ROW=per_row, BLOCK=block,
-                                             EXACT_BF16=_INTERPRETED, num_warps=8)
+        launch(_scale_kernel, (min(n_blocks, cap),), (t, g, row_len, per, n_blocks),
+               dict(PER_ROW=per_row, BLOCK=block, EXACT_BF16=_INTERPRETED, num_warps=8))
 
 
 def grad_coef(target: torch.Tensor, ignore_index: int, reduction: str, divisor: Optional[torch.Tensor],

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
 
 __all__ = ["swiglu", "geglu", "glu_linear"]
@@ -259,13 +260,10 @@ def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[to
     max_offset = max(abs(s) for s in [*in_strides, out_stride]) * padded_rows + n_col_blocks * cfg.block_n
     wide = max_offset >= _INT32_LIMIT or n_row_blocks * n_col_blocks >= _INT32_LIMIT
     with _device_guard(outputs[0]):
-        kernel[(n_row_blocks * n_col_blocks,)](
-            *ins, *outputs,
-            n_rows, n_cols, n_col_blocks,
-            *in_strides, out_stride,
-            ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=even, WIDE_INDEX=wide,
-            num_warps=cfg.num_warps,
-        )
+        launch(kernel, (n_row_blocks * n_col_blocks,),
+               (*ins, *outputs, n_rows, n_cols, n_col_blocks, *in_strides, out_stride),
+               dict(ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=even, WIDE_INDEX=wide,
+                    num_warps=cfg.num_warps))
 
 
 def _require_triton(op: str, *tensors: torch.Tensor) -> None:

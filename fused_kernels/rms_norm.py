@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from fused_kernels._jit import for_store, rounded
+from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -551,7 +552,7 @@ def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) ->
             tuned[grid](*args, **kwargs)
             _CHOSEN[key] = tuned.best_config.all_kwargs()
     else:
-        kernel[grid](*args, **kwargs, **meta)
+        launch(kernel, grid({**kwargs, **meta}), args, {**kwargs, **meta})
 
 
 def reset_autotuning() -> None:
@@ -628,9 +629,8 @@ def _forward_impl(
         _launch_tuned(_rms_norm_fwd_tuned, _rms_norm_fwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
     else:
         programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, _sm_count(device))
-        _rms_norm_fwd_kernel[(programs,)](
-            *args, **flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps
-        )
+        launch(_rms_norm_fwd_kernel, (programs,), args,
+               dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
     return y, rstd
 
 
@@ -689,9 +689,8 @@ def _backward_impl(
         programs = launched[0]
     else:
         programs = max_programs
-        _rms_norm_bwd_kernel[(programs,)](
-            *args, **flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps
-        )
+        launch(_rms_norm_bwd_kernel, (programs,), args,
+               dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
     if compute_dw:
         dw = partial[:programs].sum(dim=0)
         return dx, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._launch import launch
 from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of, triton_can_run
 
 
@@ -399,9 +400,9 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
                 _rope_tuned[grid](*args, **flags)
                 _CHOSEN[key] = _rope_tuned.best_config.all_kwargs()
         else:
-            _rope_kernel[grid](*args, **flags, **chosen)
+            launch(_rope_kernel, (_cdiv(n_tokens, chosen["BLOCK_T"]),), args, {**flags, **chosen})
     else:
-        _rope_kernel[(_cdiv(n_tokens, cfg.block_t),)](*args, **flags, **cfg.meta(), num_warps=cfg.num_warps)
+        launch(_rope_kernel, (_cdiv(n_tokens, cfg.block_t),), args, dict(flags, **cfg.meta(), num_warps=cfg.num_warps))
     count_launch("rope_bwd" if backward else "rope_fwd")
     return q_out, k_out
 

@@ -66,12 +66,49 @@ def worker(model_key: str, peer: str) -> dict:
         for b in seg["blocks"]:
             if b["state"] != "active_allocated" or b["address"] in known:
                 continue
-            blocks.append({"bytes": b["size"], "frames": _our_frames(b.get("frames", []))})
+            blocks.append({"bytes": b["size"], "address": b["address"], "frames": _our_frames(b.get("frames", []))})
     blocks.sort(key=lambda b: -b["bytes"])
+    for b in blocks[:6]:
+        b["held_by"] = _holders(b["address"], torch)
     res = {"model": model_key, "peer": peer, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
            "unknown_bytes": sum(b["bytes"] for b in blocks), "unknown_blocks": len(blocks), "largest": blocks[:12]}
     res.update(_profile_steps(model, opt, ids, torch))
     return res
+
+
+def _holders(address: int, torch, depth: int = 3) -> list[str]:
+    """Python objects that keep a tensor on the block at `address` alive, as chains of referrer types
+    (a dict names the key it holds it under). Empty: only C++ holds it (a saved tensor of an autograd
+    node, an allocator-level buffer)."""
+    import gc
+
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.untyped_storage().data_ptr() == address:
+                found.append(obj)
+        except Exception:  # noqa: BLE001 - fake/meta tensors
+            continue
+    chains = []
+    for t in found[:3]:
+        desc = f"tensor{tuple(t.shape)} {t.dtype} grad_fn={type(t.grad_fn).__name__ if t.grad_fn else None}"
+        frontier = [(t, desc)]
+        for _ in range(depth):
+            nxt = []
+            for o, path in frontier:
+                for r in gc.get_referrers(o):
+                    if r is frontier or r is found or type(r).__name__ == "frame":
+                        continue
+                    label = type(r).__name__
+                    if isinstance(r, dict):
+                        keys = [k for k, v in r.items() if v is o][:2]
+                        label = f"dict[{keys}]"
+                    elif hasattr(r, "__qualname__"):
+                        label = f"{label} {r.__qualname__}"
+                    nxt.append((r, f"{path} <- {label}"))
+            frontier = nxt[:6]
+        chains += [p for _, p in frontier] or [desc + " <- (no Python referrer)"]
+    return chains or ["no Python tensor on it"]
 
 
 # Kernel kinds by name: cuBLAS / CUTLASS GEMMs, SDPA's flash / memory-efficient / cuDNN attention, the
@@ -144,6 +181,8 @@ def main() -> int:
               f"{r['unknown_bytes'] / 2**20:.1f} MiB in {r['unknown_blocks']} blocks")
         for b in r["largest"]:
             print(f"    {b['bytes'] / 2**20:9.2f} MiB  {' <- '.join(b['frames'])}")
+            for chain in b.get("held_by", [])[:4]:
+                print(f"                   held: {chain[:300]}")
         print(f"  step {r['step_ms']:.1f} ms; CUDA kernels {r['kernel_ms_total']:.1f} ms in {r['kernel_launches']:.0f} "
               "launches: " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernel_ms"].items()))
         for name, ms, n in r["top_kernels_ms"]:
