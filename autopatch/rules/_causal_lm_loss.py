@@ -235,6 +235,15 @@ class FusedLinearLossCall:
             num_items_in_batch,
         )
 
+    def close(self) -> None:
+        """Drop what the call holds. The call and its stand-in refer to each other, a cycle that only
+        Python's full collections free: left holding the final hidden states, each finished step
+        would keep them (and their autograd history: the last norm's output, 128 MiB for a Llama-8B
+        batch of 16k tokens) alive until the next full collection, raising every later peak."""
+        self.hidden_states = None
+        self.stand_in_logits = None
+        self.lm_head_stand_in = None
+
     def drop_logits(self, output):
         """The forward's output without the stand-in logits (logits=None), unless they are real."""
         stand_in = self.stand_in_logits
@@ -278,9 +287,10 @@ def make_forward(original_forward, patch: LossPatch):
         setattr(self, CALL_ATTR, call)
         try:
             output = original_forward(self, *args, **kwargs)
+            return call.drop_logits(output)
         finally:
             setattr(self, CALL_ATTR, None)
-        return call.drop_logits(output)
+            call.close()
 
     forward.__autopatch_original__ = original_forward
     return forward
