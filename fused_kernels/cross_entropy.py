@@ -79,7 +79,6 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
-    tail_in_loop: bool = False  # the masked last block inside the block loops (fewer registers; untimed yet)
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -195,7 +194,7 @@ def _ce_kernel(
     n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
     WRITE_GRAD: tl.constexpr, SINGLE_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    KEEP: tl.constexpr, DROP: tl.constexpr, EXACT_BF16: tl.constexpr, TAIL_IN_LOOP: tl.constexpr,
+    KEEP: tl.constexpr, DROP: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
     """Rows pid, pid + P, ... (P programs): loss_i into loss_ptr[row]; coef·row_scale_i·∂loss_i/∂x
     into the gradient row. KEEP / DROP: eviction policies ("" for none) of the first sweep's loads and
@@ -246,48 +245,26 @@ def _ce_kernel(
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.full((), 0.0, tl.float32)
                 sumz = tl.full((), 0.0, tl.float32)
-                if TAIL_IN_LOOP:
-                    # The masked last block as the loop's last iteration: its masked loads cannot be
-                    # scheduled across the whole loop (fewer live registers; scripts/check_sm90.py).
-                    for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-                        if start < v_full:
-                            m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale,
-                                                      softcap, KEEP, False, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                        else:
-                            m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale,
-                                                      softcap, KEEP, True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                else:
-                    for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
-                        m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale, softcap,
-                                                  KEEP, False, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                    if v_full < V:
-                        m, s, sumz = _stats_block(x_row + v_full, offs, V - v_full, m, s, sumz, logit_scale, softcap,
-                                                  KEEP, True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                    m, s, sumz = _stats_block(x_row + start, offs, V - start, m, s, sumz, logit_scale, softcap,
+                                              KEEP, False, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                if v_full < V:
+                    m, s, sumz = _stats_block(x_row + v_full, offs, V - v_full, m, s, sumz, logit_scale, softcap,
+                                              KEEP, True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
                 lse = m + tl.log(s)
                 tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
                     coef_p = coef * (1.0 + 2.0 * z_loss * lse)
                     coef_u = coef * label_smoothing * inv_v
                     coef_y = coef * (1.0 - label_smoothing)
-                    if TAIL_IN_LOOP:
-                        for start in tl.range(0, V, BLOCK, num_stages=NUM_STAGES):
-                            if start < v_full:
-                                _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p,
-                                            coef_u, coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE,
-                                            HAS_SOFTCAP, EXACT_BF16)
-                            else:
-                                _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p,
-                                            coef_u, coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE,
-                                            HAS_SOFTCAP, EXACT_BF16)
-                    else:
-                        for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
-                            _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p, coef_u,
-                                        coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP,
-                                        EXACT_BF16)
-                        if v_full < V:
-                            _grad_block(x_row + v_full, g_row + v_full, offs, V - v_full, yc - v_full, lse, coef_p,
-                                        coef_u, coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP,
-                                        EXACT_BF16)
+                    for start in tl.range(0, v_full, BLOCK, num_stages=NUM_STAGES):
+                        _grad_block(x_row + start, g_row + start, offs, V - start, yc - start, lse, coef_p, coef_u,
+                                    coef_y, logit_scale, softcap, DROP, DROP, False, HAS_SCALE, HAS_SOFTCAP,
+                                    EXACT_BF16)
+                    if v_full < V:
+                        _grad_block(x_row + v_full, g_row + v_full, offs, V - v_full, yc - v_full, lse, coef_p,
+                                    coef_u, coef_y, logit_scale, softcap, DROP, DROP, True, HAS_SCALE, HAS_SOFTCAP,
+                                    EXACT_BF16)
         else:
             tl.store(loss_ptr + row, 0.0)
             if WRITE_GRAD:
@@ -430,7 +407,6 @@ def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap
         HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
         WRITE_GRAD=write_grad, SINGLE_BLOCK=v <= block, BLOCK=block, NUM_STAGES=cfg.stages,
         KEEP="evict_last" if hints else "", DROP="evict_first" if hints else "", EXACT_BF16=exact_bf16,
-        TAIL_IN_LOOP=cfg.tail_in_loop,
     )
 
 

@@ -42,4 +42,4 @@ def test_tune_cross_entropy_smoke(tmp_path):
     proc = _run(["scripts/tune_cross_entropy.py", "--cpu-smoke"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
-    assert "tail_in_loop=True" in proc.stdout and "LAUNCH_TABLE rows" in proc.stdout
+    assert "per_sm=0.5" in proc.stdout and "LAUNCH_TABLE rows" in proc.stdout
