@@ -40,14 +40,42 @@ def version_of(dist: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit, with "+changes" when the tracked files differ from it. The device machine's
+    copy of the tree can carry a stale .git (it said the session's first commit for every later call):
+    there this reads "<old>+changes", and source_digest() is what identifies the code."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(
             ["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
         )
-        return out.stdout.strip() or None
+        commit = out.stdout.strip()
+        if not commit:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return commit + ("+changes" if dirty else "")
     except Exception:  # no git or no .git on the device machine's copy
         return None
+
+
+def source_digest() -> str:
+    """sha256 (first 12 hex digits) of the library's Python sources (fused_kernels/, autopatch/), file
+    names included: the same code gives the same digest on any machine, so a result can be matched to
+    its commit here (python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_common;
+    print(bench_common.source_digest())" after a checkout)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for package in ("fused_kernels", "autopatch"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(f for f in filenames if f.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def _driver_version() -> str | None:
@@ -73,6 +101,7 @@ def environment(device: torch.device) -> dict:
         "liger_kernel": version_of("liger-kernel") or version_of("liger_kernel"),
         "cut_cross_entropy": version_of("cut-cross-entropy") or version_of("cut_cross_entropy"),
         "git_commit": _git_commit(),
+        "source_digest": source_digest(),
         "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
     }
     if device.type == "cuda":

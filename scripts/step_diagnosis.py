@@ -6,7 +6,9 @@ For each peer (one subprocess each; the models and peers of scripts/bench_e2e.py
 steps:
   - memory kept between steps: with the CUDA allocator's history recorded from the start, every block
     still allocated that is not a parameter or optimizer state, with the innermost Python frames
-    outside torch that allocated it. What a patched run keeps beyond the plain one raises every peak;
+    outside torch that allocated it. What a patched run keeps beyond the plain one raises every peak.
+    Then the tensors with autograd history that one more step leaves behind with the cyclic garbage
+    collector off (a reference cycle holding activations shows here; 0 is right);
   - time: torch.profiler over two steps. CUDA kernel time by kind (GEMM, attention, fused, optimizer,
     other), and the step's wall time. GEMM + attention is the step's floor for any fused-kernel
     library that leaves those to cuBLAS and SDPA; wall minus kernel time is the GPU waiting for Python.
@@ -66,49 +68,27 @@ def worker(model_key: str, peer: str) -> dict:
         for b in seg["blocks"]:
             if b["state"] != "active_allocated" or b["address"] in known:
                 continue
-            blocks.append({"bytes": b["size"], "address": b["address"], "frames": _our_frames(b.get("frames", []))})
+            blocks.append({"bytes": b["size"], "frames": _our_frames(b.get("frames", []))})
     blocks.sort(key=lambda b: -b["bytes"])
-    for b in blocks[:6]:
-        b["held_by"] = _holders(b["address"], torch)
     res = {"model": model_key, "peer": peer, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
            "unknown_bytes": sum(b["bytes"] for b in blocks), "unknown_blocks": len(blocks), "largest": blocks[:12]}
     res.update(_profile_steps(model, opt, ids, torch))
     return res
 
 
-def _holders(address: int, torch, depth: int = 3) -> list[str]:
-    """Python objects that keep a tensor on the block at `address` alive, as chains of referrer types
-    (a dict names the key it holds it under). Empty: only C++ holds it (a saved tensor of an autograd
-    node, an allocator-level buffer)."""
+def _graph_tensors_after_a_step(step, torch) -> int:
+    """Tensors with autograd history still alive after one more step run with Python's cyclic garbage
+    collector off: anything a reference cycle keeps from a finished step (the FLCE call's cycle kept
+    the final hidden states this way). 0 is right; the step's own graph is gone once it returns."""
     import gc
 
-    found = []
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and obj.is_cuda and obj.untyped_storage().data_ptr() == address:
-                found.append(obj)
-        except Exception:  # noqa: BLE001 - fake/meta tensors
-            continue
-    chains = []
-    for t in found[:3]:
-        desc = f"tensor{tuple(t.shape)} {t.dtype} grad_fn={type(t.grad_fn).__name__ if t.grad_fn else None}"
-        frontier = [(t, desc)]
-        for _ in range(depth):
-            nxt = []
-            for o, path in frontier:
-                for r in gc.get_referrers(o):
-                    if r is frontier or r is found or type(r).__name__ == "frame":
-                        continue
-                    label = type(r).__name__
-                    if isinstance(r, dict):
-                        keys = [k for k, v in r.items() if v is o][:2]
-                        label = f"dict[{keys}]"
-                    elif hasattr(r, "__qualname__"):
-                        label = f"{label} {r.__qualname__}"
-                    nxt.append((r, f"{path} <- {label}"))
-            frontier = nxt[:6]
-        chains += [p for _, p in frontier] or [desc + " <- (no Python referrer)"]
-    return chains or ["no Python tensor on it"]
+    gc.collect()
+    gc.disable()
+    try:
+        step()
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+    finally:
+        gc.enable()
 
 
 # Kernel kinds by name: cuBLAS / CUTLASS GEMMs, SDPA's flash / memory-efficient / cuDNN attention, the
@@ -149,7 +129,8 @@ def _profile_steps(model, opt, ids, torch, steps: int = 2) -> dict:
     for name, (us, _n) in kernels.items():
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
-    return {"step_ms": start.elapsed_time(end) / steps,
+    return {"graph_tensors_after_step": _graph_tensors_after_a_step(step, torch),
+            "step_ms": start.elapsed_time(end) / steps,
             "kernel_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "kernel_ms_total": sum(by_kind.values()),
             "kernel_launches": sum(n for _us, n in kernels.values()),
@@ -181,8 +162,7 @@ def main() -> int:
               f"{r['unknown_bytes'] / 2**20:.1f} MiB in {r['unknown_blocks']} blocks")
         for b in r["largest"]:
             print(f"    {b['bytes'] / 2**20:9.2f} MiB  {' <- '.join(b['frames'])}")
-            for chain in b.get("held_by", [])[:4]:
-                print(f"                   held: {chain[:300]}")
+        print(f"  tensors with autograd history left by a step (gc off; 0 is right): {r['graph_tensors_after_step']}")
         print(f"  step {r['step_ms']:.1f} ms; CUDA kernels {r['kernel_ms_total']:.1f} ms in {r['kernel_launches']:.0f} "
               "launches: " + ", ".join(f"{k} {v:.1f}" for k, v in r["kernel_ms"].items()))
         for name, ms, n in r["top_kernels_ms"]:

@@ -43,3 +43,42 @@ def test_tune_cross_entropy_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
     assert "per_sm=0.5" in proc.stdout and "LAUNCH_TABLE rows" in proc.stdout
+
+
+def test_step_diagnosis_parts_on_the_cpu():
+    """scripts/step_diagnosis.py: kernels sorted into kinds by name (ours and Liger's as fused), and its
+    cycle probe finds nothing left by a step of a tiny patched Llama (and would see a leaked graph)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import step_diagnosis as sd
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import autopatch
+    from autopatch import patching
+
+    assert sd.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert sd.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
+    for name in ("_rms_norm_bwd_kernel", "_rope_kernel", "_glu_fwd_kernel", "_ce_kernel", "_swiglu_backward_kernel",
+                 "liger_cross_entropy_kernel"):
+        assert sd.kind_of(name) == "fused", name
+    assert sd.kind_of("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...adam...>") == "optimizer"
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                               max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    ids = torch.randint(0, 256, (2, 16))
+    try:
+        autopatch.apply(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        assert sd._graph_tensors_after_a_step(step, torch) == 0
+        kept = []
+        assert sd._graph_tensors_after_a_step(lambda: kept.append(model(input_ids=ids, labels=ids).loss), torch) > 0
+    finally:
+        patching.restore_all()
