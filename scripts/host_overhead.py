@@ -1,11 +1,16 @@
-"""Python (host) cost of one call, per op and peer, and where it goes (GPU only; a diagnosis).
+"""Python (host) cost of one call, per op and peer, and where it goes (a diagnosis).
 
-    python scripts/host_overhead.py [--profile]
+    python scripts/host_overhead.py [--profile] [--peers ours,liger,host_floor]   (GPU)
+    python scripts/host_overhead.py --cpu-stub [--profile]                          (no GPU)
 
 For a 0.1–0.2 ms kernel the CPU's launch path can outlast the GPU work, and do_bench then measures
 the CPU. This prints, for tiny inputs (the GPU is never the bottleneck): µs per forward, per
 forward+backward, and (--profile) the top functions of a cProfile of fwd+bwd with autograd's
 multithreading off, so that the backward runs on this thread and is profiled too.
+
+--cpu-stub: on the CPU, with every Triton launch of ours and of the host-floor yardstick replaced by a
+no-op (outputs are garbage): the Python our ops run around their launches, against an autograd node
+that does nothing else, on any machine. The GPU host adds Triton's launcher and CUDA's per-launch cost.
 """
 
 from __future__ import annotations
@@ -13,23 +18,60 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
+import time
 from pathlib import Path
 
-import torch
+CPU_STUB = "--cpu-stub" in sys.argv
+if CPU_STUB:  # before triton is imported: the kernels' modules load through the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import PEERS, _backward, cross_entropy_case, rms_norm_case, rope_case  # noqa: E402
 from tune_common import host_us  # noqa: E402
 
 
+class _NoLaunch:
+    """Stands in for a Triton kernel: kernel[grid](...) does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _stub_launches() -> None:
+    import importlib
+
+    import bench_kernels
+
+    for name in ("rms_norm", "rope", "glu", "cross_entropy"):
+        importlib.import_module(f"fused_kernels.{name}").launch = lambda *args, **kwargs: None
+    bench_kernels._touch_kernel = _NoLaunch()
+
+
+def _cpu_us(fn, calls: int = 300) -> float:
+    for _ in range(20):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--peers", default="ours,liger")
+    ap.add_argument("--peers", default="ours,host_floor" if CPU_STUB else "ours,liger")
+    ap.add_argument("--cpu-stub", action="store_true", help="CPU, launches replaced by no-ops (see above)")
     a = ap.parse_args()
-    device = torch.device("cuda")
+    device = torch.device("cpu" if CPU_STUB else "cuda")
+    timer = host_us
+    if CPU_STUB:
+        _stub_launches()
+        timer = _cpu_us
     cases = [rms_norm_case(64, 4096, ()), rope_case(1, 4, 2, 64, 128, ()), cross_entropy_case(64, 1000, ())]
     for case in cases:
         for peer in a.peers.split(","):
@@ -49,10 +91,10 @@ def main() -> int:
                 _backward(fn(*inp.args), inp.grad_out)
 
             with torch.no_grad():
-                f_us = host_us(fwd)
-            fb_us = host_us(fwdbwd)
+                f_us = timer(fwd)
+            fb_us = timer(fwdbwd)
             torch.autograd.set_multithreading_enabled(False)
-            fb1_us = host_us(fwdbwd)
+            fb1_us = timer(fwdbwd)
             print(f"{case.name:28s} {peer:8s} fwd(no_grad) {f_us:6.1f} us  fwd+bwd {fb_us:6.1f} us  "
                   f"(single-threaded autograd {fb1_us:6.1f} us)", flush=True)
             if a.profile:
@@ -66,7 +108,8 @@ def main() -> int:
                 lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
                 print("\n".join("      " + ln[:150] for ln in lines[4:30]), flush=True)
             torch.autograd.set_multithreading_enabled(True)
-            torch.cuda.synchronize()
+            if not CPU_STUB:
+                torch.cuda.synchronize()
     return 0
 
 

@@ -82,3 +82,14 @@ def test_step_diagnosis_parts_on_the_cpu():
         assert sd._graph_tensors_after_a_step(lambda: kept.append(model(input_ids=ids, labels=ids).loss), torch) > 0
     finally:
         patching.restore_all()
+
+
+def test_host_overhead_cpu_stub(tmp_path):
+    """scripts/host_overhead.py --cpu-stub: our ops' Python around their (stubbed) launches, against the
+    empty autograd node, for every op it covers."""
+    proc = _run(["scripts/host_overhead.py", "--cpu-stub"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for op in ("rms_norm", "rope", "cross_entropy"):
+        for peer in ("ours", "host_floor"):
+            assert any(line.startswith(op) and f" {peer} " in line and "fwd+bwd" in line
+                       for line in proc.stdout.splitlines()), (op, peer, proc.stdout[-1500:])
