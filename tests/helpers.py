@@ -67,3 +67,11 @@ def verdict_of(records, target):
     found = [r for r in records if r.target == target]
     assert len(found) == 1, f"expected one record for {target}, got {records}"
     return found[0]
+
+
+def tensors_with_history() -> int:
+    """Live tensors that carry autograd history (a grad_fn), found through the garbage collector:
+    after a finished training step there should be none of the step's own."""
+    import gc
+
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)

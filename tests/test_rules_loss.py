@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from helpers import assert_close
+from helpers import assert_close, tensors_with_history
 
 transformers = pytest.importorskip("transformers")
 
@@ -279,12 +279,6 @@ def test_kernels_toggle_separately(kernels):
     assert model.loss_function is ForCausalLMLoss
 
 
-def _tensors_with_history() -> int:
-    import gc
-
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
-
-
 def test_finished_step_keeps_no_activations_without_a_full_collection(kernels):
     """Once a fused training step is done, nothing of its autograd graph may live on until Python's
     next full garbage collection: a reference cycle holding the final hidden states kept the last
@@ -298,13 +292,13 @@ def test_finished_step_keeps_no_activations_without_a_full_collection(kernels):
     loss_rule.RULE.patch_module(module, ALL_ON)
     flce = _launches(kernels, "fused_linear_cross_entropy")
     gc.collect()
-    before = _tensors_with_history()
+    before = tensors_with_history()
     gc.disable()
     try:
         for _ in range(2):
             model(input_ids=ids, labels=labels).loss.backward()
             model.zero_grad(set_to_none=True)
-        after = _tensors_with_history()
+        after = tensors_with_history()
     finally:
         gc.enable()
     assert _launches(kernels, "fused_linear_cross_entropy") >= flce + 2
