@@ -165,7 +165,7 @@ def launch_config(n_cols: int, backward: bool) -> Optional[LaunchConfig]:
 # Autotuning: the candidate space. Rows up to these lengths may be held whole in registers (the
 # backward holds ~4 arrays per element, the forward ~2); longer rows go through the chunked path,
 # which is also tried from _CHUNKED_FROM columns on, so the autotuner compares both where they meet.
-_SINGLE_PASS_MAX = {False: 16384, True: 16384}
+_SINGLE_PASS_MAX = {False: 32768, True: 16384}
 _CHUNKED_FROM = 8192
 _CHUNK_BLOCKS = (4096, 8192, 16384)
 _MAX_PROGRAMS_PER_SM = 4
@@ -215,10 +215,11 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
                     per_thread = tile // (32 * num_warps)
                     allowed = (8, 16) if (backward or rows > 1) else (8, 16, 32)
                     fits_regs = _regs_per_thread(per_thread, rows, 2, backward) * num_warps <= 2048
-                    # a 16 K row held whole by 32 warps spills in the backward, yet reads x and dy once
-                    # where the chunked path reads them twice: the autotuner weighs the two
-                    whole_long_row = backward and block_n == 16384 and num_warps == 32
-                    if per_thread in allowed and (fits_regs or whole_long_row):
+                    # a long row held whole by 32 warps: the backward's 16 K spills, the forward's 32 K
+                    # needs 63 registers (scripts/check_sm90.py); each reads its inputs once where the
+                    # chunked path reads them twice, and the autotuner weighs the two
+                    whole_long_row = num_warps == 32 and block_n == (16384 if backward else 32768)
+                    if whole_long_row or (per_thread in allowed and fits_regs):
                         shapes.append((block_n, rows, num_warps, False))
             rows *= 2
         block_n *= 2
