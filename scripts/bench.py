@@ -47,6 +47,8 @@ def parse_args(argv=None):
                     help="longest one model/peer run may take (env BENCH_E2E_RUN_CAP_S)")
     ap.add_argument("--only", default=os.environ.get("BENCH_ONLY", ""),
                     help="comma list of substrings: kernel cases whose name contains one (e.g. 'rms_norm,flce')")
+    ap.add_argument("--modes", default=os.environ.get("BENCH_MODES", ""),
+                    help="comma list of fwd,bwd,fwdbwd to measure per kernel case (default all; env BENCH_MODES)")
     ap.add_argument("--peers", default=os.environ.get("BENCH_PEERS", ""),
                     help="comma list of kernel peers to run (hf_eager always runs: it is the reference)")
     ap.add_argument("--e2e-models", default=os.environ.get("BENCH_E2E_MODELS", ""), help="comma list")
@@ -68,7 +70,10 @@ def parse_args(argv=None):
     bad = set(a.parts) - {"kernels", "e2e"}
     if bad:
         ap.error(f"--parts: unknown part(s) {sorted(bad)}; valid: kernels, e2e")
-    a.only, a.peers = split(a.only), split(a.peers)
+    a.only, a.peers, a.modes = split(a.only), split(a.peers), split(a.modes)
+    bad = set(a.modes) - {"fwd", "bwd", "fwdbwd"}
+    if bad:
+        ap.error(f"--modes: unknown mode(s) {sorted(bad)}; valid: fwd, bwd, fwdbwd")
     if a.e2e_steps is None:
         a.e2e_steps = 2 if a.tiny else 10
     if a.e2e_warmup is None:
@@ -245,7 +250,7 @@ def main(argv=None) -> int:
             save()
 
         data["kernels"] = run_kernels(device, data["ceilings"], deadline, a.tiny, only=a.only, peers=a.peers,
-                                      on_case_done=on_case, cpu_compile=a.cpu_compile)
+                                      on_case_done=on_case, cpu_compile=a.cpu_compile, modes=a.modes)
         save()
         print(f"[bench] kernels done in {a.kernel_budget_s - deadline.left():.0f} s", flush=True)
     if "e2e" in a.parts:

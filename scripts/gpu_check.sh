@@ -26,7 +26,8 @@
 #   TEST_BUDGET_S=100      time box of the test run
 #   BENCH_PARTS=kernels,e2e   (empty: the tests only)
 #   BENCH_KERNEL_BUDGET_S, BENCH_E2E_BUDGET_S   default: what is left, split 55 % / 45 %
-#   BENCH_ONLY, BENCH_PEERS, BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers),
+#   BENCH_ONLY, BENCH_PEERS, BENCH_MODES (fwdbwd: the targets' mode only, ~1/3 of the time),
+#   BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers),
 #   BENCH_E2E_RUN_CAP_S (240: the longest one model/peer run may take)
 #   HYPOTHESIS_PROFILE=gpu (tests/conftest.py)
 set -uo pipefail

@@ -45,6 +45,17 @@ def test_tune_cross_entropy_smoke(tmp_path):
     assert "per_sm=0.5" in proc.stdout and "LAUNCH_TABLE rows" in proc.stdout
 
 
+def test_bench_modes_filter(tmp_path):
+    """--modes fwdbwd: only the mode issue 6's tables compare is measured."""
+    out = tmp_path / "bench.json"
+    proc = _run(["scripts/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels", "--only", "rms_norm",
+                 "--peers", "ours", "--modes", "fwdbwd", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cases = [k for k in json.loads(out.read_text())["kernels"] if "peers" in k]
+    assert cases and all(k["modes"] == ["fwdbwd"] for k in cases)
+    assert all(set(k["peers"]["ours"]["modes"]) == {"fwdbwd"} for k in cases)
+
+
 def test_step_diagnosis_parts_on_the_cpu():
     """scripts/step_diagnosis.py: kernels sorted into kinds by name (ours and Liger's as fused), and its
     cycle probe finds nothing left by a step of a tiny patched Llama (and would see a leaked graph)."""
