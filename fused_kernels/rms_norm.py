@@ -557,7 +557,8 @@ def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) ->
             tuned[grid](*args, **kwargs)
             _CHOSEN[key] = tuned.best_config.all_kwargs()
     else:
-        launch(kernel, grid({**kwargs, **meta}), args, {**kwargs, **meta})
+        merged = {**kwargs, **meta}
+        launch(kernel, grid(merged), args, merged)
 
 
 def reset_autotuning() -> None:

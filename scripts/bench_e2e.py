@@ -285,6 +285,18 @@ def run_e2e(args, deadline, on_done=None) -> list[dict]:
     return results
 
 
+def param_and_state_addresses(model, opt) -> set[int]:
+    """Storage addresses of the model's parameters, their gradients and the optimizer's state: what a
+    training run keeps between steps by design (scripts/step_diagnosis.py leaves these out too)."""
+    import torch
+
+    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    known |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
+              if isinstance(v, torch.Tensor)}
+    return known
+
+
 def _live_beyond_params_and_state(model, opt, top: int = 6) -> dict:
     """CUDA tensors alive between steps that are neither parameters, their grads, nor optimizer
     state, found through the garbage collector: whatever a patched model keeps from one step to
@@ -294,10 +306,7 @@ def _live_beyond_params_and_state(model, opt, top: int = 6) -> dict:
 
     import torch
 
-    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    known |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
-              if isinstance(v, torch.Tensor)}
+    known = param_and_state_addresses(model, opt)
     found: dict[int, tuple] = {}
     for obj in gc.get_objects():
         try:

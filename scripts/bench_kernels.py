@@ -15,9 +15,10 @@ peers in this process:
 
 Per peer and mode: median ms (bench_common.bench_ms), peak MiB beyond the inputs and the gradients the
 call leaves behind, for fwd+bwd also `gpu_ms` (the kernels' own durations summed, torch.profiler: the
-time with the host's launch overhead taken out), achieved GB/s (or TFLOP/s for FLCE) from the
-case's byte/FLOP floor, the fraction of the ceiling measured in this run, and the relative error of outputs and input gradients against
-hf_eager (a peer computing something else shows up there, not only in its speed).
+time with the host's launch overhead taken out), achieved GB/s (or TFLOP/s for FLCE) from the case's
+byte/FLOP floor, the fraction of the ceiling measured in this run, and the relative error of outputs
+and input gradients against hf_eager (a peer computing something else shows up there, not only in its
+speed).
 
 Floors (issue 6): RMSNorm fwd 2 passes over x-sized tensors (read x, write y), bwd 3 (read x, dy;
 write dx), fwd+bwd 5; RoPE 2 passes over q and k each way; SwiGLU fwd 3 (gate, up, y), bwd 5

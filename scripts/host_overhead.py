@@ -21,7 +21,6 @@ import io
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 CPU_STUB = "--cpu-stub" in sys.argv
@@ -52,15 +51,6 @@ def _stub_launches() -> None:
     bench_kernels._touch_kernel = _NoLaunch()
 
 
-def _cpu_us(fn, calls: int = 300) -> float:
-    for _ in range(20):
-        fn()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls * 1e6
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
@@ -68,10 +58,8 @@ def main() -> int:
     ap.add_argument("--cpu-stub", action="store_true", help="CPU, launches replaced by no-ops (see above)")
     a = ap.parse_args()
     device = torch.device("cpu" if CPU_STUB else "cuda")
-    timer = host_us
     if CPU_STUB:
         _stub_launches()
-        timer = _cpu_us
     cases = [rms_norm_case(64, 4096, ()), rope_case(1, 4, 2, 64, 128, ()), cross_entropy_case(64, 1000, ())]
     for case in cases:
         for peer in a.peers.split(","):
@@ -91,10 +79,10 @@ def main() -> int:
                 _backward(fn(*inp.args), inp.grad_out)
 
             with torch.no_grad():
-                f_us = timer(fwd)
-            fb_us = timer(fwdbwd)
+                f_us = host_us(fwd)
+            fb_us = host_us(fwdbwd)
             torch.autograd.set_multithreading_enabled(False)
-            fb1_us = timer(fwdbwd)
+            fb1_us = host_us(fwdbwd)
             print(f"{case.name:28s} {peer:8s} fwd(no_grad) {f_us:6.1f} us  fwd+bwd {fb_us:6.1f} us  "
                   f"(single-threaded autograd {fb1_us:6.1f} us)", flush=True)
             if a.profile:

@@ -57,10 +57,7 @@ def worker(model_key: str, peer: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    known |= {v.untyped_storage().data_ptr() for st in opt.state.values() for v in st.values()
-              if isinstance(v, torch.Tensor) and v.is_cuda}
-    known.add(ids.untyped_storage().data_ptr())
+    known = bench_e2e.param_and_state_addresses(model, opt) | {ids.untyped_storage().data_ptr()}
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     blocks = []

@@ -48,14 +48,16 @@ def graph_ms(fn: Callable[[], object], reps: int = 10) -> float:
 
 
 def host_us(fn: Callable[[], object], calls: int = 300) -> float:
-    """Python microseconds per fn() call, measured on inputs small enough that the GPU keeps up."""
+    """Python microseconds per fn() call, measured on inputs small enough that the GPU keeps up (on
+    a machine without CUDA: the CPU time of the calls, e.g. host_overhead.py --cpu-stub)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / calls * 1e6
 
 

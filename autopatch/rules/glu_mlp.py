@@ -4,9 +4,9 @@ Detection. Candidates are the classes a modeling module defines whose __init__ m
 and either `gate_proj` + `up_proj` or a fused `gate_up_proj`. One instance is built from a tiny
 config of the module's own config class (Llama4TextMLP -> Llama4TextConfig). It must hold exactly
 the projections as plain nn.Linear modules (a 3-D `gate_up_proj` parameter is an MoE expert container:
-autopatch/rules/moe_gate.py takes those whose gate is transformers' default; others are left alone) plus the activation in `act_fn` / `activation_fn` / `act`, and nothing else — no
-dropout, no norm, no parameters of its own. Its forward is run in float64 on random weights and inputs
-against
+autopatch/rules/moe_gate.py takes those whose gate is transformers' default; others are left alone)
+plus the activation in `act_fn` / `activation_fn` / `act`, and nothing else — no dropout, no norm, no
+parameters of its own. Its forward is run in float64 on random weights and inputs against
 
     down(act(gate(x)) * up(x))        act in {silu, gelu_tanh, gelu_erf}
     gate, up = gate_up(x).chunk(2)    for the fused projection, in either order
