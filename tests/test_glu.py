@@ -16,12 +16,12 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, reject
 from hypothesis import strategies as st
 
 import fused_kernels
 from fused_kernels import glu
-from helpers import assert_close, poison_, randn
+from helpers import REL_TOL, assert_close, poison_, randn, rel_err
 
 # Saturated activations overflow exp() to inf inside the interpreter's numpy (harmless: σ → 0).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -38,9 +38,9 @@ def run_op(op, approximate, gate, up):
     return fused_kernels.geglu(gate, up, approximate=approximate)
 
 
-def reference(op, approximate, gate, up):
-    """The same op in float64 with torch's own activations."""
-    g, u = gate.to(torch.float64), up.to(torch.float64)
+def reference(op, approximate, gate, up, dtype=torch.float64):
+    """The same op with torch's own activations, computed in `dtype`."""
+    g, u = gate.to(dtype), up.to(dtype)
     act = F.silu(g) if op == "swiglu" else F.gelu(g, approximate=approximate)
     return act * u
 
@@ -86,8 +86,15 @@ def shapes(draw, max_numel=1536):
 
 
 def check_forward_backward(op, approximate, lead, cols, dtype, gate_kind, up_kind, fused, dout_kind, tile,
-                           scale=1.0):
-    """Run op forward + backward on views of random leaves; compare against float64 autograd."""
+                           scale=1.0, seed=0, out_of_reach=None):
+    """Run op forward + backward on views of random leaves (drawn from `seed`); compare against float64
+    autograd. out_of_reach: called instead of comparing when torch's own op computed in float32 and
+    rounded once to `dtype` (the most a float32 kernel can do) already misses the float64 result by more
+    than the dtype's bound: fp16 subnormal gradients (a value of 1e-7 has 2-3 % rounding steps), or a
+    GELU of a gate below about -6, where 1 + erf(x/√2) cancels to 0 in float32 (torch's F.gelu gives 0
+    too). Such examples only come up with every element in that regime (tiny tensors, large scale);
+    the hypothesis test rejects them."""
+    gen = torch.Generator().manual_seed(seed)
     if fused:  # both halves of one gate_up tensor, exactly as a fused gate_up_proj produces them
         leaf_shapes = [(*lead, 2 * cols)]
 
@@ -100,15 +107,15 @@ def check_forward_backward(op, approximate, lead, cols, dtype, gate_kind, up_kin
         def views(leaves):
             return gview(leaves[0]), uview(leaves[1])
 
-    leaves = [randn(*s, dtype=dtype, scale=scale, requires_grad=True) for s in leaf_shapes]
+    leaves = [randn(*s, dtype=dtype, scale=scale, requires_grad=True, generator=gen) for s in leaf_shapes]
     gate, up = views(leaves)
     assert gate.shape == up.shape == (*lead, cols)
 
     dshape, dview = layout(lead, cols, dout_kind)
     if dout_kind == "expanded":
-        dout = randn(cols, dtype=dtype).expand(*lead, cols)
+        dout = randn(cols, dtype=dtype, generator=gen).expand(*lead, cols)
     else:
-        dout = dview(randn(*dshape, dtype=dtype))
+        dout = dview(randn(*dshape, dtype=dtype, generator=gen))
 
     with poisoned_outputs_and_tile(tile):
         out = run_op(op, approximate, gate, up)
@@ -120,6 +127,13 @@ def check_forward_backward(op, approximate, lead, cols, dtype, gate_kind, up_kin
 
     what = f"{op}/{approximate} {dtype} lead={lead} cols={cols} {gate_kind}/{up_kind} fused={fused} tile={tile}"
     assert out.dtype == dtype and out.shape == gate.shape and out.is_contiguous()
+    if out_of_reach is not None:
+        leaves32 = [leaf.detach().float().requires_grad_(True) for leaf in leaves]
+        best = reference(op, approximate, *views(leaves32), dtype=torch.float32)
+        best.backward(dout.float())
+        pairs = [(best, ref), *((l32.grad, l64.grad) for l32, l64 in zip(leaves32, leaves64))]
+        if any(rel_err(got.to(dtype), want) > REL_TOL[dtype] for got, want in pairs):
+            out_of_reach()
     assert_close(out, ref, dtype, f"out {what}")
     for i, (leaf, leaf64) in enumerate(zip(leaves, leaves64)):
         assert leaf.grad is not None and leaf.grad.dtype == dtype
@@ -136,10 +150,12 @@ def check_forward_backward(op, approximate, lead, cols, dtype, gate_kind, up_kin
     dout_kind=st.sampled_from(["contiguous", "transposed", "expanded", "second_half"]),
     tile=st.sampled_from([None, 64, 256]),
     scale=st.sampled_from([1.0, 6.0]),
+    seed=st.integers(0, 2**31 - 1),
 )
-def test_random_shapes_layouts_dtypes(shape, dtype, op, gate_kind, up_kind, fused, dout_kind, tile, scale):
+def test_random_shapes_layouts_dtypes(shape, dtype, op, gate_kind, up_kind, fused, dout_kind, tile, scale, seed):
     lead, cols = shape
-    check_forward_backward(op[0], op[1], lead, cols, dtype, gate_kind, up_kind, fused, dout_kind, tile, scale)
+    check_forward_backward(op[0], op[1], lead, cols, dtype, gate_kind, up_kind, fused, dout_kind, tile, scale,
+                           seed, out_of_reach=reject)
 
 
 @pytest.mark.parametrize("op,approximate", OPS)
