@@ -139,6 +139,31 @@ _BWD_LONG = LaunchConfig(block_n=16384, rows=1, num_warps=32, programs_per_sm=1,
 L2_BUDGET_BYTES = 32 * 2**20
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitBackwardConfig:
+    """The backward of rows too long to hold whole, split across programs by columns: a row-dot kernel
+    (one program per row and dot_block columns: the partial sums of g·xhat), then a dx/dw kernel (one
+    program per group of rows and block_n columns: c from the partial sums, dx, and the group's dw
+    partial row kept in registers). x and dy are read twice from HBM, but every SM is busy however few
+    the rows, and no dw partial row is read-modify-written through L2 (the chunked kernel's limit)."""
+    dot_block: int = 4096  # columns per row-dot program (power of two)
+    dot_warps: int = 8
+    block_n: int = 4096  # columns per dx/dw program (power of two)
+    num_warps: int = 8
+    programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
+    num_stages: int = 2  # software pipelining of the dx/dw kernel's row loop
+
+
+# Backward rows longer than this go through the split kernels (no backward config holds them whole).
+SPLIT_BACKWARD_FROM = 16384
+
+
+def split_backward_config(n_rows: int, n_cols: int) -> Optional[SplitBackwardConfig]:
+    """The split backward's config for this shape, or None for the one-kernel backward. Tests and
+    scripts/tune_rms_norm.py replace this function to force (or forbid) the split path."""
+    return SplitBackwardConfig() if n_cols > SPLIT_BACKWARD_FROM else None
+
+
 def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
     from the tables above."""
@@ -519,6 +544,65 @@ def _rms_norm_bwd_kernel(
                     tl.store(partial_row + c_idx, earlier + tl.sum(dy * h, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _rms_norm_bwd_rowdot_kernel(
+    DY, X, W, RSTD, DOT,
+    n_cols, stride_dy, stride_x, offset, n_dot_blocks,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_BF16: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr,
+):
+    # Split backward, first kernel: program (row, b) writes DOT[row, b] = Σ g·xhat over the b-th
+    # block of BLOCK_N columns (see _grad_terms; X may hold y, as in _rms_norm_bwd_kernel).
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    block = tl.program_id(1)
+    rows64 = rows.to(tl.int64)
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0)
+    rstd = tl.load(RSTD + rows)
+    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16,
+                              FROM_OUTPUT)
+    tl.store(DOT + rows64 * n_dot_blocks + block, tl.sum(g * xhat, axis=1))
+
+
+@triton.jit
+def _rms_norm_bwd_split_kernel(
+    DY, X, W, RSTD, DOT, DX, DW_PARTIAL,
+    n_rows, n_cols, stride_dy, stride_x, stride_dx, offset, n_dot_blocks, rows_per_group,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_BLOCKS: tl.constexpr, NUM_STAGES: tl.constexpr, EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+):
+    # Split backward, second kernel: program (group, b) takes rows_per_group rows in BLOCK_N columns:
+    # c = Σ_b DOT[row, b] / n_cols, dx for its columns, and Σ over its rows of dy·h into
+    # DW_PARTIAL[group, its columns] (the host sums the groups' partial rows).
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dots = tl.arange(0, DOT_BLOCKS)
+    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    dw_acc = tl.zeros([1, BLOCK_N], tl.float32)
+    first = group * rows_per_group
+    for r in tl.range(first, tl.minimum(first + rows_per_group, n_rows), num_stages=NUM_STAGES):
+        rows64 = (r + tl.arange(0, 1)).to(tl.int64)
+        dot = tl.load(DOT + rows64[:, None] * n_dot_blocks + dots[None, :], mask=(dots < n_dot_blocks)[None, :],
+                      other=0.0)
+        c = tl.sum(dot, axis=1) / n_cols
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0)
+        dy = dy.to(tl.float32)
+        rstd = tl.load(RSTD + rows64)
+        xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
+        dx = rstd[:, None] * (g - xhat * c[:, None])
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+                 mask=col_mask[None, :])
+        if COMPUTE_DW:
+            dw_acc += dy * h
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Autotuned launchers (GPU). The kernels write only their outputs (y, rstd; dx and the dw partial
 # rows, each stored before it is read back), so the autotuner's benchmark runs cannot corrupt them:
@@ -652,8 +736,9 @@ def _backward_impl(
     from_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
-    False. One kernel launch, plus torch's sum over the dw partial rows (and a cast when weight is
-    not fp32); nothing else touches full-size tensors. from_output: `x` is the forward's output y
+    False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward), plus
+    torch's sum over the dw partial rows (and a cast when weight is not fp32); nothing else touches
+    full-size tensors. from_output: `x` is the forward's output y
     (of x's dtype), from which the kernel recovers xhat = y / (offset + weight)."""
     compute_dw = compute_dw and weight is not None
     device = x.device
@@ -663,8 +748,15 @@ def _backward_impl(
     n_rows, n_cols = x2.shape
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else x.new_empty(0, dtype=torch.float32)
-    bytes_per_col = 4 + x.element_size() + dy.element_size()
     sm_count = _sm_count(device)
+    split = split_backward_config(n_rows, n_cols)
+    if split is not None:
+        partial, programs = _split_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output,
+                                            split, sm_count)
+        if compute_dw:
+            return dx, _dw_from_partial(partial, programs, weight)
+        return dx, partial.new_empty(0)
+    bytes_per_col = 4 + x.element_size() + dy.element_size()
     cfg = launch_config(n_cols, backward=True)
     if cfg is None:  # the autotuner picks rows per tile and programs per SM: room for the most
         max_programs = min(n_rows, _MAX_PROGRAMS_PER_SM * sm_count)
@@ -698,9 +790,43 @@ def _backward_impl(
         launch(_rms_norm_bwd_kernel, (programs,), args,
                dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
     if compute_dw:
-        dw = partial[:programs].sum(dim=0)
-        return dx, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+        return dx, _dw_from_partial(partial, programs, weight)
     return dx, partial.new_empty(0)
+
+
+def _dw_from_partial(partial: torch.Tensor, programs: int, weight: torch.Tensor) -> torch.Tensor:
+    """dw: the sum of the first `programs` fp32 partial rows, in weight's dtype."""
+    dw = partial[:programs].sum(dim=0)
+    return dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+
+
+def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool, from_output: bool,
+                    cfg: SplitBackwardConfig, sm_count: int) -> tuple[torch.Tensor, int]:
+    """The split backward's two launches (see SplitBackwardConfig); dx is written in place. Returns the
+    dw partial rows and how many of them to sum."""
+    n_rows, n_cols = x2.shape
+    device = x2.device
+    n_dot = _cdiv(n_cols, cfg.dot_block)
+    dot = _new_output((n_rows, n_dot), torch.float32, device)
+    w = x2 if weight is None else weight
+    rstd1 = rstd.contiguous().reshape(-1)
+    flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
+                 FROM_OUTPUT=from_output)
+    count_launch("rms_norm_bwd")
+    launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),
+           (dy2, x2, w, rstd1, dot, n_cols, _row_stride(dy2), _row_stride(x2), offset, n_dot),
+           dict(flags, BLOCK_N=cfg.dot_block, num_warps=cfg.dot_warps))
+    n_blocks = _cdiv(n_cols, cfg.block_n)
+    groups_wanted = max(1, cfg.programs_per_sm * sm_count // n_blocks)
+    rows_per_group = _cdiv(n_rows, min(n_rows, groups_wanted))
+    groups = _cdiv(n_rows, rows_per_group)
+    partial = _new_output((groups, n_cols) if compute_dw else (1, 1), torch.float32, device)
+    launch(_rms_norm_bwd_split_kernel, (groups, n_blocks),
+           (dy2, x2, w, rstd1, dot, dx, partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols, offset,
+            n_dot, rows_per_group),
+           dict(flags, COMPUTE_DW=compute_dw, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, _next_pow2(n_dot)),
+                NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps))
+    return partial, groups
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=0 python scripts/tune_cross_entropy.py            (one command, <= ~90 s)
     options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce
+    --flce-only --flce-shape 16384,2304,262144 --flce-chunks 256,512,1024 (the FLCE section alone, any shape)
     --sweep-kernel (the full grid; by default the table's entry and a few shapes near it)
     --cpu-smoke: the same steps on tiny CPU tensors under the Triton interpreter (checks the script)
 
@@ -200,7 +201,7 @@ def max_memory_allocated() -> int:
     return 0 if SMOKE else torch.cuda.max_memory_allocated()
 
 
-def flce_section(h: int = 4096, v: int = 128256, n: int = 8192) -> None:
+def flce_section(h: int = 4096, v: int = 128256, n: int = 8192, chunks: tuple = (768, 1024, 2048)) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(n, h, device=DEVICE).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, device=DEVICE) * 0.02).to(torch.bfloat16).requires_grad_()
@@ -217,7 +218,7 @@ def flce_section(h: int = 4096, v: int = 128256, n: int = 8192) -> None:
     # goes beyond three full-size GEMMs.
     with torch.no_grad():
         grad_w = torch.zeros_like(weight)
-        for rows in ((768, 1024, 2048) if not SMOKE else (4,)):
+        for rows in (chunks if not SMOKE else (4,)):
             h_c = hidden[:rows]
             buf = torch.empty(rows, v, device=DEVICE, dtype=torch.bfloat16)
             dh = torch.empty(rows, h, device=DEVICE, dtype=torch.bfloat16)
@@ -247,7 +248,7 @@ def flce_section(h: int = 4096, v: int = 128256, n: int = 8192) -> None:
         fused_kernels.fused_linear_cross_entropy(hidden, weight, target).backward()
 
     default = flce.chunk_rows(n, v, 2)
-    for rows in sorted({512, default, 1024, 2048} if not SMOKE else {4, default}):
+    for rows in sorted({512, default, *chunks} if not SMOKE else {4, default}):
         flce._CONFIG["chunk_rows"] = rows
         try:
             step()
@@ -272,6 +273,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=80.0, help="time for the search (the summary always prints)")
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--no-flce", action="store_true")
+    ap.add_argument("--flce-only", action="store_true", help="only the fused linear CE section")
+    ap.add_argument("--flce-shape", default="8192,4096,128256", help="rows,hidden,vocab of the FLCE section")
+    ap.add_argument("--flce-chunks", default="768,1024,2048", help="chunk rows whose GEMMs are timed")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -290,6 +294,12 @@ def main() -> None:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}  "
               f"copy {bw / 1e9:.0f} GB/s")
+    n_flce, h_flce, v_flce = (int(t) for t in args.flce_shape.split(","))
+    flce_args = (h_flce, v_flce, n_flce, tuple(int(t) for t in args.flce_chunks.split(",")))
+    if args.flce_only:
+        flce_section(*((8, 1100, 10, (4,)) if SMOKE else flce_args))
+        print(f"\ntotal {time.monotonic() - t0:.0f} s")
+        return
     # Search budget shared by the three vocabularies; the FLCE section and the summary come after.
     search_budget = args.budget_s - (12.0 if not args.no_flce else 0.0)
     winners = {}
@@ -332,7 +342,7 @@ def main() -> None:
         if not SMOKE:
             torch.cuda.empty_cache()
     if not args.no_flce:
-        flce_section(*((8, 1100, 10) if SMOKE else ()))
+        flce_section(*((8, 1100, 10, (4,)) if SMOKE else flce_args))
     print(f"\ntotal {time.monotonic() - t0:.0f} s")
 
 

@@ -1,7 +1,7 @@
 """How fast fused_kernels.rms_norm is on a GPU, and which launch config the autotuner picked (the lead runs
 this on the H200).
 
-    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep]
+    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep] [--split]
 
 Per shape (bf16 x and weight, casting "llama"), forward and backward:
 - the autotuner's candidates and their times (its own do_bench medians), and the winner;
@@ -13,6 +13,7 @@ Per shape (bf16 x and weight, casting "llama"), forward and backward:
   backward alone, forward + backward;
 - host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
 With --sweep every candidate is also forced (through rms_norm.launch_config) and timed kernel-only.
+With --split (rows of >= 8192 columns) the backward is timed as one kernel and as the split kernels.
 """
 
 from __future__ import annotations
@@ -75,6 +76,40 @@ def forced(cfg):
     return _Ctx()
 
 
+def forced_split(cfg):
+    """Force the split backward with `cfg` (None: forbid it, so the one-kernel backward runs)."""
+    class _Ctx:
+        def __enter__(self):
+            self.saved = rms.split_backward_config
+            rms.split_backward_config = lambda n_rows, n_cols: cfg
+        def __exit__(self, *exc):
+            rms.split_backward_config = self.saved
+    return _Ctx()
+
+
+SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
+    rms.SplitBackwardConfig(**kw) for kw in (
+        dict(block_n=4096, num_warps=16), dict(block_n=2048, num_warps=8), dict(block_n=2048, num_warps=4),
+        dict(block_n=8192, num_warps=16), dict(programs_per_sm=2), dict(programs_per_sm=8),
+        dict(num_stages=1), dict(num_stages=3), dict(dot_block=8192, dot_warps=16), dict(dot_block=2048, dot_warps=4),
+    )]
+
+
+def split_section(bwd, floor_bwd: float, dx_ref) -> None:
+    """The backward's kernel time: one kernel (chunked/whole, autotuned) against split configs."""
+    print("  backward, one kernel vs split (kernel time incl. the dw partial sum):")
+    for cfg in [None] + SPLIT_VARIANTS:
+        with forced_split(cfg):
+            try:
+                ok = close(bwd()[0], dx_ref)
+                ms = graph_ms(bwd)
+            except Exception as exc:  # report, go on
+                print(f"      {cfg} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+        print(f"      {ms:.4f} ms ({pct(floor_bwd, ms)}){'' if ok else '  MISMATCH'}  "
+              f"{'one kernel (autotuned)' if cfg is None else cfg}", flush=True)
+
+
 def report_autotune(direction: str, tuned, floor: float) -> None:
     timings = autotune_timings(tuned)
     print(f"  {direction} autotune: {len(timings)} candidates timed; winner {config_str(rms.autotuned_config(direction == 'bwd'))}")
@@ -88,6 +123,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x4096,65536x1024,4096x16384,1024x65536")
     ap.add_argument("--sweep", action="store_true", help="also force and time every candidate config")
+    ap.add_argument("--split", action="store_true",
+                    help="time the backward as one kernel and as the split kernels (several configs), rows >= 8192")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -137,6 +174,10 @@ def main() -> None:
             with forced(cfg):
                 ms = graph_ms(fn)
             print(f"  kernel time, heuristic table {'bwd' if backward else 'fwd'}: {ms:.4f} ms ({pct(floor, ms)})  {cfg}")
+        if rms.split_backward_config(rows, n) is not None:
+            print("  (the backward above ran the split kernels: its autotune lines are an earlier shape's)")
+        if args.split and n >= 8192:
+            split_section(bwd, floor_bwd, dx_ref)
         y_plain, r_plain = torch.empty_like(x), torch.empty(rows, device=dev)
         if plain_forward(x, w, y_plain, r_plain) is not None:
             ms = graph_ms(lambda: plain_forward(x, w, y_plain, r_plain))

@@ -255,6 +255,45 @@ def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
     check_against_reference(x, None, 1e-6, 0.0, casting_mode)
 
 
+# Split backward forced on a small shape: 150 columns as 3 row-dot blocks of 64 (the last ragged,
+# DOT_BLOCKS = 4 masked) and 5 dx/dw blocks of 32; 8 programs per "SM" (2 on the CPU) over 5 column
+# blocks = 3 row groups of 4, 4 and 3 rows (each its own dw partial row).
+_SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, block_n=32, num_warps=4,
+                                                    programs_per_sm=8, num_stages=2)
+
+
+@pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("keep", ("input", "output"))
+def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
+    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
+    x = randn(11, 150, dtype=dtype, scale=2.0)
+    weight = randn(150, dtype=dtype)
+    check_against_reference(x, weight, 1e-6, 1.0 if casting_mode == "gemma" else 0.0, casting_mode, keep=keep)
+    check_against_reference(x, None, 1e-6, 0.0, casting_mode, keep=keep)
+
+
+def test_split_backward_is_used_for_long_rows_only(monkeypatch):
+    """Rows longer than SPLIT_BACKWARD_FROM go through the two split kernels; shorter ones do not. A
+    strided (row-padded) input and a weight without a gradient exercise the strides and no-dw path."""
+    assert rms_norm_module.split_backward_config(4, rms_norm_module.SPLIT_BACKWARD_FROM) is None
+    assert rms_norm_module.split_backward_config(4, rms_norm_module.SPLIT_BACKWARD_FROM + 1) is not None
+    calls = []
+    real = rms_norm_module._split_backward
+    monkeypatch.setattr(rms_norm_module, "_split_backward", lambda *a: calls.append(1) or real(*a))
+    n = rms_norm_module.SPLIT_BACKWARD_FROM + 40
+    base = randn(3, n + 24, dtype=torch.float32, scale=2.0)
+    x = base[:, :n].requires_grad_(True)
+    w = randn(n, dtype=torch.float32)
+    y = rms_norm(x, w)
+    dy = randn(3, n)
+    y.backward(dy)
+    assert calls, "the split backward was not used"
+    x64 = x.detach().double().requires_grad_(True)
+    reference(x64, w.double(), 1e-6, 0.0, "llama", torch.float32, torch.float32).backward(dy.double())
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+
+
 # --- keep="output": the backward recovers xhat from y -------------------------------------------
 
 @pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
