@@ -30,7 +30,9 @@ r); backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial ro
 program (programs × N × 4 bytes, written once, then summed by torch). 16384×4096 bf16: 256 MiB
 forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the table's last entry are
 held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
-second sweep reading from L2 (and the backward read-modify-writes its partial dw row there).
+second sweep reading from L2. The backward of rows longer than 16 K is split across programs instead
+(SplitBackwardConfig): the row sums of g·xhat by column block, then dx and dw by row group and column
+block; x and dy are read twice from HBM (5 passes in all where the floor counts 3), but every SM works.
 
 Launch shapes. On a GPU, triton.autotune picks among `candidate_configs`: rows per tile, warps,
 single pass vs chunked, and (forward) one program per tile vs a persistent grid; persistent grids (the
@@ -148,13 +150,17 @@ class SplitBackwardConfig:
     the rows, and no dw partial row is read-modify-written through L2 (the chunked kernel's limit)."""
     dot_block: int = 4096  # columns per row-dot program (power of two)
     dot_warps: int = 8
-    block_n: int = 4096  # columns per dx/dw program (power of two)
-    num_warps: int = 8
+    block_n: int = 2048  # columns per dx/dw program (power of two)
+    num_warps: int = 4
     programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
     num_stages: int = 2  # software pipelining of the dx/dw kernel's row loop
 
 
 # Backward rows longer than this go through the split kernels (no backward config holds them whole).
+# H200, bf16 (benchmarks/session5/tune_rms_norm_split.txt), backward kernel time, one kernel -> split:
+# 1024x65536 0.297 -> 0.181 ms, 2048x32768 0.229 -> 0.179, 8192x32768 0.852 -> 0.669; at 4096x16384
+# the whole-row kernel stays ahead (0.136 against 0.177). The defaults above are that run's best shape
+# within noise (2048 columns, 4 warps); stages and programs per SM moved it by <= 5 %.
 SPLIT_BACKWARD_FROM = 16384
 
 
