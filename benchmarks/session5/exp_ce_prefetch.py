@@ -8,7 +8,7 @@ current one is computed, so the SM keeps loads in flight through the reductions.
 Simplified kernels (no label smoothing, softcap, scale; ignore_index kept), timed against
 fused_kernels.cross_entropy.launch_ce on the same inputs; outputs compared with it.
 
-    TRITON_INTERPRET=0 python scripts/exp_ce_prefetch.py [--budget-s 120]
+    TRITON_INTERPRET=0 python benchmarks/session5/exp_ce_prefetch.py [--budget-s 120]   (from the repository root)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
