@@ -75,6 +75,32 @@ def rms_norm_cases(cols: list[int], dtype: str):
                 yield label, kernel, sig, flags, aligned, cfg.num_warps, cfg.num_stages, cfg.kwargs["PROGRAMS_PER_SM"]
 
 
+def rms_norm_split_cases(cols: list[int], dtype: str):
+    """The split backward's two kernels (rows longer than SPLIT_BACKWARD_FROM) with the default config."""
+    rms = importlib.import_module("fused_kernels.rms_norm")
+    cfg = rms.SplitBackwardConfig()
+    dot_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
+               "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32", "offset": "fp32", "n_dot_blocks": "i32"}
+    split_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
+                 "DX": f"*{dtype}", "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_dy": "i32",
+                 "stride_x": "i32", "stride_dx": "i32", "offset": "fp32", "n_dot_blocks": "i32",
+                 "rows_per_group": "i32"}
+    for n in cols:
+        if rms.split_backward_config(1024, n) is None:
+            continue
+        n_dot = -(-n // cfg.dot_block)
+        common = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, FROM_OUTPUT=False)
+        for kernel, sig, flags, warps, stages in (
+                (rms._rms_norm_bwd_rowdot_kernel, dot_sig, dict(common, BLOCK_N=cfg.dot_block), cfg.dot_warps, 1),
+                (rms._rms_norm_bwd_split_kernel, split_sig,
+                 dict(common, COMPUTE_DW=True, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, triton.next_power_of_2(n_dot)),
+                      NUM_STAGES=cfg.num_stages), cfg.num_warps, cfg.num_stages)):
+            aligned = [k for k, v in sig.items() if v.startswith("*")]
+            if n % 16 == 0:
+                aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
+            yield f"rms_norm split bwd n_cols={n} {kernel.__name__} {cfg}", kernel, sig, flags, aligned, warps, stages, 0
+
+
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
     rope = importlib.import_module("fused_kernels.rope")
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "qo_ptr": f"*{dtype}", "ko_ptr": f"*{dtype}",
@@ -123,6 +149,7 @@ def main() -> None:
     cases = []
     if args.op in ("rms_norm", "all"):
         cases += list(rms_norm_cases([int(c) for c in args.cols.split(",")], args.dtype))
+        cases += list(rms_norm_split_cases([int(c) for c in args.cols.split(",")], args.dtype))
     if args.op in ("rope", "all"):
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.rope.split(",")]
         cases += list(rope_cases(shapes, args.dtype))
