@@ -744,8 +744,8 @@ def _backward_impl(
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
     False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward), plus
     torch's sum over the dw partial rows (and a cast when weight is not fp32); nothing else touches
-    full-size tensors. from_output: `x` is the forward's output y
-    (of x's dtype), from which the kernel recovers xhat = y / (offset + weight)."""
+    full-size tensors. from_output: `x` is the forward's output y (of x's dtype), from which the
+    kernels recover xhat = y / (offset + weight)."""
     compute_dw = compute_dw and weight is not None
     device = x.device
     dx = _new_output(x.shape, x.dtype, device)
