@@ -154,6 +154,16 @@ class SplitBackwardConfig:
     num_warps: int = 4
     programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
     num_stages: int = 2  # software pipelining of the dx/dw kernel's row loop
+    # Experimental (not measured on a GPU yet; off by default): one launch instead of two, rows taken in
+    # groups whose x and dy fit in L2 (group_bytes), so that the dx/dw items re-read them from L2, not
+    # HBM. Items (row-dot: a row's dot_block·dot_steps columns; dx/dw: sub_rows rows × block_n columns)
+    # are handed out in a fixed order by an atomic ticket: the row dots of group g+1, then the dx/dw of
+    # group g, which waits until its group's row dots are counted. Every item it waits for holds a lower
+    # ticket, so it is running or done whatever the residency (no deadlock with shared SMs).
+    l2_groups: bool = False
+    group_bytes: int = 16 * 2**20
+    sub_rows: int = 16
+    dot_steps: int = 4
 
 
 # Backward rows longer than this go through the split kernels (no backward config holds them whole).
@@ -609,6 +619,89 @@ def _rms_norm_bwd_split_kernel(
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
+@triton.jit
+def _rms_norm_bwd_grouped_kernel(
+    DY, X, W, RSTD, DOT, DX, DW_PARTIAL, COUNTERS,
+    n_rows, n_cols, stride_dy, stride_x, stride_dx, offset, n_dot, rows_per_group, n_groups, n_col_blocks,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, DOT_BLOCK: tl.constexpr,
+    DOT_STEPS: tl.constexpr, DOT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_ROWS: tl.constexpr,
+    EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+):
+    # The split backward in one launch over L2-sized row groups (SplitBackwardConfig.l2_groups).
+    # COUNTERS[0] is the ticket, COUNTERS[1 + g] the row-dot items of group g that are done. Ticket order:
+    # dots(0), dots(1), dxdw(0), dots(2), dxdw(1), ..., dots(G-1), dxdw(G-2), dxdw(G-1); rows past the
+    # end (last group) are items that only count themselves.
+    a_items = rows_per_group * n_dot
+    subs = rows_per_group // SUB_ROWS
+    seg = a_items + subs * n_col_blocks
+    total = n_groups * seg
+    t = tl.atomic_add(COUNTERS, 1)
+    while t < total:
+        t2 = tl.maximum(t - a_items, 0)
+        k = t2 // seg
+        off = t2 - k * seg
+        first = t < a_items
+        last = k >= n_groups - 1
+        is_dot = first | ((k < n_groups - 1) & (off < a_items))
+        grp = tl.where(first, 0, tl.where(is_dot, k + 1, k))
+        idx = tl.where(first, t, tl.where(is_dot | last, off, off - a_items))
+        if is_dot:
+            row = grp * rows_per_group + idx // n_dot
+            if row < n_rows:
+                rows64 = (row + tl.arange(0, 1)).to(tl.int64)
+                rstd = tl.load(RSTD + rows64)
+                acc = tl.zeros([1, DOT_BLOCK], tl.float32)
+                col0 = (idx % n_dot) * (DOT_BLOCK * DOT_STEPS)
+                for step in range(DOT_STEPS):
+                    cols = col0 + step * DOT_BLOCK + tl.arange(0, DOT_BLOCK)
+                    col_mask = cols < n_cols
+                    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
+                                eviction_policy="evict_last")
+                    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :],
+                                 other=0.0, eviction_policy="evict_last")
+                    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, DX, CASTING,
+                                              EXACT_BF16, FROM_OUTPUT)
+                    acc += g * xhat
+                tl.store(DOT + rows64 * n_dot + idx % n_dot, tl.sum(acc, axis=1))
+            # every thread's store before the one thread's release (bar.sync, then red.release.gpu)
+            tl.debug_barrier()
+            tl.atomic_add(COUNTERS + 1 + grp, 1, sem="release")
+        else:
+            done = tl.atomic_add(COUNTERS + 1 + grp, 0, sem="acquire")
+            while done < a_items:
+                done = tl.atomic_add(COUNTERS + 1 + grp, 0, sem="acquire")
+            sub = idx // n_col_blocks
+            cols = (idx % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            dots = tl.arange(0, DOT_BLOCKS)
+            w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+            dw_acc = tl.zeros([1, BLOCK_N], tl.float32)
+            row0 = grp * rows_per_group + sub * SUB_ROWS
+            for i in range(SUB_ROWS):
+                if row0 + i < n_rows:
+                    rows64 = (row0 + i + tl.arange(0, 1)).to(tl.int64)
+                    dot = tl.load(DOT + rows64[:, None] * n_dot + dots[None, :], mask=(dots < n_dot)[None, :],
+                                  other=0.0, cache_modifier=".cg")
+                    c = tl.sum(dot, axis=1) / n_cols
+                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
+                                eviction_policy="evict_first")
+                    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :],
+                                 other=0.0, eviction_policy="evict_first")
+                    dy = dy.to(tl.float32)
+                    rstd = tl.load(RSTD + rows64)
+                    xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
+                    dx = rstd[:, None] * (g - xhat * c[:, None])
+                    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
+                             for_store(dx, DX.dtype.element_ty, EXACT_BF16), mask=col_mask[None, :])
+                    if COMPUTE_DW:
+                        dw_acc += dy * h
+            if COMPUTE_DW:
+                part = (grp * subs + sub).to(tl.int64)
+                tl.store(DW_PARTIAL + part * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        t = tl.atomic_add(COUNTERS, 1)
+
+
 # ----------------------------------------------------------------------------------------------
 # Autotuned launchers (GPU). The kernels write only their outputs (y, rstd; dx and the dw partial
 # rows, each stored before it is read back), so the autotuner's benchmark runs cannot corrupt them:
@@ -812,13 +905,15 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     dw partial rows and how many of them to sum."""
     n_rows, n_cols = x2.shape
     device = x2.device
-    n_dot = _cdiv(n_cols, cfg.dot_block)
-    dot = _new_output((n_rows, n_dot), torch.float32, device)
     w = x2 if weight is None else weight
     rstd1 = rstd.contiguous().reshape(-1)
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
                  FROM_OUTPUT=from_output)
     count_launch("rms_norm_bwd")
+    if cfg.l2_groups:
+        return _grouped_backward(dy2, x2, w, rstd1, dx, offset, flags, compute_dw, cfg, sm_count)
+    n_dot = _cdiv(n_cols, cfg.dot_block)
+    dot = _new_output((n_rows, n_dot), torch.float32, device)
     launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),
            (dy2, x2, w, rstd1, dot, n_cols, _row_stride(dy2), _row_stride(x2), offset, n_dot),
            dict(flags, BLOCK_N=cfg.dot_block, num_warps=cfg.dot_warps))
@@ -833,6 +928,32 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
            dict(flags, COMPUTE_DW=compute_dw, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, _next_pow2(n_dot)),
                 NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps))
     return partial, groups
+
+
+def _grouped_backward(dy2, x2, w, rstd1, dx, offset: float, flags: dict, compute_dw: bool,
+                      cfg: SplitBackwardConfig, sm_count: int) -> tuple[torch.Tensor, int]:
+    """The split backward as one launch over L2-sized row groups (SplitBackwardConfig.l2_groups)."""
+    n_rows, n_cols = x2.shape
+    device = x2.device
+    bytes_per_row = n_cols * (x2.element_size() + dy2.element_size())
+    sub = cfg.sub_rows
+    rows_per_group = max(sub, cfg.group_bytes // bytes_per_row // sub * sub)
+    rows_per_group = min(rows_per_group, _cdiv(n_rows, sub) * sub)
+    n_groups = _cdiv(n_rows, rows_per_group)
+    n_dot = _cdiv(n_cols, cfg.dot_block * cfg.dot_steps)
+    n_col_blocks = _cdiv(n_cols, cfg.block_n)
+    dot = _new_output((n_rows, n_dot), torch.float32, device)
+    n_partials = n_groups * (rows_per_group // sub)
+    partial = _new_output((n_partials, n_cols) if compute_dw else (1, 1), torch.float32, device)
+    counters = torch.zeros(1 + n_groups, dtype=torch.int32, device=device)
+    items = n_groups * (rows_per_group * n_dot + rows_per_group // sub * n_col_blocks)
+    programs = max(1, min(items, cfg.programs_per_sm * sm_count))
+    launch(_rms_norm_bwd_grouped_kernel, (programs,),
+           (dy2, x2, w, rstd1, dot, dx, partial, counters, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
+            offset, n_dot, rows_per_group, n_groups, n_col_blocks),
+           dict(flags, COMPUTE_DW=compute_dw, DOT_BLOCK=cfg.dot_block, DOT_STEPS=cfg.dot_steps,
+                DOT_BLOCKS=max(2, _next_pow2(n_dot)), BLOCK_N=cfg.block_n, SUB_ROWS=sub, num_warps=cfg.num_warps))
+    return partial, n_partials
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ many programs share an SM (65536 per SM), which rms_norm's persistent backward g
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import re
@@ -99,6 +100,18 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
             if n % 16 == 0:
                 aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
             yield f"rms_norm split bwd n_cols={n} {kernel.__name__} {cfg}", kernel, sig, flags, aligned, warps, stages, 0
+        grouped = dataclasses.replace(cfg, l2_groups=True)
+        grouped_sig = dict(split_sig, COUNTERS="*i32", n_dot="i32", rows_per_group="i32", n_groups="i32",
+                           n_col_blocks="i32")
+        grouped_sig = {k: grouped_sig[k] for k in rms._rms_norm_bwd_grouped_kernel.arg_names if k in grouped_sig}
+        n_dot = -(-n // (grouped.dot_block * grouped.dot_steps))
+        flags = dict(common, COMPUTE_DW=True, DOT_BLOCK=grouped.dot_block, DOT_STEPS=grouped.dot_steps,
+                     DOT_BLOCKS=max(2, triton.next_power_of_2(n_dot)), BLOCK_N=grouped.block_n, SUB_ROWS=grouped.sub_rows)
+        aligned = [k for k, v in grouped_sig.items() if v.startswith("*")]
+        if n % 16 == 0:
+            aligned += [k for k in grouped_sig if k.startswith("n_cols") or k.startswith("stride")]
+        yield (f"rms_norm split bwd n_cols={n} _rms_norm_bwd_grouped_kernel {grouped}", rms._rms_norm_bwd_grouped_kernel,
+               grouped_sig, flags, aligned, grouped.num_warps, 1, 0)
 
 
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):

@@ -92,6 +92,9 @@ SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
         dict(block_n=4096, num_warps=16), dict(block_n=2048, num_warps=8), dict(block_n=2048, num_warps=4),
         dict(block_n=8192, num_warps=16), dict(programs_per_sm=2), dict(programs_per_sm=8),
         dict(num_stages=1), dict(num_stages=3), dict(dot_block=8192, dot_warps=16), dict(dot_block=2048, dot_warps=4),
+        # one launch over L2-sized row groups (experimental, session 5: not yet measured)
+        dict(l2_groups=True), dict(l2_groups=True, group_bytes=8 * 2**20), dict(l2_groups=True, group_bytes=24 * 2**20),
+        dict(l2_groups=True, sub_rows=8), dict(l2_groups=True, dot_steps=2), dict(l2_groups=True, programs_per_sm=2),
     )]
 
 

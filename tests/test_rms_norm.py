@@ -264,15 +264,26 @@ _SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, bl
                                                     programs_per_sm=8, num_stages=2)
 
 
+# The one-launch variant over L2-sized row groups, forced small: 150 columns; row groups of 2 rows
+# (group_bytes 1500 over 600 bytes per row, in sub_rows of 2), so 11 rows make 6 groups, the last with
+# one padding row; row dots over 2 steps of 32 columns (3 per row, the last ragged); 5 dx/dw column
+# blocks. Under the interpreter one program takes every ticket in order, so an item that waited for
+# a later one would hang here.
+_SMALL_GROUPED = dataclasses.replace(_SMALL_SPLIT, dot_block=32, dot_steps=2, l2_groups=True, group_bytes=1500,
+                                     sub_rows=2, programs_per_sm=2)
+
+
 @pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("keep", ("input", "output"))
-def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
-    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
+@pytest.mark.parametrize("config", [_SMALL_SPLIT, _SMALL_GROUPED], ids=["two-launches", "l2-groups"])
+def test_forced_split_backward(monkeypatch, config, dtype, casting_mode, keep):
+    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: config)
     x = randn(11, 150, dtype=dtype, scale=2.0)
     weight = randn(150, dtype=dtype)
     check_against_reference(x, weight, 1e-6, 1.0 if casting_mode == "gemma" else 0.0, casting_mode, keep=keep)
     check_against_reference(x, None, 1e-6, 0.0, casting_mode, keep=keep)
+    check_against_reference(randn(1, 150, dtype=dtype), weight, 1e-6, 0.0, casting_mode, keep=keep)  # one row
 
 
 def test_split_backward_is_used_for_long_rows_only(monkeypatch):
@@ -653,6 +664,28 @@ def test_double_backward_is_refused():
 
 
 # --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,hidden", [(1024, 65536), (300, 40000)])
+def test_gpu_grouped_split_backward(device, monkeypatch, rows, hidden):
+    """The experimental one-launch split backward (l2_groups) at real sizes: the atomics' ordering and
+    the tickets on a GPU, where programs run at once (the interpreter runs them one after another)."""
+    cfg = dataclasses.replace(rms_norm_module.SplitBackwardConfig(), l2_groups=True)
+    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: cfg)
+    torch.manual_seed(0)
+    x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
+    w = randn(hidden, dtype=torch.bfloat16, device=device, scale=0.5)
+    for _ in range(3):  # the counters start from zero on every call
+        x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = rms_norm(x_in, w_in, 1e-6, 0.0, "llama")
+        dy = randn(rows, hidden, dtype=y.dtype, device=device)
+        y.backward(dy)
+        x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        reference(x64, w64, 1e-6, 0.0, "llama", x.dtype, w.dtype).backward(dy.double())
+        for name, got, ref in (("dx", x_in.grad, x64.grad), ("dw", w_in.grad, w64.grad)):
+            assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+            assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
