@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._groups import count_a_done, group_item, next_ticket, wait_a_done
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -79,6 +80,12 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
+    # Experimental (not yet measured on a GPU; no table row uses it): rows in groups whose logits fit in
+    # L2 (group_bytes), split into segments of `segment` classes (a multiple of block), as work items in
+    # a fixed ticket order (_ce_grouped_kernel): each logit read once from HBM, its re-read from L2.
+    l2_groups: bool = False
+    segment: int = 32768
+    group_bytes: int = 16 * 2**20
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -275,6 +282,100 @@ def _ce_kernel(
 
 
 @triton.jit
+def _ce_grouped_kernel(
+    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr, stats_ptr,
+    counters_ptr, n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss, rows_per_group, n_groups,
+    n_seg,
+    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr, SEG_BLOCKS: tl.constexpr, SEGS: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    """_ce_kernel's loss and gradient (always written) over row groups (LaunchConfig.l2_groups). A row
+    is n_seg segments of SEG_BLOCKS·BLOCK classes; items are (row, segment) pairs. A statistics item
+    writes the segment's max, Σexp(z − max), z_y (0 unless the target is in it) and Σz to
+    stats[row, segment]; a gradient item combines its row's statistics into lse, re-reads its segment
+    (from L2) and writes the gradient (the loss too, for segment 0). Statistics are the A items and
+    gradients the B items of fused_kernels._groups (ticket order, counters, the wait); rows past
+    n_rows (the last group's padding) only count themselves. With the
+    gradient written over the logits (FLCE), z_y is read in the statistics phase, before any
+    gradient item of that group writes."""
+    offs = tl.arange(0, BLOCK)
+    inv_v = 1.0 / V
+    coef_all = tl.load(coef_ptr)
+    if HAS_SCALE:
+        coef_all = coef_all * logit_scale
+    seg_len = SEG_BLOCKS * BLOCK
+    items = rows_per_group * n_seg  # per group and phase
+    total = n_groups * 2 * items
+    t = next_ticket(counters_ptr)
+    while t < total:
+        is_stats, grp, idx = group_item(t, items, items, n_groups)
+        r = grp * rows_per_group + idx // n_seg
+        seg = idx % n_seg
+        start = seg * seg_len
+        row = tl.cast(r, tl.int64)
+        x_row = x_ptr + row * x_stride
+        if is_stats:
+            if r < n_rows:
+                m = tl.full((), float("-inf"), tl.float32)
+                s = tl.full((), 0.0, tl.float32)
+                sumz = tl.full((), 0.0, tl.float32)
+                for b in range(SEG_BLOCKS):
+                    blk = start + b * BLOCK
+                    m, s, sumz = _stats_block(x_row + blk, offs, V - blk, m, s, sumz, logit_scale, softcap,
+                                              "evict_last", True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
+                y = tl.load(tgt_ptr + row).to(tl.int64)
+                kept = y != ignore_index
+                in_range = (y >= 0) & (y < V)
+                in_seg = kept & in_range & (y >= start) & (y < start + seg_len)
+                zy = _capped(tl.load(x_row + tl.where(in_seg, y, 0)), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                st = stats_ptr + (row * n_seg + seg) * 4
+                tl.store(st, m)
+                tl.store(st + 1, s)
+                tl.store(st + 2, tl.where(in_seg, zy, 0.0))
+                tl.store(st + 3, sumz)
+                tl.store(flag_ptr, 1, mask=kept & (~in_range) & (seg == 0))  # out of range: flagged, ignored
+            count_a_done(counters_ptr, grp)
+        else:
+            wait_a_done(counters_ptr, grp, items)
+            if r < n_rows:
+                g_row = grad_ptr + row * grad_stride
+                y = tl.load(tgt_ptr + row).to(tl.int64)
+                if (y != ignore_index) & (y >= 0) & (y < V):
+                    segs = tl.arange(0, SEGS)
+                    st = stats_ptr + (row * n_seg + segs) * 4
+                    smask = segs < n_seg
+                    m_i = tl.load(st, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    s_i = tl.load(st + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                    m_all = tl.max(m_i, 0)
+                    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+                    lse = m_ref + tl.log(tl.sum(s_i * tl.exp(m_i - m_ref), 0))
+                    if seg == 0:
+                        zy = tl.sum(tl.load(st + 2, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+                        sumz = tl.sum(tl.load(st + 3, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+                        tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
+                    coef = coef_all
+                    if HAS_ROW_SCALE:
+                        coef = coef * tl.load(row_scale_ptr + row)
+                    coef_p = coef * (1.0 + 2.0 * z_loss * lse)
+                    coef_u = coef * label_smoothing * inv_v
+                    coef_y = coef * (1.0 - label_smoothing)
+                    yc = y.to(tl.int32)
+                    for b in range(SEG_BLOCKS):
+                        blk = start + b * BLOCK
+                        _grad_block(x_row + blk, g_row + blk, offs, V - blk, yc - blk, lse, coef_p, coef_u, coef_y,
+                                    logit_scale, softcap, "evict_first", "evict_first", True, HAS_SCALE, HAS_SOFTCAP,
+                                    EXACT_BF16)
+                else:
+                    if seg == 0:
+                        tl.store(loss_ptr + row, 0.0)
+                    zero = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
+                    for b in range(SEG_BLOCKS):
+                        cols = start + b * BLOCK + offs
+                        tl.store(g_row + cols, zero, mask=cols < V)
+        t = next_ticket(counters_ptr)
+
+
+@triton.jit
 def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
                   PER_ROW: tl.constexpr, BLOCK: tl.constexpr, EXACT_BF16: tl.constexpr):
     """t *= g in place over a contiguous tensor, g a scalar or one value per row of row_len elements.
@@ -384,6 +485,11 @@ def launch_ce(
     cfg = launch_config(v)
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
+    if cfg.l2_groups and grad is not None and v > cfg.block:
+        _launch_grouped(cfg, x, target, grad, loss_rows, coef, rs, flag, ignore_index=ignore_index,
+                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
+                        has_row_scale=row_scale is not None)
+        return
     with _device_guard(x):
         launch(
             _ce_kernel, (grid_programs(cfg, n, x.device),),
@@ -394,6 +500,32 @@ def launch_ce(
                                    has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
                                    write_grad=grad is not None),
                  num_warps=cfg.warps),
+        )
+
+
+def _launch_grouped(cfg: LaunchConfig, x, target, grad, loss_rows, coef, row_scale, flag, *, ignore_index: int,
+                    label_smoothing: float, z_loss: float, softcap: Optional[float], logit_scale: float,
+                    has_row_scale: bool) -> None:
+    """launch_ce through _ce_grouped_kernel (cfg.l2_groups; the gradient is always written)."""
+    n, v = x.shape
+    seg_blocks = max(1, cfg.segment // cfg.block)
+    n_seg = triton.cdiv(v, seg_blocks * cfg.block)
+    rows_per_group = max(1, min(n, cfg.group_bytes // (v * x.element_size())))
+    n_groups = triton.cdiv(n, rows_per_group)
+    stats = new_buffer((n, n_seg, 4), torch.float32, x.device)
+    counters = torch.zeros(1 + n_groups, dtype=torch.int32, device=x.device)
+    items = 2 * n_groups * rows_per_group * n_seg
+    sms = _sm_count(x.device)
+    programs = max(1, min(items, int(round(max(cfg.per_sm, 1) * sms)) if sms else 2))
+    with _device_guard(x):
+        launch(
+            _ce_grouped_kernel, (programs,),
+            (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, row_scale, flag, stats, counters,
+             n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
+             float(label_smoothing), float(z_loss), rows_per_group, n_groups, n_seg),
+            dict(HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
+                 HAS_ROW_SCALE=has_row_scale, BLOCK=cfg.block, SEG_BLOCKS=seg_blocks,
+                 SEGS=max(2, triton.next_power_of_2(n_seg)), EXACT_BF16=_INTERPRETED, num_warps=cfg.warps),
         )
 
 

@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._groups import count_a_done, group_item, next_ticket, wait_a_done
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -627,24 +628,16 @@ def _rms_norm_bwd_grouped_kernel(
     DOT_STEPS: tl.constexpr, DOT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_ROWS: tl.constexpr,
     EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
 ):
-    # The split backward in one launch over L2-sized row groups (SplitBackwardConfig.l2_groups).
-    # COUNTERS[0] is the ticket, COUNTERS[1 + g] the row-dot items of group g that are done. Ticket order:
-    # dots(0), dots(1), dxdw(0), dots(2), dxdw(1), ..., dots(G-1), dxdw(G-2), dxdw(G-1); rows past the
-    # end (last group) are items that only count themselves.
+    # The split backward in one launch over L2-sized row groups (SplitBackwardConfig.l2_groups): the
+    # row dots are the A items, dx/dw the B items of fused_kernels._groups (ticket order, COUNTERS);
+    # rows past the end (last group) are items that only count themselves.
     a_items = rows_per_group * n_dot
     subs = rows_per_group // SUB_ROWS
-    seg = a_items + subs * n_col_blocks
-    total = n_groups * seg
-    t = tl.atomic_add(COUNTERS, 1)
+    b_items = subs * n_col_blocks
+    total = n_groups * (a_items + b_items)
+    t = next_ticket(COUNTERS)
     while t < total:
-        t2 = tl.maximum(t - a_items, 0)
-        k = t2 // seg
-        off = t2 - k * seg
-        first = t < a_items
-        last = k >= n_groups - 1
-        is_dot = first | ((k < n_groups - 1) & (off < a_items))
-        grp = tl.where(first, 0, tl.where(is_dot, k + 1, k))
-        idx = tl.where(first, t, tl.where(is_dot | last, off, off - a_items))
+        is_dot, grp, idx = group_item(t, a_items, b_items, n_groups)
         if is_dot:
             row = grp * rows_per_group + idx // n_dot
             if row < n_rows:
@@ -664,13 +657,9 @@ def _rms_norm_bwd_grouped_kernel(
                                               EXACT_BF16, FROM_OUTPUT)
                     acc += g * xhat
                 tl.store(DOT + rows64 * n_dot + idx % n_dot, tl.sum(acc, axis=1))
-            # every thread's store before the one thread's release (bar.sync, then red.release.gpu)
-            tl.debug_barrier()
-            tl.atomic_add(COUNTERS + 1 + grp, 1, sem="release")
+            count_a_done(COUNTERS, grp)
         else:
-            done = tl.atomic_add(COUNTERS + 1 + grp, 0, sem="acquire")
-            while done < a_items:
-                done = tl.atomic_add(COUNTERS + 1 + grp, 0, sem="acquire")
+            wait_a_done(COUNTERS, grp, a_items)
             sub = idx // n_col_blocks
             cols = (idx % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
@@ -699,7 +688,7 @@ def _rms_norm_bwd_grouped_kernel(
             if COMPUTE_DW:
                 part = (grp * subs + sub).to(tl.int64)
                 tl.store(DW_PARTIAL + part * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-        t = tl.atomic_add(COUNTERS, 1)
+        t = next_ticket(COUNTERS)
 
 
 # ----------------------------------------------------------------------------------------------

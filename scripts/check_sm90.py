@@ -149,6 +149,16 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
                                          has_row_scale=False, write_grad=True, exact_bf16=False)
             label = f"cross_entropy V={v} softcap/label smoothing {softcap} {cfg}"
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
+        # the experimental row-group kernel (LaunchConfig.l2_groups) at two shapes
+        grouped_sig = dict(sig, stats_ptr="*fp32", counters_ptr="*i32", rows_per_group="i32", n_groups="i32",
+                           n_seg="i32")
+        grouped_sig = {k: grouped_sig[k] for k in ce._ce_grouped_kernel.arg_names if k in grouped_sig}
+        for block, warps, segment in ((8192, 8, 32768), (16384, 16, 32768)):
+            n_seg = -(-v // segment)
+            flags = dict(HAS_SCALE=False, HAS_SOFTCAP=True, HAS_LS=True, HAS_ROW_SCALE=False, BLOCK=block,
+                         SEG_BLOCKS=segment // block, SEGS=max(2, triton.next_power_of_2(n_seg)), EXACT_BF16=False)
+            yield (f"cross_entropy V={v} l2_groups block={block} warps={warps} segment={segment}", ce._ce_grouped_kernel,
+                   grouped_sig, flags, aligned + ["stats_ptr", "counters_ptr"], warps, 1, 0)
 
 
 def main() -> None:

@@ -58,6 +58,10 @@ LAUNCHES = {
     "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
     "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
     "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
+    # Experimental row groups: 64-class blocks, 2 per segment (V = 257: 3 segments, the last ragged);
+    # 1 KB groups, so 1-3 rows per group (several groups, a padded last one); 2 "SMs"
+    "l2_groups": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, l2_groups=True, segment=128,
+                                            group_bytes=1024), sm_count=2),
 }
 
 
@@ -259,7 +263,7 @@ def test_launch_table_and_grid():
 
 def test_large_logits_and_minus_inf():
     """Logits of ±1e4 (exp overflows without the max shift) and a block of -inf logits."""
-    for name in ("whole_row", "blocks", "persistent"):
+    for name in ("whole_row", "blocks", "persistent", "l2_groups"):
         with ce_config(**LAUNCHES[name]):
             x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 1e4
             x[1, 64:128] = float("-inf")
