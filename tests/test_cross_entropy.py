@@ -552,6 +552,40 @@ def test_gpu_real_size(v):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v", [128256, 32000])
+@pytest.mark.parametrize("cfg", [ce.LaunchConfig(8192, 8, 2, l2_groups=True),
+                                 ce.LaunchConfig(16384, 16, 4, l2_groups=True, segment=32768, group_bytes=8 << 20)],
+                         ids=["8K-blocks", "16K-blocks"])
+def test_gpu_l2_groups_launch(v, cfg):
+    """The experimental row-group kernel on a GPU, where programs run at once (the interpreter runs
+    them one after another): the ticket order and the acquire/release counting, three calls in a row
+    (the counters start from zero each time), label smoothing and softcap on the last."""
+    torch.manual_seed(0)
+    n = 2048
+    logits = (torch.randn(n, v, device="cuda") * 2).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), device="cuda")
+    target[torch.rand(n, device="cuda") < 0.1] = -100
+    ref_loss, ref_grads = _gpu_reference(logits, target)
+    with ce_config(poison=True, force=cfg):
+        for _ in range(2):
+            leaf = logits.clone().requires_grad_()
+            loss = fused_kernels.cross_entropy(leaf, target)
+            loss.backward()
+            assert abs(loss.item() - ref_loss) / abs(ref_loss) <= 1e-4
+            err = _grad_rel_err(leaf.grad, ref_grads)
+            assert err <= REL_TOL[torch.bfloat16] and not torch.isnan(leaf.grad).any(), f"grad rel err {err:.3e}"
+        leaf = logits.clone().requires_grad_()
+        loss = fused_kernels.cross_entropy(leaf, target, label_smoothing=0.1, softcap=30.0)
+        with ce_config(force=ce.LaunchConfig(8192, 8, 0)):  # the table's two-sweep kernel, same options
+            leaf2 = logits.clone().requires_grad_()
+            loss2 = fused_kernels.cross_entropy(leaf2, target, label_smoothing=0.1, softcap=30.0)
+        loss.backward()
+        loss2.backward()
+        assert abs(loss.item() - loss2.item()) <= 1e-5 * abs(loss2.item())
+        assert (leaf.grad.float() - leaf2.grad.float()).norm() <= 1e-2 * leaf2.grad.float().norm()
+
+
+@pytest.mark.gpu
 def test_gpu_out_of_range_target_is_a_device_assert():
     """On the GPU an out-of-range target makes a device-side assert (as torch's own cross entropy does),
     with no host sync in the forward: the failure surfaces at the next synchronisation. In a child
