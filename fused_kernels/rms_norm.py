@@ -562,6 +562,43 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit
+def _row_dot_terms(DY, X, W, rows64, cols, rstd, n_cols, stride_dy, stride_x, offset, EVICT: tl.constexpr,
+                   CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr,
+                   FROM_OUTPUT: tl.constexpr):
+    """g·xhat in the columns `cols` of one row (rows64: [1]), a [1, len(cols)] tile: what the split
+    backward's partial row sums add up (X may hold y, see _grad_terms)."""
+    col_mask = cols < n_cols
+    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
+                eviction_policy=EVICT)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
+                 eviction_policy=EVICT)
+    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16, FROM_OUTPUT)
+    return g * xhat
+
+
+@triton.jit
+def _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot, n_cols, stride_dy, stride_x,
+                  stride_dx, EVICT: tl.constexpr, DOT_CACHE: tl.constexpr, CASTING: tl.constexpr,
+                  EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr):
+    """The split backward's second phase for one row (rows64: [1]) in columns `cols`: c from the row's
+    partial sums DOT[row, :n_dot], dx stored; returns dy·h, the row's share of the dw partial."""
+    dot = tl.load(DOT + rows64[:, None] * n_dot + dots[None, :], mask=(dots < n_dot)[None, :], other=0.0,
+                  cache_modifier=DOT_CACHE)
+    c = tl.sum(dot, axis=1) / n_cols
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
+                eviction_policy=EVICT)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
+                 eviction_policy=EVICT).to(tl.float32)
+    rstd = tl.load(RSTD + rows64)
+    xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
+    dx = rstd[:, None] * (g - xhat * c[:, None])
+    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+             mask=col_mask[None, :])
+    return dy * h
+
+
+@triton.jit
 def _rms_norm_bwd_rowdot_kernel(
     DY, X, W, RSTD, DOT,
     n_cols, stride_dy, stride_x, offset, n_dot_blocks,
@@ -570,18 +607,12 @@ def _rms_norm_bwd_rowdot_kernel(
 ):
     # Split backward, first kernel: program (row, b) writes DOT[row, b] = Σ g·xhat over the b-th
     # block of BLOCK_N columns (see _grad_terms; X may hold y, as in _rms_norm_bwd_kernel).
-    rows = tl.program_id(0) + tl.arange(0, 1)
+    rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
     block = tl.program_id(1)
-    rows64 = rows.to(tl.int64)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0)
-    rstd = tl.load(RSTD + rows)
-    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16,
-                              FROM_OUTPUT)
-    tl.store(DOT + rows64 * n_dot_blocks + block, tl.sum(g * xhat, axis=1))
+    terms = _row_dot_terms(DY, X, W, rows64, cols, tl.load(RSTD + rows64), n_cols, stride_dy, stride_x, offset, "",
+                           CASTING, HAS_WEIGHT, EXACT_BF16, FROM_OUTPUT)
+    tl.store(DOT + rows64 * n_dot_blocks + block, tl.sum(terms, axis=1))
 
 
 @triton.jit
@@ -603,19 +634,10 @@ def _rms_norm_bwd_split_kernel(
     first = group * rows_per_group
     for r in tl.range(first, tl.minimum(first + rows_per_group, n_rows), num_stages=NUM_STAGES):
         rows64 = (r + tl.arange(0, 1)).to(tl.int64)
-        dot = tl.load(DOT + rows64[:, None] * n_dot_blocks + dots[None, :], mask=(dots < n_dot_blocks)[None, :],
-                      other=0.0)
-        c = tl.sum(dot, axis=1) / n_cols
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0)
-        dy = dy.to(tl.float32)
-        rstd = tl.load(RSTD + rows64)
-        xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
-        dx = rstd[:, None] * (g - xhat * c[:, None])
-        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
-                 mask=col_mask[None, :])
+        dw_row = _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot_blocks, n_cols,
+                               stride_dy, stride_x, stride_dx, "", "", CASTING, EXACT_BF16, FROM_OUTPUT)
         if COMPUTE_DW:
-            dw_acc += dy * h
+            dw_acc += dw_row
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
@@ -647,15 +669,8 @@ def _rms_norm_bwd_grouped_kernel(
                 col0 = (idx % n_dot) * (DOT_BLOCK * DOT_STEPS)
                 for step in range(DOT_STEPS):
                     cols = col0 + step * DOT_BLOCK + tl.arange(0, DOT_BLOCK)
-                    col_mask = cols < n_cols
-                    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
-                                eviction_policy="evict_last")
-                    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :],
-                                 other=0.0, eviction_policy="evict_last")
-                    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, DX, CASTING,
-                                              EXACT_BF16, FROM_OUTPUT)
-                    acc += g * xhat
+                    acc += _row_dot_terms(DY, X, W, rows64, cols, rstd, n_cols, stride_dy, stride_x, offset,
+                                          "evict_last", CASTING, HAS_WEIGHT, EXACT_BF16, FROM_OUTPUT)
                 tl.store(DOT + rows64 * n_dot + idx % n_dot, tl.sum(acc, axis=1))
             count_a_done(COUNTERS, grp)
         else:
@@ -670,21 +685,12 @@ def _rms_norm_bwd_grouped_kernel(
             for i in range(SUB_ROWS):
                 if row0 + i < n_rows:
                     rows64 = (row0 + i + tl.arange(0, 1)).to(tl.int64)
-                    dot = tl.load(DOT + rows64[:, None] * n_dot + dots[None, :], mask=(dots < n_dot)[None, :],
-                                  other=0.0, cache_modifier=".cg")
-                    c = tl.sum(dot, axis=1) / n_cols
-                    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
-                                eviction_policy="evict_first")
-                    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :],
-                                 other=0.0, eviction_policy="evict_first")
-                    dy = dy.to(tl.float32)
-                    rstd = tl.load(RSTD + rows64)
-                    xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
-                    dx = rstd[:, None] * (g - xhat * c[:, None])
-                    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :],
-                             for_store(dx, DX.dtype.element_ty, EXACT_BF16), mask=col_mask[None, :])
+                    # .cg: the partial sums other programs wrote, read past L1 (after the acquire)
+                    dw_row = _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot, n_cols,
+                                           stride_dy, stride_x, stride_dx, "evict_first", ".cg", CASTING, EXACT_BF16,
+                                           FROM_OUTPUT)
                     if COMPUTE_DW:
-                        dw_acc += dy * h
+                        dw_acc += dw_row
             if COMPUTE_DW:
                 part = (grp * subs + sub).to(tl.int64)
                 tl.store(DW_PARTIAL + part * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -841,10 +847,22 @@ def _backward_impl(
     if split is not None:
         partial, programs = _split_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output,
                                             split, sm_count)
-        if compute_dw:
-            return dx, _dw_from_partial(partial, programs, weight)
-        return dx, partial.new_empty(0)
-    bytes_per_col = 4 + x.element_size() + dy.element_size()
+    else:
+        partial, programs = _one_kernel_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw,
+                                                 from_output, sm_count)
+    if compute_dw:
+        dw = partial[:programs].sum(dim=0)
+        return dx, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+    return dx, partial.new_empty(0)
+
+
+def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool,
+                         from_output: bool, sm_count: int) -> tuple[torch.Tensor, int]:
+    """_rms_norm_bwd_kernel's launch (autotuned on a GPU); dx is written in place. Returns the dw
+    partial rows and how many of them to sum."""
+    n_rows, n_cols = x2.shape
+    device = x2.device
+    bytes_per_col = 4 + x2.element_size() + dy2.element_size()
     cfg = launch_config(n_cols, backward=True)
     if cfg is None:  # the autotuner picks rows per tile and programs per SM: room for the most
         max_programs = min(n_rows, _MAX_PROGRAMS_PER_SM * sm_count)
@@ -869,23 +887,13 @@ def _backward_impl(
                                     n_rows, n_cols, bytes_per_col, sm_count, meta["L2_CAP"])
             return (launched[0],)
 
-        key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy.dtype,
-               x.dtype, args[2].dtype)
+        key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy2.dtype,
+               x2.dtype, args[2].dtype)
         _launch_tuned(_rms_norm_bwd_tuned, _rms_norm_bwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
-        programs = launched[0]
-    else:
-        programs = max_programs
-        launch(_rms_norm_bwd_kernel, (programs,), args,
-               dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
-    if compute_dw:
-        return dx, _dw_from_partial(partial, programs, weight)
-    return dx, partial.new_empty(0)
-
-
-def _dw_from_partial(partial: torch.Tensor, programs: int, weight: torch.Tensor) -> torch.Tensor:
-    """dw: the sum of the first `programs` fp32 partial rows, in weight's dtype."""
-    dw = partial[:programs].sum(dim=0)
-    return dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+        return partial, launched[0]
+    launch(_rms_norm_bwd_kernel, (max_programs,), args,
+           dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
+    return partial, max_programs
 
 
 def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool, from_output: bool,
