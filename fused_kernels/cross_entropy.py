@@ -450,7 +450,8 @@ def launch_config(v: int) -> LaunchConfig:
 
 
 def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
-    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows)."""
+    """Programs launched for n_rows rows (or, for the row-group kernel, work items): one per row, or
+    per_sm per SM (never more than the rows)."""
     sms = _sm_count(device)
     if cfg.per_sm <= 0 or sms is None:
         return n_rows
@@ -485,28 +486,26 @@ def launch_ce(
     cfg = launch_config(v)
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
-    if cfg.l2_groups and grad is not None and v > cfg.block:
-        _launch_grouped(cfg, x, target, grad, loss_rows, coef, rs, flag, ignore_index=ignore_index,
-                        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale,
-                        has_row_scale=row_scale is not None)
-        return
+    scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
+               float(label_smoothing), float(z_loss))
+    options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
+                   has_row_scale=row_scale is not None)
     with _device_guard(x):
+        if cfg.l2_groups and grad is not None and v > cfg.block:
+            _launch_grouped(cfg, (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag), scalars,
+                            options)
+            return
         launch(
             _ce_kernel, (grid_programs(cfg, n, x.device),),
-            (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag,
-             n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
-             float(label_smoothing), float(z_loss)),
-            dict(kernel_constexprs(cfg, v, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
-                                   has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
-                                   write_grad=grad is not None),
-                 num_warps=cfg.warps),
+            (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag) + scalars,
+            dict(kernel_constexprs(cfg, v, **options, write_grad=grad is not None), num_warps=cfg.warps),
         )
 
 
-def _launch_grouped(cfg: LaunchConfig, x, target, grad, loss_rows, coef, row_scale, flag, *, ignore_index: int,
-                    label_smoothing: float, z_loss: float, softcap: Optional[float], logit_scale: float,
-                    has_row_scale: bool) -> None:
-    """launch_ce through _ce_grouped_kernel (cfg.l2_groups; the gradient is always written)."""
+def _launch_grouped(cfg: LaunchConfig, tensors: tuple, scalars: tuple, options: dict) -> None:
+    """launch_ce through _ce_grouped_kernel (cfg.l2_groups; the gradient is always written): tensors
+    and scalars are _ce_kernel's leading arguments, options its has_* flags."""
+    x = tensors[0]
     n, v = x.shape
     seg_blocks = max(1, cfg.segment // cfg.block)
     n_seg = triton.cdiv(v, seg_blocks * cfg.block)
@@ -515,18 +514,13 @@ def _launch_grouped(cfg: LaunchConfig, x, target, grad, loss_rows, coef, row_sca
     stats = new_buffer((n, n_seg, 4), torch.float32, x.device)
     counters = torch.zeros(1 + n_groups, dtype=torch.int32, device=x.device)
     items = 2 * n_groups * rows_per_group * n_seg
-    sms = _sm_count(x.device)
-    programs = max(1, min(items, int(round(max(cfg.per_sm, 1) * sms)) if sms else 2))
-    with _device_guard(x):
-        launch(
-            _ce_grouped_kernel, (programs,),
-            (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, row_scale, flag, stats, counters,
-             n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
-             float(label_smoothing), float(z_loss), rows_per_group, n_groups, n_seg),
-            dict(HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
-                 HAS_ROW_SCALE=has_row_scale, BLOCK=cfg.block, SEG_BLOCKS=seg_blocks,
-                 SEGS=max(2, triton.next_power_of_2(n_seg)), EXACT_BF16=_INTERPRETED, num_warps=cfg.warps),
-        )
+    launch(
+        _ce_grouped_kernel, (grid_programs(cfg, items, x.device),),
+        tensors + (stats, counters) + scalars + (rows_per_group, n_groups, n_seg),
+        dict(HAS_SCALE=options["has_scale"], HAS_SOFTCAP=options["has_softcap"], HAS_LS=options["has_ls"],
+             HAS_ROW_SCALE=options["has_row_scale"], BLOCK=cfg.block, SEG_BLOCKS=seg_blocks,
+             SEGS=max(2, triton.next_power_of_2(n_seg)), EXACT_BF16=_INTERPRETED, num_warps=cfg.warps),
+    )
 
 
 def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
