@@ -19,9 +19,11 @@ With --split (rows of >= 8192 columns) the backward is timed as one kernel and a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
+from unittest import mock
 
 import torch
 import triton
@@ -66,25 +68,17 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def forced(cfg):
-    """Force `cfg` for both directions while the returned context is active."""
-    class _Ctx:
-        def __enter__(self):
-            self.saved = rms.launch_config
-            rms.launch_config = lambda n_cols, backward: cfg
-        def __exit__(self, *exc):
-            rms.launch_config = self.saved
-    return _Ctx()
+    """Force `cfg` for both directions while the returned context is active (the one-kernel backward:
+    the split one is forbidden, or a long row's forced backward config would never run)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(rms, "launch_config", lambda n_cols, backward: cfg))
+    stack.enter_context(forced_split(None))
+    return stack
 
 
 def forced_split(cfg):
     """Force the split backward with `cfg` (None: forbid it, so the one-kernel backward runs)."""
-    class _Ctx:
-        def __enter__(self):
-            self.saved = rms.split_backward_config
-            rms.split_backward_config = lambda n_rows, n_cols: cfg
-        def __exit__(self, *exc):
-            rms.split_backward_config = self.saved
-    return _Ctx()
+    return mock.patch.object(rms, "split_backward_config", lambda n_rows, n_cols: cfg)
 
 
 SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [

@@ -73,5 +73,8 @@ def tensors_with_history() -> int:
     """Live tensors that carry autograd history (a grad_fn), found through the garbage collector:
     after a finished training step there should be none of the step's own."""
     import gc
+    import warnings
 
-    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+    with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated module aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -29,6 +28,8 @@ import triton.language as tl  # noqa: E402
 import importlib  # noqa: E402
 
 ce = importlib.import_module("fused_kernels.cross_entropy")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts"))
+import tune_cross_entropy  # noqa: E402  (its CUDA-event timer)
 
 
 @triton.jit
@@ -102,16 +103,8 @@ def ce_blocks_prefetch(x_ptr, xs, tgt_ptr, g_ptr, gs, loss_ptr, coef, n_rows, V,
             xb = xn
 
 
-def event_ms(fn, reps=9):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def event_ms(fn):
+    return tune_cross_entropy.event_ms(fn, reps=9)
 
 
 def main():
