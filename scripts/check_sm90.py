@@ -50,6 +50,15 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int,
             "local": int(m[4])}
 
 
+def _aligned(sig: dict, n_cols: int) -> list[str]:
+    """The rms_norm arguments Triton sees as 16-divisible: the pointers, and the column count and row
+    strides when the row length is a multiple of 16."""
+    aligned = [k for k, v in sig.items() if v.startswith("*")]
+    if n_cols % 16 == 0:
+        aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
+    return aligned
+
+
 def rms_norm_cases(cols: list[int], dtype: str):
     rms = importlib.import_module("fused_kernels.rms_norm")
     fwd_sig = {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{dtype}", "RSTD": "*fp32", "n_rows": "i32",
@@ -69,9 +78,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
                     flags["FROM_OUTPUT"] = False
                 kernel = rms._rms_norm_bwd_kernel if backward else rms._rms_norm_fwd_kernel
                 sig = bwd_sig if backward else fwd_sig
-                aligned = [k for k, v in sig.items() if v.startswith("*")]
-                if n % 16 == 0:
-                    aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
+                aligned = _aligned(sig, n)
                 label = f"rms_norm {'bwd' if backward else 'fwd'} n_cols={n} {cfg.kwargs} warps={cfg.num_warps}"
                 yield label, kernel, sig, flags, aligned, cfg.num_warps, cfg.num_stages, cfg.kwargs["PROGRAMS_PER_SM"]
 
@@ -96,9 +103,7 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
                 (rms._rms_norm_bwd_split_kernel, split_sig,
                  dict(common, COMPUTE_DW=True, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, triton.next_power_of_2(n_dot)),
                       NUM_STAGES=cfg.num_stages), cfg.num_warps, cfg.num_stages)):
-            aligned = [k for k, v in sig.items() if v.startswith("*")]
-            if n % 16 == 0:
-                aligned += [k for k in sig if k.startswith("n_cols") or k.startswith("stride")]
+            aligned = _aligned(sig, n)
             yield f"rms_norm split bwd n_cols={n} {kernel.__name__} {cfg}", kernel, sig, flags, aligned, warps, stages, 0
         grouped = dataclasses.replace(cfg, l2_groups=True)
         grouped_sig = dict(split_sig, COUNTERS="*i32", n_dot="i32", rows_per_group="i32", n_groups="i32",
@@ -107,11 +112,8 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
         n_dot = -(-n // (grouped.dot_block * grouped.dot_steps))
         flags = dict(common, COMPUTE_DW=True, DOT_BLOCK=grouped.dot_block, DOT_STEPS=grouped.dot_steps,
                      DOT_BLOCKS=max(2, triton.next_power_of_2(n_dot)), BLOCK_N=grouped.block_n, SUB_ROWS=grouped.sub_rows)
-        aligned = [k for k, v in grouped_sig.items() if v.startswith("*")]
-        if n % 16 == 0:
-            aligned += [k for k in grouped_sig if k.startswith("n_cols") or k.startswith("stride")]
         yield (f"rms_norm split bwd n_cols={n} _rms_norm_bwd_grouped_kernel {grouped}", rms._rms_norm_bwd_grouped_kernel,
-               grouped_sig, flags, aligned, grouped.num_warps, 1, 0)
+               grouped_sig, flags, _aligned(grouped_sig, n), grouped.num_warps, 1, 0)
 
 
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):

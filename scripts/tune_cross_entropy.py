@@ -302,9 +302,10 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} ({sms} SMs)  torch {torch.__version__}  triton {triton.__version__}  "
               f"copy {bw / 1e9:.0f} GB/s")
     n_flce, h_flce, v_flce = (int(t) for t in args.flce_shape.split(","))
-    flce_args = (h_flce, v_flce, n_flce, tuple(int(t) for t in args.flce_chunks.split(",")))
+    flce_args = (8, 1100, 10, (4,)) if SMOKE else (h_flce, v_flce, n_flce,
+                                                    tuple(int(t) for t in args.flce_chunks.split(",")))
     if args.flce_only:
-        flce_section(*((8, 1100, 10, (4,)) if SMOKE else flce_args))
+        flce_section(*flce_args)
         print(f"\ntotal {time.monotonic() - t0:.0f} s")
         return
     # Search budget shared by the three vocabularies; the FLCE section and the summary come after.
@@ -349,7 +350,7 @@ def main() -> None:
         if not SMOKE:
             torch.cuda.empty_cache()
     if not args.no_flce:
-        flce_section(*((8, 1100, 10, (4,)) if SMOKE else flce_args))
+        flce_section(*flce_args)
     print(f"\ntotal {time.monotonic() - t0:.0f} s")
 
 
