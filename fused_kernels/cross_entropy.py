@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._groups import count_a_done, group_item, next_ticket, wait_a_done
+from fused_kernels._teams import ONE_LAUNCH, PARTIALS_ONLY, COMBINE_ONLY, arrive, team_grid, team_slot, wait_for_team
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -80,12 +80,10 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
-    # Experimental (not yet measured on a GPU; no table row uses it): rows in groups whose logits fit in
-    # L2 (group_bytes), split into segments of `segment` classes (a multiple of block), as work items in
-    # a fixed ticket order (_ce_grouped_kernel): each logit read once from HBM, its re-read from L2.
-    l2_groups: bool = False
-    segment: int = 32768
-    group_bytes: int = 16 * 2**20
+    # > 0: rows split into segments of this many classes (a power of 2), each held in registers by one
+    # member of a team of programs (_ce_team_kernel, fused_kernels._teams): every logit read once.
+    # per_sm then sizes the persistent grid (programs per SM); block and stages are not used.
+    segment: int = 0
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -282,97 +280,76 @@ def _ce_kernel(
 
 
 @triton.jit
-def _ce_grouped_kernel(
+def _ce_team_kernel(
     x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr, stats_ptr,
-    counters_ptr, n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss, rows_per_group, n_groups,
-    n_seg,
+    counters_ptr, n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss, n_seg,
     HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-    BLOCK: tl.constexpr, SEG_BLOCKS: tl.constexpr, SEGS: tl.constexpr, EXACT_BF16: tl.constexpr,
+    SEG: tl.constexpr, SEGS: tl.constexpr, PHASE: tl.constexpr, EXACT_BF16: tl.constexpr,
 ):
-    """_ce_kernel's loss and gradient (always written) over row groups (LaunchConfig.l2_groups). A row
-    is n_seg segments of SEG_BLOCKS·BLOCK classes; items are (row, segment) pairs. A statistics item
-    writes the segment's max, Σexp(z − max), z_y (0 unless the target is in it) and Σz to
-    stats[row, segment]; a gradient item combines its row's statistics into lse, re-reads its segment
-    (from L2) and writes the gradient (the loss too, for segment 0). Statistics are the A items and
-    gradients the B items of fused_kernels._groups (ticket order, counters, the wait); rows past
-    n_rows (the last group's padding) only count themselves. With the
-    gradient written over the logits (FLCE), z_y is read in the statistics phase, before any
-    gradient item of that group writes."""
-    offs = tl.arange(0, BLOCK)
+    """_ce_kernel's loss and gradient (always written) by teams of n_seg programs (fused_kernels._teams),
+    member k holding classes [k·SEG, (k+1)·SEG) of the team's rows in registers: each logit read once.
+    Partials per (row, member) in stats: the max, Σexp(z − max), z_y (0 unless the target is there)
+    and Σz. With the gradient written over the logits (FLCE) a member writes only its own classes,
+    after every member has read the row (the team's wait)."""
+    team, member, n_teams = team_slot(counters_ptr, n_seg, PHASE)
     inv_v = 1.0 / V
     coef_all = tl.load(coef_ptr)
     if HAS_SCALE:
         coef_all = coef_all * logit_scale
-    seg_len = SEG_BLOCKS * BLOCK
-    items = rows_per_group * n_seg  # per group and phase
-    total = n_groups * 2 * items
-    t = next_ticket(counters_ptr)
-    while t < total:
-        is_stats, grp, idx = group_item(t, items, items, n_groups)
-        r = grp * rows_per_group + idx // n_seg
-        seg = idx % n_seg
-        start = seg * seg_len
+    start = member * SEG
+    cols = start + tl.arange(0, SEG)
+    mask = cols < V
+    segs = tl.arange(0, SEGS)
+    smask = segs < n_seg
+    for r in range(team, n_rows, n_teams):
         row = tl.cast(r, tl.int64)
         x_row = x_ptr + row * x_stride
-        if is_stats:
-            if r < n_rows:
-                m = tl.full((), float("-inf"), tl.float32)
-                s = tl.full((), 0.0, tl.float32)
-                sumz = tl.full((), 0.0, tl.float32)
-                for b in range(SEG_BLOCKS):
-                    blk = start + b * BLOCK
-                    m, s, sumz = _stats_block(x_row + blk, offs, V - blk, m, s, sumz, logit_scale, softcap,
-                                              "evict_last", True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
-                y = tl.load(tgt_ptr + row).to(tl.int64)
-                kept = y != ignore_index
-                in_range = (y >= 0) & (y < V)
-                in_seg = kept & in_range & (y >= start) & (y < start + seg_len)
-                zy = _capped(tl.load(x_row + tl.where(in_seg, y, 0)), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                st = stats_ptr + (row * n_seg + seg) * 4
-                tl.store(st, m)
-                tl.store(st + 1, s)
-                tl.store(st + 2, tl.where(in_seg, zy, 0.0))
-                tl.store(st + 3, sumz)
-                tl.store(flag_ptr, 1, mask=kept & (~in_range) & (seg == 0))  # out of range: flagged, ignored
-            count_a_done(counters_ptr, grp)
-        else:
-            wait_a_done(counters_ptr, grp, items)
-            if r < n_rows:
-                g_row = grad_ptr + row * grad_stride
-                y = tl.load(tgt_ptr + row).to(tl.int64)
-                if (y != ignore_index) & (y >= 0) & (y < V):
-                    segs = tl.arange(0, SEGS)
-                    st = stats_ptr + (row * n_seg + segs) * 4
-                    smask = segs < n_seg
-                    m_i = tl.load(st, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                    s_i = tl.load(st + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                    m_all = tl.max(m_i, 0)
-                    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-                    lse = m_ref + tl.log(tl.sum(s_i * tl.exp(m_i - m_ref), 0))
-                    if seg == 0:
-                        zy = tl.sum(tl.load(st + 2, mask=smask, other=0.0, cache_modifier=".cg"), 0)
-                        sumz = tl.sum(tl.load(st + 3, mask=smask, other=0.0, cache_modifier=".cg"), 0)
-                        tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
-                    coef = coef_all
-                    if HAS_ROW_SCALE:
-                        coef = coef * tl.load(row_scale_ptr + row)
-                    coef_p = coef * (1.0 + 2.0 * z_loss * lse)
-                    coef_u = coef * label_smoothing * inv_v
-                    coef_y = coef * (1.0 - label_smoothing)
-                    yc = y.to(tl.int32)
-                    for b in range(SEG_BLOCKS):
-                        blk = start + b * BLOCK
-                        _grad_block(x_row + blk, g_row + blk, offs, V - blk, yc - blk, lse, coef_p, coef_u, coef_y,
-                                    logit_scale, softcap, "evict_first", "evict_first", True, HAS_SCALE, HAS_SOFTCAP,
-                                    EXACT_BF16)
-                else:
-                    if seg == 0:
-                        tl.store(loss_ptr + row, 0.0)
-                    zero = tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty)
-                    for b in range(SEG_BLOCKS):
-                        cols = start + b * BLOCK + offs
-                        tl.store(g_row + cols, zero, mask=cols < V)
-        t = next_ticket(counters_ptr)
+        g_row = grad_ptr + row * grad_stride
+        y = tl.load(tgt_ptr + row).to(tl.int64)
+        kept = y != ignore_index
+        in_range = (y >= 0) & (y < V)
+        tl.store(flag_ptr, 1, mask=kept & (~in_range) & (member == 0))  # out of range: flagged, row ignored
+        if kept & in_range:
+            yc = y.to(tl.int32)
+            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+            st = stats_ptr + row * (n_seg * 4)
+            if PHASE != 2:
+                m = tl.max(z, 0)
+                m_ref = tl.where(m == float("-inf"), 0.0, m)
+                tl.store(st + member * 4, m)
+                tl.store(st + member * 4 + 1, tl.sum(tl.exp(z - m_ref), 0))
+                tl.store(st + member * 4 + 2, tl.sum(tl.where(cols == yc, z, 0.0), 0))
+                if HAS_LS:
+                    tl.store(st + member * 4 + 3, tl.sum(tl.where(mask, z, 0.0), 0))
+                if PHASE == 0:
+                    arrive(counters_ptr, r)
+            if PHASE != 1:
+                if PHASE == 0:
+                    wait_for_team(counters_ptr, r, n_seg)
+                # .cg: the other members' partials, read past L1 (after the acquire)
+                m_i = tl.load(st + segs * 4, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                s_i = tl.load(st + segs * 4 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                m_all = tl.max(m_i, 0)
+                m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+                lse = m_ref + tl.log(tl.sum(s_i * tl.exp(m_i - m_ref), 0))
+                if member == 0:
+                    zy = tl.sum(tl.load(st + segs * 4 + 2, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+                    sumz = 0.0
+                    if HAS_LS:
+                        sumz = tl.sum(tl.load(st + segs * 4 + 3, mask=smask, other=0.0, cache_modifier=".cg"), 0)
+                    tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
+                coef = coef_all
+                if HAS_ROW_SCALE:
+                    coef = coef * tl.load(row_scale_ptr + row)
+                d = _dlogits(tl.exp(z - lse), z, cols, yc, coef * (1.0 + 2.0 * z_loss * lse),
+                             coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
+                d = for_store(d, grad_ptr.dtype.element_ty, EXACT_BF16).to(grad_ptr.dtype.element_ty)
+                tl.store(g_row + cols, d, mask=mask, eviction_policy="evict_first")
+        elif PHASE != 1:
+            if member == 0:
+                tl.store(loss_ptr + row, 0.0)
+            tl.store(g_row + cols, tl.zeros([SEG], dtype=grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -491,9 +468,9 @@ def launch_ce(
     options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
                    has_row_scale=row_scale is not None)
     with _device_guard(x):
-        if cfg.l2_groups and grad is not None and v > cfg.block:
-            _launch_grouped(cfg, (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag), scalars,
-                            options)
+        if cfg.segment and grad is not None:
+            _launch_team(cfg, (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag), scalars,
+                         options)
             return
         launch(
             _ce_kernel, (grid_programs(cfg, n, x.device),),
@@ -502,25 +479,24 @@ def launch_ce(
         )
 
 
-def _launch_grouped(cfg: LaunchConfig, tensors: tuple, scalars: tuple, options: dict) -> None:
-    """launch_ce through _ce_grouped_kernel (cfg.l2_groups; the gradient is always written): tensors
-    and scalars are _ce_kernel's leading arguments, options its has_* flags."""
+def _launch_team(cfg: LaunchConfig, tensors: tuple, scalars: tuple, options: dict) -> None:
+    """launch_ce through _ce_team_kernel (cfg.segment > 0; the gradient is always written): tensors and
+    scalars are _ce_kernel's leading arguments, options its has_* flags. One launch on a GPU; under
+    the interpreter, which runs programs one at a time, a team of more than one member runs as two
+    (fused_kernels._teams)."""
     x = tensors[0]
     n, v = x.shape
-    seg_blocks = max(1, cfg.segment // cfg.block)
-    n_seg = triton.cdiv(v, seg_blocks * cfg.block)
-    rows_per_group = max(1, min(n, cfg.group_bytes // (v * x.element_size())))
-    n_groups = triton.cdiv(n, rows_per_group)
+    n_seg = triton.cdiv(v, cfg.segment)
+    sms = _sm_count(x.device)
+    programs = team_grid(n, n_seg, cfg.per_sm, sms) if sms else n * n_seg
     stats = new_buffer((n, n_seg, 4), torch.float32, x.device)
-    counters = torch.zeros(1 + n_groups, dtype=torch.int32, device=x.device)
-    items = 2 * n_groups * rows_per_group * n_seg
-    launch(
-        _ce_grouped_kernel, (grid_programs(cfg, items, x.device),),
-        tensors + (stats, counters) + scalars + (rows_per_group, n_groups, n_seg),
-        dict(HAS_SCALE=options["has_scale"], HAS_SOFTCAP=options["has_softcap"], HAS_LS=options["has_ls"],
-             HAS_ROW_SCALE=options["has_row_scale"], BLOCK=cfg.block, SEG_BLOCKS=seg_blocks,
-             SEGS=max(2, triton.next_power_of_2(n_seg)), EXACT_BF16=_INTERPRETED, num_warps=cfg.warps),
-    )
+    counters = torch.zeros(1 + n, dtype=torch.int32, device=x.device)
+    meta = dict(HAS_SCALE=options["has_scale"], HAS_SOFTCAP=options["has_softcap"], HAS_LS=options["has_ls"],
+                HAS_ROW_SCALE=options["has_row_scale"], SEG=cfg.segment, SEGS=max(2, triton.next_power_of_2(n_seg)),
+                EXACT_BF16=_INTERPRETED, num_warps=cfg.warps)
+    phases = (PARTIALS_ONLY, COMBINE_ONLY) if _INTERPRETED and n_seg > 1 else (ONE_LAUNCH,)
+    for phase in phases:
+        launch(_ce_team_kernel, (programs,), tensors + (stats, counters) + scalars + (n_seg,), dict(meta, PHASE=phase))
 
 
 def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,

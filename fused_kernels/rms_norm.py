@@ -61,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._groups import count_a_done, group_item, next_ticket, wait_a_done
+from fused_kernels._teams import ONE_LAUNCH, PARTIALS_ONLY, COMBINE_ONLY, arrive, team_grid, team_slot, wait_for_team
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -155,16 +155,11 @@ class SplitBackwardConfig:
     num_warps: int = 4
     programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
     num_stages: int = 2  # software pipelining of the dx/dw kernel's row loop
-    # Experimental (not measured on a GPU yet; off by default): one launch instead of two, rows taken in
-    # groups whose x and dy fit in L2 (group_bytes), so that the dx/dw items re-read them from L2, not
-    # HBM. Items (row-dot: a row's dot_block·dot_steps columns; dx/dw: sub_rows rows × block_n columns)
-    # are handed out in a fixed order by an atomic ticket: the row dots of group g+1, then the dx/dw of
-    # group g, which waits until its group's row dots are counted. Every item it waits for holds a lower
-    # ticket, so it is running or done whatever the residency (no deadlock with shared SMs).
-    l2_groups: bool = False
-    group_bytes: int = 16 * 2**20
-    sub_rows: int = 16
-    dot_steps: int = 4
+    # > 0: one launch instead, by teams of programs (fused_kernels._teams): a row is split into segments
+    # of this many columns (a power of two), each member holding its segment of x and dy in registers,
+    # so x and dy are read once; members swap their partial row sums through a small buffer. Uses
+    # num_warps and programs_per_sm; each team keeps its dw partial row in registers.
+    team_segment: int = 0
 
 
 # Backward rows longer than this go through the split kernels (no backward config holds them whole).
@@ -643,58 +638,48 @@ def _rms_norm_bwd_split_kernel(
 
 
 @triton.jit
-def _rms_norm_bwd_grouped_kernel(
+def _rms_norm_bwd_team_kernel(
     DY, X, W, RSTD, DOT, DX, DW_PARTIAL, COUNTERS,
-    n_rows, n_cols, stride_dy, stride_x, stride_dx, offset, n_dot, rows_per_group, n_groups, n_col_blocks,
-    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, DOT_BLOCK: tl.constexpr,
-    DOT_STEPS: tl.constexpr, DOT_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, SUB_ROWS: tl.constexpr,
-    EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
+    n_rows, n_cols, stride_dy, stride_x, stride_dx, offset, n_seg,
+    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, SEG: tl.constexpr,
+    SEGS: tl.constexpr, PHASE: tl.constexpr, EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
 ):
-    # The split backward in one launch over L2-sized row groups (SplitBackwardConfig.l2_groups): the
-    # row dots are the A items, dx/dw the B items of fused_kernels._groups (ticket order, COUNTERS);
-    # rows past the end (last group) are items that only count themselves.
-    a_items = rows_per_group * n_dot
-    subs = rows_per_group // SUB_ROWS
-    b_items = subs * n_col_blocks
-    total = n_groups * (a_items + b_items)
-    t = next_ticket(COUNTERS)
-    while t < total:
-        is_dot, grp, idx = group_item(t, a_items, b_items, n_groups)
-        if is_dot:
-            row = grp * rows_per_group + idx // n_dot
-            if row < n_rows:
-                rows64 = (row + tl.arange(0, 1)).to(tl.int64)
-                rstd = tl.load(RSTD + rows64)
-                acc = tl.zeros([1, DOT_BLOCK], tl.float32)
-                col0 = (idx % n_dot) * (DOT_BLOCK * DOT_STEPS)
-                for step in range(DOT_STEPS):
-                    cols = col0 + step * DOT_BLOCK + tl.arange(0, DOT_BLOCK)
-                    acc += _row_dot_terms(DY, X, W, rows64, cols, rstd, n_cols, stride_dy, stride_x, offset,
-                                          "evict_last", CASTING, HAS_WEIGHT, EXACT_BF16, FROM_OUTPUT)
-                tl.store(DOT + rows64 * n_dot + idx % n_dot, tl.sum(acc, axis=1))
-            count_a_done(COUNTERS, grp)
-        else:
-            wait_a_done(COUNTERS, grp, a_items)
-            sub = idx // n_col_blocks
-            cols = (idx % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_mask = cols < n_cols
-            dots = tl.arange(0, DOT_BLOCKS)
-            w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-            dw_acc = tl.zeros([1, BLOCK_N], tl.float32)
-            row0 = grp * rows_per_group + sub * SUB_ROWS
-            for i in range(SUB_ROWS):
-                if row0 + i < n_rows:
-                    rows64 = (row0 + i + tl.arange(0, 1)).to(tl.int64)
-                    # .cg: the partial sums other programs wrote, read past L1 (after the acquire)
-                    dw_row = _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot, n_cols,
-                                           stride_dy, stride_x, stride_dx, "evict_first", ".cg", CASTING, EXACT_BF16,
-                                           FROM_OUTPUT)
-                    if COMPUTE_DW:
-                        dw_acc += dw_row
+    # The split backward by teams (SplitBackwardConfig.team_segment, fused_kernels._teams): member k of
+    # team j holds columns [k·SEG, (k+1)·SEG) of rows j, j + n_teams, ...: DOT[row, k] = Σ g·xhat over
+    # them, then (its team arrived) c = Σ_k DOT[row, k] / n_cols, dx, and Σ dy·h over its rows into
+    # DW_PARTIAL[team, its columns] (the host sums the teams' partial rows).
+    team, member, n_teams = team_slot(COUNTERS, n_seg, PHASE)
+    cols = member * SEG + tl.arange(0, SEG)
+    col_mask = cols < n_cols
+    segs = tl.arange(0, SEGS)
+    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    dw_acc = tl.zeros([1, SEG], tl.float32)
+    for r in range(team, n_rows, n_teams):
+        rows64 = (r + tl.arange(0, 1)).to(tl.int64)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        rstd = tl.load(RSTD + rows64)
+        xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, X, CASTING, EXACT_BF16, FROM_OUTPUT)
+        if PHASE != 2:
+            tl.store(DOT + rows64 * n_seg + member, tl.sum(g * xhat, axis=1))
+            if PHASE == 0:
+                arrive(COUNTERS, r)
+        if PHASE != 1:
+            if PHASE == 0:
+                wait_for_team(COUNTERS, r, n_seg)
+            # .cg: the other members' partial sums, read past L1 (after the acquire)
+            dot = tl.load(DOT + rows64[:, None] * n_seg + segs[None, :], mask=(segs < n_seg)[None, :], other=0.0,
+                          cache_modifier=".cg")
+            c = tl.sum(dot, axis=1) / n_cols
+            dx = rstd[:, None] * (g - xhat * c[:, None])
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+                     mask=col_mask[None, :])
             if COMPUTE_DW:
-                part = (grp * subs + sub).to(tl.int64)
-                tl.store(DW_PARTIAL + part * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
-        t = next_ticket(COUNTERS)
+                dw_acc += dy * h
+    if COMPUTE_DW and PHASE != 1:
+        tl.store(DW_PARTIAL + team.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -907,8 +892,8 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
                  FROM_OUTPUT=from_output)
     count_launch("rms_norm_bwd")
-    if cfg.l2_groups:
-        return _grouped_backward(dy2, x2, w, rstd1, dx, offset, flags, compute_dw, cfg, sm_count)
+    if cfg.team_segment:
+        return _team_backward(dy2, x2, w, rstd1, dx, offset, flags, compute_dw, cfg, sm_count)
     n_dot = _cdiv(n_cols, cfg.dot_block)
     dot = _new_output((n_rows, n_dot), torch.float32, device)
     launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),
@@ -927,30 +912,26 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     return partial, groups
 
 
-def _grouped_backward(dy2, x2, w, rstd1, dx, offset: float, flags: dict, compute_dw: bool,
-                      cfg: SplitBackwardConfig, sm_count: int) -> tuple[torch.Tensor, int]:
-    """The split backward as one launch over L2-sized row groups (SplitBackwardConfig.l2_groups)."""
+def _team_backward(dy2, x2, w, rstd1, dx, offset: float, flags: dict, compute_dw: bool,
+                   cfg: SplitBackwardConfig, sm_count: int) -> tuple[torch.Tensor, int]:
+    """The split backward as one launch by teams (SplitBackwardConfig.team_segment > 0). Under the
+    interpreter, which runs programs one at a time, a team of more than one member runs as two
+    launches (fused_kernels._teams)."""
     n_rows, n_cols = x2.shape
     device = x2.device
-    bytes_per_row = n_cols * (x2.element_size() + dy2.element_size())
-    sub = cfg.sub_rows
-    rows_per_group = max(sub, cfg.group_bytes // bytes_per_row // sub * sub)
-    rows_per_group = min(rows_per_group, _cdiv(n_rows, sub) * sub)
-    n_groups = _cdiv(n_rows, rows_per_group)
-    n_dot = _cdiv(n_cols, cfg.dot_block * cfg.dot_steps)
-    n_col_blocks = _cdiv(n_cols, cfg.block_n)
-    dot = _new_output((n_rows, n_dot), torch.float32, device)
-    n_partials = n_groups * (rows_per_group // sub)
-    partial = _new_output((n_partials, n_cols) if compute_dw else (1, 1), torch.float32, device)
-    counters = torch.zeros(1 + n_groups, dtype=torch.int32, device=device)
-    items = n_groups * (rows_per_group * n_dot + rows_per_group // sub * n_col_blocks)
-    programs = max(1, min(items, cfg.programs_per_sm * sm_count))
-    launch(_rms_norm_bwd_grouped_kernel, (programs,),
-           (dy2, x2, w, rstd1, dot, dx, partial, counters, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
-            offset, n_dot, rows_per_group, n_groups, n_col_blocks),
-           dict(flags, COMPUTE_DW=compute_dw, DOT_BLOCK=cfg.dot_block, DOT_STEPS=cfg.dot_steps,
-                DOT_BLOCKS=max(2, _next_pow2(n_dot)), BLOCK_N=cfg.block_n, SUB_ROWS=sub, num_warps=cfg.num_warps))
-    return partial, n_partials
+    n_seg = _cdiv(n_cols, cfg.team_segment)
+    programs = team_grid(n_rows, n_seg, cfg.programs_per_sm, sm_count)
+    n_teams = programs // n_seg
+    dot = _new_output((n_rows, n_seg), torch.float32, device)
+    partial = _new_output((n_teams, n_cols) if compute_dw else (1, 1), torch.float32, device)
+    counters = torch.zeros(1 + n_rows, dtype=torch.int32, device=device)
+    meta = dict(flags, COMPUTE_DW=compute_dw, SEG=cfg.team_segment, SEGS=max(2, _next_pow2(n_seg)),
+                num_warps=cfg.num_warps)
+    args = (dy2, x2, w, rstd1, dot, dx, partial, counters, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
+            offset, n_seg)
+    for phase in (PARTIALS_ONLY, COMBINE_ONLY) if _INTERPRETED and n_seg > 1 else (ONE_LAUNCH,):
+        launch(_rms_norm_bwd_team_kernel, (programs,), args, dict(meta, PHASE=phase))
+    return partial, n_teams
 
 
 # ----------------------------------------------------------------------------------------------

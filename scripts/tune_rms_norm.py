@@ -81,15 +81,12 @@ def forced_split(cfg):
     return mock.patch.object(rms, "split_backward_config", lambda n_rows, n_cols: cfg)
 
 
-SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
-    rms.SplitBackwardConfig(**kw) for kw in (
-        dict(block_n=4096, num_warps=16), dict(block_n=2048, num_warps=8), dict(block_n=2048, num_warps=4),
-        dict(block_n=8192, num_warps=16), dict(programs_per_sm=2), dict(programs_per_sm=8),
-        dict(num_stages=1), dict(num_stages=3), dict(dot_block=8192, dot_warps=16), dict(dot_block=2048, dot_warps=4),
-        # one launch over L2-sized row groups (experimental, session 5: not yet measured)
-        dict(l2_groups=True), dict(l2_groups=True, group_bytes=8 * 2**20), dict(l2_groups=True, group_bytes=24 * 2**20),
-        dict(l2_groups=True, sub_rows=8), dict(l2_groups=True, dot_steps=2), dict(l2_groups=True, programs_per_sm=2),
-    )]
+# The two-launch split (default) and its best variant in session 5, then the one launch by teams
+# (session 6): segment columns per member, warps, programs per SM.
+SPLIT_VARIANTS = [rms.SplitBackwardConfig(), rms.SplitBackwardConfig(num_stages=3)] + [
+    rms.SplitBackwardConfig(team_segment=seg, num_warps=w, programs_per_sm=p)
+    for seg, w, p in ((2048, 4, 4), (2048, 4, 6), (2048, 8, 4), (4096, 8, 2), (4096, 8, 3), (4096, 8, 4),
+                      (4096, 16, 2), (8192, 16, 1), (8192, 16, 2), (8192, 32, 1))]
 
 
 def split_section(bwd, floor_bwd: float, dx_ref) -> None:

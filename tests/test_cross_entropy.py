@@ -58,10 +58,11 @@ LAUNCHES = {
     "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
     "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
     "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
-    # Experimental row groups: 64-class blocks, 2 per segment (V = 257: 3 segments, the last ragged);
-    # 1 KB groups, so 1-3 rows per group (several groups, a padded last one); 2 "SMs"
-    "l2_groups": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, l2_groups=True, segment=128,
-                                            group_bytes=1024), sm_count=2),
+    # Teams (fused_kernels._teams): 64-class segments, V = 257 gives 5 members (the last holds 1 class);
+    # 2 "SMs" x 8 programs: 3 teams of 5. Under the interpreter: two launches (partials, then combine).
+    "team": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=8, segment=64), sm_count=2),
+    # A team of one member (segment >= V): the one-launch kernel with its arrive / wait, on the CPU too.
+    "team_of_one": dict(force=ce.LaunchConfig(block=1024, warps=4, per_sm=1, segment=1024), sm_count=3),
 }
 
 
@@ -263,7 +264,7 @@ def test_launch_table_and_grid():
 
 def test_large_logits_and_minus_inf():
     """Logits of ±1e4 (exp overflows without the max shift) and a block of -inf logits."""
-    for name in ("whole_row", "blocks", "persistent", "l2_groups"):
+    for name in ("whole_row", "blocks", "persistent", "team", "team_of_one"):
         with ce_config(**LAUNCHES[name]):
             x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 1e4
             x[1, 64:128] = float("-inf")
@@ -553,12 +554,13 @@ def test_gpu_real_size(v):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [128256, 32000])
-@pytest.mark.parametrize("cfg", [ce.LaunchConfig(8192, 8, 2, l2_groups=True),
-                                 ce.LaunchConfig(16384, 16, 4, l2_groups=True, segment=32768, group_bytes=8 << 20)],
-                         ids=["8K-blocks", "16K-blocks"])
-def test_gpu_l2_groups_launch(v, cfg):
-    """The experimental row-group kernel on a GPU, where programs run at once (the interpreter runs
-    them one after another): the ticket order and the acquire/release counting, three calls in a row
+@pytest.mark.parametrize("cfg", [ce.LaunchConfig(8192, 8, 2, segment=8192),
+                                 ce.LaunchConfig(16384, 16, 2, segment=16384),
+                                 ce.LaunchConfig(4096, 4, 6, segment=4096)],
+                         ids=["8K-segments", "16K-segments", "4K-segments"])
+def test_gpu_team_launch(v, cfg):
+    """The team kernel on a GPU, where the members run at once (the interpreter runs them one after
+    another, as two launches): the tickets and the acquire/release counting, three calls in a row
     (the counters start from zero each time), label smoothing and softcap on the last."""
     torch.manual_seed(0)
     n = 2048

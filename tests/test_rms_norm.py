@@ -264,19 +264,19 @@ _SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, bl
                                                     programs_per_sm=8, num_stages=2)
 
 
-# The one-launch variant over L2-sized row groups, forced small: 150 columns; row groups of 2 rows
-# (group_bytes 1500 over 600 bytes per row, in sub_rows of 2), so 11 rows make 6 groups, the last with
-# one padding row; row dots over 2 steps of 32 columns (3 per row, the last ragged); 5 dx/dw column
-# blocks. Under the interpreter one program takes every ticket in order, so an item that waited for
-# a later one would hang here.
-_SMALL_GROUPED = dataclasses.replace(_SMALL_SPLIT, dot_block=32, dot_steps=2, l2_groups=True, group_bytes=1500,
-                                     sub_rows=2, programs_per_sm=2)
+# The one-launch variant by teams (fused_kernels._teams), forced small: 150 columns in 32-column
+# segments make teams of 5 (the last member holds 22 columns); 2 "SMs" x 8 programs: 3 teams, each
+# with its dw partial row. Under the interpreter it runs as two launches (partials, then combine).
+_SMALL_TEAMS = dataclasses.replace(_SMALL_SPLIT, team_segment=32, programs_per_sm=8)
+# A team of one (the segment holds the whole row): the one launch with its arrive / wait, on the CPU too.
+_SMALL_TEAM_OF_ONE = dataclasses.replace(_SMALL_SPLIT, team_segment=256, programs_per_sm=2)
 
 
 @pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("keep", ("input", "output"))
-@pytest.mark.parametrize("config", [_SMALL_SPLIT, _SMALL_GROUPED], ids=["two-launches", "l2-groups"])
+@pytest.mark.parametrize("config", [_SMALL_SPLIT, _SMALL_TEAMS, _SMALL_TEAM_OF_ONE],
+                         ids=["two-launches", "teams", "team-of-one"])
 def test_forced_split_backward(monkeypatch, config, dtype, casting_mode, keep):
     monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: config)
     x = randn(11, 150, dtype=dtype, scale=2.0)
@@ -667,10 +667,11 @@ def test_double_backward_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,hidden", [(1024, 65536), (300, 40000)])
-def test_gpu_grouped_split_backward(device, monkeypatch, rows, hidden):
-    """The experimental one-launch split backward (l2_groups) at real sizes: the atomics' ordering and
-    the tickets on a GPU, where programs run at once (the interpreter runs them one after another)."""
-    cfg = dataclasses.replace(rms_norm_module.SplitBackwardConfig(), l2_groups=True)
+@pytest.mark.parametrize("segment,warps", [(4096, 8), (2048, 4)])
+def test_gpu_team_backward(device, monkeypatch, rows, hidden, segment, warps):
+    """The one-launch backward by teams at real sizes: the tickets and the acquire/release counting
+    on a GPU, where the members run at once (the interpreter runs them one after another)."""
+    cfg = dataclasses.replace(rms_norm_module.SplitBackwardConfig(), team_segment=segment, num_warps=warps)
     monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: cfg)
     torch.manual_seed(0)
     x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
