@@ -289,29 +289,35 @@ def _ce_team_kernel(
     """_ce_kernel's loss and gradient (always written) by teams of n_seg programs (fused_kernels._teams),
     member k holding classes [k·SEG, (k+1)·SEG) of the team's rows in registers: each logit read once.
     Partials per (row, member) in stats: the max, Σexp(z − max), z_y (0 unless the target is there)
-    and Σz. With the gradient written over the logits (FLCE) a member writes only its own classes,
-    after every member has read the row (the team's wait)."""
+    and Σz. The team's next row is loaded before the wait, so that its read overlaps the exchange.
+    With the gradient written over the logits (FLCE) a member writes only its own classes of a row
+    every member has already read (the wait), and prefetches only rows nobody has written."""
     team, member, n_teams = team_slot(counters_ptr, n_seg, PHASE)
     inv_v = 1.0 / V
     coef_all = tl.load(coef_ptr)
     if HAS_SCALE:
         coef_all = coef_all * logit_scale
     start = member * SEG
-    cols = start + tl.arange(0, SEG)
-    mask = cols < V
+    offs = tl.arange(0, SEG)  # addresses: a scalar base plus these constant offsets (few registers)
+    mask = offs < V - start
     segs = tl.arange(0, SEGS)
     smask = segs < n_seg
+    # (elementwise masks: a scalar one fails in the interpreter)
+    x_next = tl.load(x_ptr + tl.cast(team, tl.int64) * x_stride + start + offs, mask=mask & (offs * 0 + team < n_rows),
+                     other=0.0, eviction_policy="evict_first")
     for r in range(team, n_rows, n_teams):
         row = tl.cast(r, tl.int64)
-        x_row = x_ptr + row * x_stride
-        g_row = grad_ptr + row * grad_stride
+        x = x_next
+        # the team's next row, in flight during the exchange below
+        x_next = tl.load(x_ptr + (row + n_teams) * x_stride + start + offs, mask=mask & (offs * 0 + r + n_teams < n_rows),
+                         other=0.0, eviction_policy="evict_first")
+        g_seg = grad_ptr + row * grad_stride + start
         y = tl.load(tgt_ptr + row).to(tl.int64)
         kept = y != ignore_index
         in_range = (y >= 0) & (y < V)
         tl.store(flag_ptr, 1, mask=kept & (~in_range) & (member == 0))  # out of range: flagged, row ignored
         if kept & in_range:
-            yc = y.to(tl.int32)
-            x = tl.load(x_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            y_rel = y.to(tl.int32) - start  # the target's offset in this segment (anywhere when elsewhere)
             z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
             st = stats_ptr + row * (n_seg * 4)
             if PHASE != 2:
@@ -319,7 +325,7 @@ def _ce_team_kernel(
                 m_ref = tl.where(m == float("-inf"), 0.0, m)
                 tl.store(st + member * 4, m)
                 tl.store(st + member * 4 + 1, tl.sum(tl.exp(z - m_ref), 0))
-                tl.store(st + member * 4 + 2, tl.sum(tl.where(cols == yc, z, 0.0), 0))
+                tl.store(st + member * 4 + 2, tl.sum(tl.where(offs == y_rel, z, 0.0), 0))
                 if HAS_LS:
                     tl.store(st + member * 4 + 3, tl.sum(tl.where(mask, z, 0.0), 0))
                 if PHASE == 0:
@@ -342,14 +348,14 @@ def _ce_team_kernel(
                 coef = coef_all
                 if HAS_ROW_SCALE:
                     coef = coef * tl.load(row_scale_ptr + row)
-                d = _dlogits(tl.exp(z - lse), z, cols, yc, coef * (1.0 + 2.0 * z_loss * lse),
+                d = _dlogits(tl.exp(z - lse), z, offs, y_rel, coef * (1.0 + 2.0 * z_loss * lse),
                              coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
                 d = for_store(d, grad_ptr.dtype.element_ty, EXACT_BF16).to(grad_ptr.dtype.element_ty)
-                tl.store(g_row + cols, d, mask=mask, eviction_policy="evict_first")
+                tl.store(g_seg + offs, d, mask=mask, eviction_policy="evict_first")
         elif PHASE != 1:
             if member == 0:
                 tl.store(loss_ptr + row, 0.0)
-            tl.store(g_row + cols, tl.zeros([SEG], dtype=grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(g_seg + offs, tl.zeros([SEG], dtype=grad_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -649,23 +649,37 @@ def _rms_norm_bwd_team_kernel(
     # them, then (its team arrived) c = Σ_k DOT[row, k] / n_cols, dx, and Σ dy·h over its rows into
     # DW_PARTIAL[team, its columns] (the host sums the teams' partial rows).
     team, member, n_teams = team_slot(COUNTERS, n_seg, PHASE)
-    cols = member * SEG + tl.arange(0, SEG)
-    col_mask = cols < n_cols
+    start = member * SEG
+    offs = tl.arange(0, SEG)  # addresses: a scalar base plus these constant offsets (few registers)
+    col_mask = offs < n_cols - start
     segs = tl.arange(0, SEGS)
-    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    w_eff = _effective_weight(W + start, offs, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
     dw_acc = tl.zeros([1, SEG], tl.float32)
+    offs2 = offs[None, :]  # [1, SEG] tiles throughout, as _grad_terms takes them
+    first = col_mask[None, :] & (offs2 * 0 + team < n_rows)  # elementwise: a scalar mask fails in the interpreter
+    x_next = tl.load(X + team.to(tl.int64) * stride_x + start + offs2, mask=first, other=0.0,
+                     eviction_policy="evict_first")
+    dy_next = tl.load(DY + team.to(tl.int64) * stride_dy + start + offs2, mask=first, other=0.0,
+                      eviction_policy="evict_first")
     for r in range(team, n_rows, n_teams):
-        rows64 = (r + tl.arange(0, 1)).to(tl.int64)
-        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
+        row = tl.cast(r, tl.int64)
+        x = x_next
+        dy = dy_next.to(tl.float32)
+        # the team's next row, in flight during the exchange below
+        more = col_mask[None, :] & (offs2 * 0 + r + n_teams < n_rows)
+        x_next = tl.load(X + (row + n_teams) * stride_x + start + offs2, mask=more, other=0.0,
+                         eviction_policy="evict_first")
+        dy_next = tl.load(DY + (row + n_teams) * stride_dy + start + offs2, mask=more, other=0.0,
+                          eviction_policy="evict_first")
+        rows64 = row + tl.arange(0, 1)
         rstd = tl.load(RSTD + rows64)
         xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, X, CASTING, EXACT_BF16, FROM_OUTPUT)
         if PHASE != 2:
             tl.store(DOT + rows64 * n_seg + member, tl.sum(g * xhat, axis=1))
             if PHASE == 0:
                 arrive(COUNTERS, r)
+        if COMPUTE_DW and PHASE != 1:
+            dw_acc += dy * h  # before the wait: dy and h need not live through it
         if PHASE != 1:
             if PHASE == 0:
                 wait_for_team(COUNTERS, r, n_seg)
@@ -674,12 +688,10 @@ def _rms_norm_bwd_team_kernel(
                           cache_modifier=".cg")
             c = tl.sum(dot, axis=1) / n_cols
             dx = rstd[:, None] * (g - xhat * c[:, None])
-            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+            tl.store(DX + row * stride_dx + start + offs2, for_store(dx, DX.dtype.element_ty, EXACT_BF16),
                      mask=col_mask[None, :])
-            if COMPUTE_DW:
-                dw_acc += dy * h
     if COMPUTE_DW and PHASE != 1:
-        tl.store(DW_PARTIAL + team.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        tl.store(DW_PARTIAL + team.to(tl.int64) * n_cols + start + offs, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
 # ----------------------------------------------------------------------------------------------

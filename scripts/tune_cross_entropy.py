@@ -54,8 +54,9 @@ NEAR_TABLE = [LaunchConfig(b, w, p, st, True) for b, w, st in
 # Teams (session 6): a row split in segments held in registers by a team of programs, every logit read
 # once. First in the search, so that a short budget still reaches them.
 NEAR_TABLE = [LaunchConfig(seg, w, p, segment=seg)
-              for seg, w in ((4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
-              for p in (1, 2, 3, 4, 6) if w * 32 * p <= 2048] + NEAR_TABLE
+              for seg, w, per_sm in ((2048, 4, (4, 6, 8)), (4096, 4, (3, 4, 5)), (4096, 8, (2, 3)), (8192, 8, (1, 2)),
+                                     (8192, 16, (1,)), (16384, 16, (1,)), (32768, 32, (1,)))
+              for p in per_sm] + NEAR_TABLE
 SWEEP_KERNEL = "--sweep-kernel" in sys.argv  # the full block × warps × per_sm grid, then stages and hints
 DEVICE = "cpu" if SMOKE else "cuda"
 if SMOKE:  # tiny stand-ins: the script's steps, not its numbers

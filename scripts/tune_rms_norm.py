@@ -85,8 +85,8 @@ def forced_split(cfg):
 # (session 6): segment columns per member, warps, programs per SM.
 SPLIT_VARIANTS = [rms.SplitBackwardConfig(), rms.SplitBackwardConfig(num_stages=3)] + [
     rms.SplitBackwardConfig(team_segment=seg, num_warps=w, programs_per_sm=p)
-    for seg, w, p in ((2048, 4, 4), (2048, 4, 6), (2048, 8, 4), (4096, 8, 2), (4096, 8, 3), (4096, 8, 4),
-                      (4096, 16, 2), (8192, 16, 1), (8192, 16, 2), (8192, 32, 1))]
+    for seg, w, p in ((1024, 4, 4), (1024, 4, 6), (1024, 4, 8), (2048, 4, 3), (2048, 4, 4), (2048, 8, 2),
+                      (4096, 8, 2), (4096, 16, 1), (8192, 16, 1))]
 
 
 def split_section(bwd, floor_bwd: float, dx_ref) -> None:
