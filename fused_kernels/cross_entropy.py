@@ -61,7 +61,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._teams import ONE_LAUNCH, PARTIALS_ONLY, COMBINE_ONLY, arrive, team_grid, team_slot, wait_for_team
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -80,10 +79,6 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
-    # > 0: rows split into segments of this many classes (a power of 2), each held in registers by one
-    # member of a team of programs (_ce_team_kernel, fused_kernels._teams): every logit read once.
-    # per_sm then sizes the persistent grid (programs per SM); block and stages are not used.
-    segment: int = 0
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -280,85 +275,6 @@ def _ce_kernel(
 
 
 @triton.jit
-def _ce_team_kernel(
-    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr, stats_ptr,
-    counters_ptr, n_rows, V, ignore_index, logit_scale, softcap, label_smoothing, z_loss, n_seg,
-    HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-    SEG: tl.constexpr, SEGS: tl.constexpr, PHASE: tl.constexpr, EXACT_BF16: tl.constexpr,
-):
-    """_ce_kernel's loss and gradient (always written) by teams of n_seg programs (fused_kernels._teams),
-    member k holding classes [k·SEG, (k+1)·SEG) of the team's rows in registers: each logit read once.
-    Partials per (row, member) in stats: the max, Σexp(z − max), z_y (0 unless the target is there)
-    and Σz. The team's next row is loaded before the wait, so that its read overlaps the exchange.
-    With the gradient written over the logits (FLCE) a member writes only its own classes of a row
-    every member has already read (the wait), and prefetches only rows nobody has written."""
-    team, member, n_teams = team_slot(counters_ptr, n_seg, PHASE)
-    inv_v = 1.0 / V
-    coef_all = tl.load(coef_ptr)
-    if HAS_SCALE:
-        coef_all = coef_all * logit_scale
-    start = member * SEG
-    offs = tl.arange(0, SEG)  # addresses: a scalar base plus these constant offsets (few registers)
-    mask = offs < V - start
-    segs = tl.arange(0, SEGS)
-    smask = segs < n_seg
-    # (elementwise masks: a scalar one fails in the interpreter)
-    x_next = tl.load(x_ptr + tl.cast(team, tl.int64) * x_stride + start + offs, mask=mask & (offs * 0 + team < n_rows),
-                     other=0.0, eviction_policy="evict_first")
-    for r in range(team, n_rows, n_teams):
-        row = tl.cast(r, tl.int64)
-        x = x_next
-        # the team's next row, in flight during the exchange below
-        x_next = tl.load(x_ptr + (row + n_teams) * x_stride + start + offs, mask=mask & (offs * 0 + r + n_teams < n_rows),
-                         other=0.0, eviction_policy="evict_first")
-        g_seg = grad_ptr + row * grad_stride + start
-        y = tl.load(tgt_ptr + row).to(tl.int64)
-        kept = y != ignore_index
-        in_range = (y >= 0) & (y < V)
-        tl.store(flag_ptr, 1, mask=kept & (~in_range) & (member == 0))  # out of range: flagged, row ignored
-        if kept & in_range:
-            y_rel = y.to(tl.int32) - start  # the target's offset in this segment (anywhere when elsewhere)
-            z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
-            st = stats_ptr + row * (n_seg * 4)
-            if PHASE != 2:
-                m = tl.max(z, 0)
-                m_ref = tl.where(m == float("-inf"), 0.0, m)
-                tl.store(st + member * 4, m)
-                tl.store(st + member * 4 + 1, tl.sum(tl.exp(z - m_ref), 0))
-                tl.store(st + member * 4 + 2, tl.sum(tl.where(offs == y_rel, z, 0.0), 0))
-                if HAS_LS:
-                    tl.store(st + member * 4 + 3, tl.sum(tl.where(mask, z, 0.0), 0))
-                if PHASE == 0:
-                    arrive(counters_ptr, r)
-            if PHASE != 1:
-                if PHASE == 0:
-                    wait_for_team(counters_ptr, r, n_seg)
-                # .cg: the other members' partials, read past L1 (after the acquire)
-                m_i = tl.load(st + segs * 4, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                s_i = tl.load(st + segs * 4 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                m_all = tl.max(m_i, 0)
-                m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-                lse = m_ref + tl.log(tl.sum(s_i * tl.exp(m_i - m_ref), 0))
-                if member == 0:
-                    zy = tl.sum(tl.load(st + segs * 4 + 2, mask=smask, other=0.0, cache_modifier=".cg"), 0)
-                    sumz = 0.0
-                    if HAS_LS:
-                        sumz = tl.sum(tl.load(st + segs * 4 + 3, mask=smask, other=0.0, cache_modifier=".cg"), 0)
-                    tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
-                coef = coef_all
-                if HAS_ROW_SCALE:
-                    coef = coef * tl.load(row_scale_ptr + row)
-                d = _dlogits(tl.exp(z - lse), z, offs, y_rel, coef * (1.0 + 2.0 * z_loss * lse),
-                             coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
-                d = for_store(d, grad_ptr.dtype.element_ty, EXACT_BF16).to(grad_ptr.dtype.element_ty)
-                tl.store(g_seg + offs, d, mask=mask, eviction_policy="evict_first")
-        elif PHASE != 1:
-            if member == 0:
-                tl.store(loss_ptr + row, 0.0)
-            tl.store(g_seg + offs, tl.zeros([SEG], dtype=grad_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
                   PER_ROW: tl.constexpr, BLOCK: tl.constexpr, EXACT_BF16: tl.constexpr):
     """t *= g in place over a contiguous tensor, g a scalar or one value per row of row_len elements.
@@ -433,8 +349,7 @@ def launch_config(v: int) -> LaunchConfig:
 
 
 def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
-    """Programs launched for n_rows rows (or, for the row-group kernel, work items): one per row, or
-    per_sm per SM (never more than the rows)."""
+    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows)."""
     sms = _sm_count(device)
     if cfg.per_sm <= 0 or sms is None:
         return n_rows
@@ -474,35 +389,11 @@ def launch_ce(
     options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
                    has_row_scale=row_scale is not None)
     with _device_guard(x):
-        if cfg.segment and grad is not None:
-            _launch_team(cfg, (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag), scalars,
-                         options)
-            return
         launch(
             _ce_kernel, (grid_programs(cfg, n, x.device),),
             (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag) + scalars,
             dict(kernel_constexprs(cfg, v, **options, write_grad=grad is not None), num_warps=cfg.warps),
         )
-
-
-def _launch_team(cfg: LaunchConfig, tensors: tuple, scalars: tuple, options: dict) -> None:
-    """launch_ce through _ce_team_kernel (cfg.segment > 0; the gradient is always written): tensors and
-    scalars are _ce_kernel's leading arguments, options its has_* flags. One launch on a GPU; under
-    the interpreter, which runs programs one at a time, a team of more than one member runs as two
-    (fused_kernels._teams)."""
-    x = tensors[0]
-    n, v = x.shape
-    n_seg = triton.cdiv(v, cfg.segment)
-    sms = _sm_count(x.device)
-    programs = team_grid(n, n_seg, cfg.per_sm, sms) if sms else n * n_seg
-    stats = new_buffer((n, n_seg, 4), torch.float32, x.device)
-    counters = torch.zeros(1 + n, dtype=torch.int32, device=x.device)
-    meta = dict(HAS_SCALE=options["has_scale"], HAS_SOFTCAP=options["has_softcap"], HAS_LS=options["has_ls"],
-                HAS_ROW_SCALE=options["has_row_scale"], SEG=cfg.segment, SEGS=max(2, triton.next_power_of_2(n_seg)),
-                EXACT_BF16=_INTERPRETED, num_warps=cfg.warps)
-    phases = (PARTIALS_ONLY, COMBINE_ONLY) if _INTERPRETED and n_seg > 1 else (ONE_LAUNCH,)
-    for phase in phases:
-        launch(_ce_team_kernel, (programs,), tensors + (stats, counters) + scalars + (n_seg,), dict(meta, PHASE=phase))
 
 
 def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,

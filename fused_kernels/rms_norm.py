@@ -61,7 +61,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._teams import ONE_LAUNCH, PARTIALS_ONLY, COMBINE_ONLY, arrive, team_grid, team_slot, wait_for_team
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -154,19 +153,16 @@ class SplitBackwardConfig:
     block_n: int = 2048  # columns per dx/dw program (power of two)
     num_warps: int = 4
     programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
-    num_stages: int = 2  # software pipelining of the dx/dw kernel's row loop
-    # > 0: one launch instead, by teams of programs (fused_kernels._teams): a row is split into segments
-    # of this many columns (a power of two), each member holding its segment of x and dy in registers,
-    # so x and dy are read once; members swap their partial row sums through a small buffer. Uses
-    # num_warps and programs_per_sm; each team keeps its dw partial row in registers.
-    team_segment: int = 0
+    num_stages: int = 3  # software pipelining of the dx/dw kernel's row loop
 
 
 # Backward rows longer than this go through the split kernels (no backward config holds them whole).
 # H200, bf16 (benchmarks/session5/tune_rms_norm_split.txt), backward kernel time, one kernel -> split:
 # 1024x65536 0.297 -> 0.181 ms, 2048x32768 0.229 -> 0.179, 8192x32768 0.852 -> 0.669; at 4096x16384
 # the whole-row kernel stays ahead (0.136 against 0.177). The defaults above are that run's best shape
-# within noise (2048 columns, 4 warps); stages and programs per SM moved it by <= 5 %.
+# within noise (2048 columns, 4 warps); programs per SM moved it by <= 5 %. 3 pipelining stages beat 2
+# by 3-4 % in all four runs of sessions 5-6 at 1024x65536, 2048x32768 and 8192x32768 (e.g. 0.1753
+# against 0.1824 ms; 0.6450 against 0.6654), more than the runs' spread (benchmarks/session6).
 SPLIT_BACKWARD_FROM = 16384
 
 
@@ -637,63 +633,6 @@ def _rms_norm_bwd_split_kernel(
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
-@triton.jit
-def _rms_norm_bwd_team_kernel(
-    DY, X, W, RSTD, DOT, DX, DW_PARTIAL, COUNTERS,
-    n_rows, n_cols, stride_dy, stride_x, stride_dx, offset, n_seg,
-    CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, SEG: tl.constexpr,
-    SEGS: tl.constexpr, PHASE: tl.constexpr, EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr,
-):
-    # The split backward by teams (SplitBackwardConfig.team_segment, fused_kernels._teams): member k of
-    # team j holds columns [k·SEG, (k+1)·SEG) of rows j, j + n_teams, ...: DOT[row, k] = Σ g·xhat over
-    # them, then (its team arrived) c = Σ_k DOT[row, k] / n_cols, dx, and Σ dy·h over its rows into
-    # DW_PARTIAL[team, its columns] (the host sums the teams' partial rows).
-    team, member, n_teams = team_slot(COUNTERS, n_seg, PHASE)
-    start = member * SEG
-    offs = tl.arange(0, SEG)  # addresses: a scalar base plus these constant offsets (few registers)
-    col_mask = offs < n_cols - start
-    segs = tl.arange(0, SEGS)
-    w_eff = _effective_weight(W + start, offs, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-    dw_acc = tl.zeros([1, SEG], tl.float32)
-    offs2 = offs[None, :]  # [1, SEG] tiles throughout, as _grad_terms takes them
-    first = col_mask[None, :] & (offs2 * 0 + team < n_rows)  # elementwise: a scalar mask fails in the interpreter
-    x_next = tl.load(X + team.to(tl.int64) * stride_x + start + offs2, mask=first, other=0.0,
-                     eviction_policy="evict_first")
-    dy_next = tl.load(DY + team.to(tl.int64) * stride_dy + start + offs2, mask=first, other=0.0,
-                      eviction_policy="evict_first")
-    for r in range(team, n_rows, n_teams):
-        row = tl.cast(r, tl.int64)
-        x = x_next
-        dy = dy_next.to(tl.float32)
-        # the team's next row, in flight during the exchange below
-        more = col_mask[None, :] & (offs2 * 0 + r + n_teams < n_rows)
-        x_next = tl.load(X + (row + n_teams) * stride_x + start + offs2, mask=more, other=0.0,
-                         eviction_policy="evict_first")
-        dy_next = tl.load(DY + (row + n_teams) * stride_dy + start + offs2, mask=more, other=0.0,
-                          eviction_policy="evict_first")
-        rows64 = row + tl.arange(0, 1)
-        rstd = tl.load(RSTD + rows64)
-        xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, X, CASTING, EXACT_BF16, FROM_OUTPUT)
-        if PHASE != 2:
-            tl.store(DOT + rows64 * n_seg + member, tl.sum(g * xhat, axis=1))
-            if PHASE == 0:
-                arrive(COUNTERS, r)
-        if COMPUTE_DW and PHASE != 1:
-            dw_acc += dy * h  # before the wait: dy and h need not live through it
-        if PHASE != 1:
-            if PHASE == 0:
-                wait_for_team(COUNTERS, r, n_seg)
-            # .cg: the other members' partial sums, read past L1 (after the acquire)
-            dot = tl.load(DOT + rows64[:, None] * n_seg + segs[None, :], mask=(segs < n_seg)[None, :], other=0.0,
-                          cache_modifier=".cg")
-            c = tl.sum(dot, axis=1) / n_cols
-            dx = rstd[:, None] * (g - xhat * c[:, None])
-            tl.store(DX + row * stride_dx + start + offs2, for_store(dx, DX.dtype.element_ty, EXACT_BF16),
-                     mask=col_mask[None, :])
-    if COMPUTE_DW and PHASE != 1:
-        tl.store(DW_PARTIAL + team.to(tl.int64) * n_cols + start + offs, tl.sum(dw_acc, axis=0), mask=col_mask)
-
-
 # ----------------------------------------------------------------------------------------------
 # Autotuned launchers (GPU). The kernels write only their outputs (y, rstd; dx and the dw partial
 # rows, each stored before it is read back), so the autotuner's benchmark runs cannot corrupt them:
@@ -904,8 +843,6 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
                  FROM_OUTPUT=from_output)
     count_launch("rms_norm_bwd")
-    if cfg.team_segment:
-        return _team_backward(dy2, x2, w, rstd1, dx, offset, flags, compute_dw, cfg, sm_count)
     n_dot = _cdiv(n_cols, cfg.dot_block)
     dot = _new_output((n_rows, n_dot), torch.float32, device)
     launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),
@@ -922,28 +859,6 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
            dict(flags, COMPUTE_DW=compute_dw, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, _next_pow2(n_dot)),
                 NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps))
     return partial, groups
-
-
-def _team_backward(dy2, x2, w, rstd1, dx, offset: float, flags: dict, compute_dw: bool,
-                   cfg: SplitBackwardConfig, sm_count: int) -> tuple[torch.Tensor, int]:
-    """The split backward as one launch by teams (SplitBackwardConfig.team_segment > 0). Under the
-    interpreter, which runs programs one at a time, a team of more than one member runs as two
-    launches (fused_kernels._teams)."""
-    n_rows, n_cols = x2.shape
-    device = x2.device
-    n_seg = _cdiv(n_cols, cfg.team_segment)
-    programs = team_grid(n_rows, n_seg, cfg.programs_per_sm, sm_count)
-    n_teams = programs // n_seg
-    dot = _new_output((n_rows, n_seg), torch.float32, device)
-    partial = _new_output((n_teams, n_cols) if compute_dw else (1, 1), torch.float32, device)
-    counters = torch.zeros(1 + n_rows, dtype=torch.int32, device=device)
-    meta = dict(flags, COMPUTE_DW=compute_dw, SEG=cfg.team_segment, SEGS=max(2, _next_pow2(n_seg)),
-                num_warps=cfg.num_warps)
-    args = (dy2, x2, w, rstd1, dot, dx, partial, counters, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
-            offset, n_seg)
-    for phase in (PARTIALS_ONLY, COMBINE_ONLY) if _INTERPRETED and n_seg > 1 else (ONE_LAUNCH,):
-        launch(_rms_norm_bwd_team_kernel, (programs,), args, dict(meta, PHASE=phase))
-    return partial, n_teams
 
 
 # ----------------------------------------------------------------------------------------------

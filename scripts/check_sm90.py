@@ -105,13 +105,6 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
                       NUM_STAGES=cfg.num_stages), cfg.num_warps, cfg.num_stages)):
             aligned = _aligned(sig, n)
             yield f"rms_norm split bwd n_cols={n} {kernel.__name__} {cfg}", kernel, sig, flags, aligned, warps, stages, 0
-        team_sig = dict(split_sig, COUNTERS="*i32", n_seg="i32")
-        team_sig = {k: team_sig[k] for k in rms._rms_norm_bwd_team_kernel.arg_names if k in team_sig}
-        for seg, warps in ((2048, 4), (4096, 8), (8192, 16)):
-            n_seg = -(-n // seg)
-            flags = dict(common, COMPUTE_DW=True, SEG=seg, SEGS=max(2, triton.next_power_of_2(n_seg)), PHASE=0)
-            yield (f"rms_norm team bwd n_cols={n} segment={seg} warps={warps}", rms._rms_norm_bwd_team_kernel,
-                   team_sig, flags, _aligned(team_sig, n), warps, 1, 0)
 
 
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
@@ -149,15 +142,6 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
                                          has_row_scale=False, write_grad=True, exact_bf16=False)
             label = f"cross_entropy V={v} softcap/label smoothing {softcap} {cfg}"
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
-        # the team kernel (LaunchConfig.segment) at three segment sizes
-        team_sig = dict(sig, stats_ptr="*fp32", counters_ptr="*i32", n_seg="i32")
-        team_sig = {k: team_sig[k] for k in ce._ce_team_kernel.arg_names if k in team_sig}
-        for segment, warps in ((4096, 4), (8192, 8), (16384, 16)):
-            n_seg = -(-v // segment)
-            flags = dict(HAS_SCALE=False, HAS_SOFTCAP=True, HAS_LS=True, HAS_ROW_SCALE=False, SEG=segment,
-                         SEGS=max(2, triton.next_power_of_2(n_seg)), PHASE=0, EXACT_BF16=False)
-            yield (f"cross_entropy V={v} team segment={segment} warps={warps}", ce._ce_team_kernel,
-                   team_sig, flags, aligned + ["stats_ptr", "counters_ptr"], warps, 1, 0)
 
 
 def main() -> None:

@@ -51,19 +51,12 @@ BLOCK_WARPS = [(16384, 32), (8192, 16), (16384, 16), (8192, 8), (32768, 32)]
 NEAR_TABLE = [LaunchConfig(b, w, p, st, True) for b, w, st in
               ((32768, 32, 1), (16384, 32, 1), (32768, 16, 1), (8192, 8, 2), (8192, 16, 1))
               for p in (0, 0.5, 1)] + [LaunchConfig(32768, 32, p, 1, True) for p in (0.25, 0.75)]
-# Teams (session 6): a row split in segments held in registers by a team of programs, every logit read
-# once. First in the search, so that a short budget still reaches them.
-NEAR_TABLE = [LaunchConfig(seg, w, p, segment=seg)
-              for seg, w, per_sm in ((2048, 4, (4, 6, 8)), (4096, 4, (3, 4, 5)), (4096, 8, (2, 3)), (8192, 8, (1, 2)),
-                                     (8192, 16, (1,)), (16384, 16, (1,)), (32768, 32, (1,)))
-              for p in per_sm] + NEAR_TABLE
 SWEEP_KERNEL = "--sweep-kernel" in sys.argv  # the full block × warps × per_sm grid, then stages and hints
 DEVICE = "cpu" if SMOKE else "cuda"
 if SMOKE:  # tiny stand-ins: the script's steps, not its numbers
     VOCABS = {300: 65536, 700: 196608, 1100: math.inf}
     BLOCK_WARPS = [(256, 4), (1024, 4)]
-    NEAR_TABLE = [LaunchConfig(128, 4, 0, 1, True), LaunchConfig(256, 4, 0.5, 2, True),
-                  LaunchConfig(256, 4, 4, segment=256)]
+    NEAR_TABLE = [LaunchConfig(128, 4, 0, 1, True), LaunchConfig(256, 4, 0.5, 2, True)]
 
 
 def event_ms(fn, reps: int = 7) -> float:
@@ -136,9 +129,8 @@ class Case:
 
 
 def fmt(cfg: LaunchConfig) -> str:
-    team = f", segment={cfg.segment}" if cfg.segment else ""
     return (f"LaunchConfig(block={cfg.block}, warps={cfg.warps}, per_sm={cfg.per_sm:g}, stages={cfg.stages}, "
-            f"l2_hints={cfg.l2_hints}{team})")
+            f"l2_hints={cfg.l2_hints})")
 
 
 def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, LaunchConfig]]:

@@ -81,12 +81,12 @@ def forced_split(cfg):
     return mock.patch.object(rms, "split_backward_config", lambda n_rows, n_cols: cfg)
 
 
-# The two-launch split (default) and its best variant in session 5, then the one launch by teams
-# (session 6): segment columns per member, warps, programs per SM.
-SPLIT_VARIANTS = [rms.SplitBackwardConfig(), rms.SplitBackwardConfig(num_stages=3)] + [
-    rms.SplitBackwardConfig(team_segment=seg, num_warps=w, programs_per_sm=p)
-    for seg, w, p in ((1024, 4, 4), (1024, 4, 6), (1024, 4, 8), (2048, 4, 3), (2048, 4, 4), (2048, 8, 2),
-                      (4096, 8, 2), (4096, 16, 1), (8192, 16, 1))]
+SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
+    rms.SplitBackwardConfig(**kw) for kw in (
+        dict(block_n=4096, num_warps=16), dict(block_n=2048, num_warps=8), dict(block_n=8192, num_warps=16),
+        dict(programs_per_sm=2), dict(programs_per_sm=8), dict(num_stages=1), dict(num_stages=2), dict(num_stages=4),
+        dict(dot_block=8192, dot_warps=16), dict(dot_block=2048, dot_warps=4),
+    )]
 
 
 def split_section(bwd, floor_bwd: float, dx_ref) -> None:

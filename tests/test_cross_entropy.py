@@ -58,11 +58,6 @@ LAUNCHES = {
     "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
     "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
     "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
-    # Teams (fused_kernels._teams): 64-class segments, V = 257 gives 5 members (the last holds 1 class);
-    # 2 "SMs" x 8 programs: 3 teams of 5. Under the interpreter: two launches (partials, then combine).
-    "team": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=8, segment=64), sm_count=2),
-    # A team of one member (segment >= V): the one-launch kernel with its arrive / wait, on the CPU too.
-    "team_of_one": dict(force=ce.LaunchConfig(block=1024, warps=4, per_sm=1, segment=1024), sm_count=3),
 }
 
 
@@ -264,7 +259,7 @@ def test_launch_table_and_grid():
 
 def test_large_logits_and_minus_inf():
     """Logits of ±1e4 (exp overflows without the max shift) and a block of -inf logits."""
-    for name in ("whole_row", "blocks", "persistent", "team", "team_of_one"):
+    for name in ("whole_row", "blocks", "persistent"):
         with ce_config(**LAUNCHES[name]):
             x = torch.randn(4, 200, generator=torch.Generator().manual_seed(1)) * 1e4
             x[1, 64:128] = float("-inf")
@@ -550,41 +545,6 @@ def test_gpu_real_size(v):
               f"fwd+bwd {ms:.3f} ms (floor {floor_ms:.3f} ms), extra memory beyond the gradient "
               f"{extra / 2**20:.1f} MiB, grad rel err {err:.2e}")
     assert extra <= 16 * 2**20, f"{extra / 2**20:.1f} MiB beyond the gradient"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("v", [128256, 32000])
-@pytest.mark.parametrize("cfg", [ce.LaunchConfig(8192, 8, 2, segment=8192),
-                                 ce.LaunchConfig(16384, 16, 2, segment=16384),
-                                 ce.LaunchConfig(4096, 4, 6, segment=4096)],
-                         ids=["8K-segments", "16K-segments", "4K-segments"])
-def test_gpu_team_launch(v, cfg):
-    """The team kernel on a GPU, where the members run at once (the interpreter runs them one after
-    another, as two launches): the tickets and the acquire/release counting, three calls in a row
-    (the counters start from zero each time), label smoothing and softcap on the last."""
-    torch.manual_seed(0)
-    n = 2048
-    logits = (torch.randn(n, v, device="cuda") * 2).to(torch.bfloat16)
-    target = torch.randint(0, v, (n,), device="cuda")
-    target[torch.rand(n, device="cuda") < 0.1] = -100
-    ref_loss, ref_grads = _gpu_reference(logits, target)
-    with ce_config(poison=True, force=cfg):
-        for _ in range(2):
-            leaf = logits.clone().requires_grad_()
-            loss = fused_kernels.cross_entropy(leaf, target)
-            loss.backward()
-            assert abs(loss.item() - ref_loss) / abs(ref_loss) <= 1e-4
-            err = _grad_rel_err(leaf.grad, ref_grads)
-            assert err <= REL_TOL[torch.bfloat16] and not torch.isnan(leaf.grad).any(), f"grad rel err {err:.3e}"
-        leaf = logits.clone().requires_grad_()
-        loss = fused_kernels.cross_entropy(leaf, target, label_smoothing=0.1, softcap=30.0)
-        with ce_config(force=ce.LaunchConfig(8192, 8, 0)):  # the table's two-sweep kernel, same options
-            leaf2 = logits.clone().requires_grad_()
-            loss2 = fused_kernels.cross_entropy(leaf2, target, label_smoothing=0.1, softcap=30.0)
-        loss.backward()
-        loss2.backward()
-        assert abs(loss.item() - loss2.item()) <= 1e-5 * abs(loss2.item())
-        assert (leaf.grad.float() - leaf2.grad.float()).norm() <= 1e-2 * leaf2.grad.float().norm()
 
 
 @pytest.mark.gpu

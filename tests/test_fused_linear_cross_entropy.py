@@ -126,7 +126,7 @@ def test_matches_reference(n, h, v, dtype, has_bias, reduction, ignore, ignore_i
                             num_items, upstream, grads_for, layout, rows, seed)
 
 
-@pytest.mark.parametrize("launch", ["blocks", "persistent", "team"])
+@pytest.mark.parametrize("launch", ["blocks", "persistent"])
 @settings(max_examples=5)
 @given(
     reduction=st.sampled_from(ce.REDUCTIONS),

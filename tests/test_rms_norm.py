@@ -264,21 +264,11 @@ _SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, bl
                                                     programs_per_sm=8, num_stages=2)
 
 
-# The one-launch variant by teams (fused_kernels._teams), forced small: 150 columns in 32-column
-# segments make teams of 5 (the last member holds 22 columns); 2 "SMs" x 8 programs: 3 teams, each
-# with its dw partial row. Under the interpreter it runs as two launches (partials, then combine).
-_SMALL_TEAMS = dataclasses.replace(_SMALL_SPLIT, team_segment=32, programs_per_sm=8)
-# A team of one (the segment holds the whole row): the one launch with its arrive / wait, on the CPU too.
-_SMALL_TEAM_OF_ONE = dataclasses.replace(_SMALL_SPLIT, team_segment=256, programs_per_sm=2)
-
-
 @pytest.mark.parametrize("casting_mode", rms_norm_module.CASTING_MODES)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("keep", ("input", "output"))
-@pytest.mark.parametrize("config", [_SMALL_SPLIT, _SMALL_TEAMS, _SMALL_TEAM_OF_ONE],
-                         ids=["two-launches", "teams", "team-of-one"])
-def test_forced_split_backward(monkeypatch, config, dtype, casting_mode, keep):
-    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: config)
+def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
+    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
     x = randn(11, 150, dtype=dtype, scale=2.0)
     weight = randn(150, dtype=dtype)
     check_against_reference(x, weight, 1e-6, 1.0 if casting_mode == "gemma" else 0.0, casting_mode, keep=keep)
@@ -664,29 +654,6 @@ def test_double_backward_is_refused():
 
 
 # --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows,hidden", [(1024, 65536), (300, 40000)])
-@pytest.mark.parametrize("segment,warps", [(4096, 8), (2048, 4)])
-def test_gpu_team_backward(device, monkeypatch, rows, hidden, segment, warps):
-    """The one-launch backward by teams at real sizes: the tickets and the acquire/release counting
-    on a GPU, where the members run at once (the interpreter runs them one after another)."""
-    cfg = dataclasses.replace(rms_norm_module.SplitBackwardConfig(), team_segment=segment, num_warps=warps)
-    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: cfg)
-    torch.manual_seed(0)
-    x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0)
-    w = randn(hidden, dtype=torch.bfloat16, device=device, scale=0.5)
-    for _ in range(3):  # the counters start from zero on every call
-        x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        y = rms_norm(x_in, w_in, 1e-6, 0.0, "llama")
-        dy = randn(rows, hidden, dtype=y.dtype, device=device)
-        y.backward(dy)
-        x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
-        reference(x64, w64, 1e-6, 0.0, "llama", x.dtype, w.dtype).backward(dy.double())
-        for name, got, ref in (("dx", x_in.grad, x64.grad), ("dw", w_in.grad, w64.grad)):
-            assert torch.isfinite(got).all(), f"{name} has NaN/inf"
-            assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
