@@ -553,43 +553,6 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit
-def _row_dot_terms(DY, X, W, rows64, cols, rstd, n_cols, stride_dy, stride_x, offset, EVICT: tl.constexpr,
-                   CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, EXACT_BF16: tl.constexpr,
-                   FROM_OUTPUT: tl.constexpr):
-    """g·xhat in the columns `cols` of one row (rows64: [1]), a [1, len(cols)] tile: what the split
-    backward's partial row sums add up (X may hold y, see _grad_terms)."""
-    col_mask = cols < n_cols
-    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
-                eviction_policy=EVICT)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
-                 eviction_policy=EVICT)
-    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), rstd, w_eff, X, CASTING, EXACT_BF16, FROM_OUTPUT)
-    return g * xhat
-
-
-@triton.jit
-def _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot, n_cols, stride_dy, stride_x,
-                  stride_dx, EVICT: tl.constexpr, DOT_CACHE: tl.constexpr, CASTING: tl.constexpr,
-                  EXACT_BF16: tl.constexpr, FROM_OUTPUT: tl.constexpr):
-    """The split backward's second phase for one row (rows64: [1]) in columns `cols`: c from the row's
-    partial sums DOT[row, :n_dot], dx stored; returns dy·h, the row's share of the dw partial."""
-    dot = tl.load(DOT + rows64[:, None] * n_dot + dots[None, :], mask=(dots < n_dot)[None, :], other=0.0,
-                  cache_modifier=DOT_CACHE)
-    c = tl.sum(dot, axis=1) / n_cols
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0,
-                eviction_policy=EVICT)
-    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0,
-                 eviction_policy=EVICT).to(tl.float32)
-    rstd = tl.load(RSTD + rows64)
-    xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
-    dx = rstd[:, None] * (g - xhat * c[:, None])
-    tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
-             mask=col_mask[None, :])
-    return dy * h
-
-
-@triton.jit
 def _rms_norm_bwd_rowdot_kernel(
     DY, X, W, RSTD, DOT,
     n_cols, stride_dy, stride_x, offset, n_dot_blocks,
@@ -601,9 +564,13 @@ def _rms_norm_bwd_rowdot_kernel(
     rows64 = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
     block = tl.program_id(1)
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    terms = _row_dot_terms(DY, X, W, rows64, cols, tl.load(RSTD + rows64), n_cols, stride_dy, stride_x, offset, "",
-                           CASTING, HAS_WEIGHT, EXACT_BF16, FROM_OUTPUT)
-    tl.store(DOT + rows64 * n_dot_blocks + block, tl.sum(terms, axis=1))
+    col_mask = cols < n_cols
+    w_eff = _effective_weight(W, cols, col_mask, offset, CASTING, HAS_WEIGHT, EXACT_BF16)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
+    dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0)
+    xhat, g, _h = _grad_terms(x.to(tl.float32), dy.to(tl.float32), tl.load(RSTD + rows64), w_eff, X, CASTING,
+                              EXACT_BF16, FROM_OUTPUT)
+    tl.store(DOT + rows64 * n_dot_blocks + block, tl.sum(g * xhat, axis=1))
 
 
 @triton.jit
@@ -625,10 +592,18 @@ def _rms_norm_bwd_split_kernel(
     first = group * rows_per_group
     for r in tl.range(first, tl.minimum(first + rows_per_group, n_rows), num_stages=NUM_STAGES):
         rows64 = (r + tl.arange(0, 1)).to(tl.int64)
-        dw_row = _split_dx_row(DY, X, RSTD, DOT, DX, rows64, cols, col_mask, w_eff, dots, n_dot_blocks, n_cols,
-                               stride_dy, stride_x, stride_dx, "", "", CASTING, EXACT_BF16, FROM_OUTPUT)
+        dot = tl.load(DOT + rows64[:, None] * n_dot_blocks + dots[None, :], mask=(dots < n_dot_blocks)[None, :],
+                      other=0.0)
+        c = tl.sum(dot, axis=1) / n_cols
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=col_mask[None, :], other=0.0)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows64)
+        xhat, g, h = _grad_terms(x.to(tl.float32), dy, rstd, w_eff, DX, CASTING, EXACT_BF16, FROM_OUTPUT)
+        dx = rstd[:, None] * (g - xhat * c[:, None])
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+                 mask=col_mask[None, :])
         if COMPUTE_DW:
-            dw_acc += dw_row
+            dw_acc += dy * h
     if COMPUTE_DW:
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
@@ -778,6 +753,7 @@ def _backward_impl(
     n_rows, n_cols = x2.shape
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else x.new_empty(0, dtype=torch.float32)
+    count_launch("rms_norm_bwd")
     sm_count = _sm_count(device)
     split = split_backward_config(n_rows, n_cols)
     if split is not None:
@@ -805,7 +781,6 @@ def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode:
     else:
         max_programs = backward_programs(cfg, n_rows, n_cols, bytes_per_col, sm_count)
     partial = _new_output((max_programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
-    count_launch("rms_norm_bwd")
     args = (
         dy2, x2, x2 if weight is None else weight, rstd.contiguous().reshape(-1), dx, partial,
         n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols,
@@ -842,7 +817,6 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     rstd1 = rstd.contiguous().reshape(-1)
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
                  FROM_OUTPUT=from_output)
-    count_launch("rms_norm_bwd")
     n_dot = _cdiv(n_cols, cfg.dot_block)
     dot = _new_output((n_rows, n_dot), torch.float32, device)
     launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),

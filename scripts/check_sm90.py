@@ -12,7 +12,6 @@ many programs share an SM (65536 per SM), which rms_norm's persistent backward g
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import re
