@@ -106,20 +106,16 @@ def _compile(model, mode, torch):
     return torch.compile(model)
 
 
-def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str, compile_mode: str) -> dict:
-    import torch
-
-    spec = MODELS[model_key]
-    device = torch.device(device_name)
-    batch, seq = spec["batch"], spec["seq"]
-    res = {"model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
-           "status": "ok", "compile_mode": compile_mode if "compile" in peer else None}
-    t_start = time.perf_counter()
-    torch.manual_seed(0)
+def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
+    """(model, info): the model of `spec` as `peer` trains it (Liger's class patches before it is built,
+    autopatch after, torch.compile last); info holds the parameter count and what was patched. Used by
+    worker, scripts/step_diagnosis.py and the session experiments, so that every script runs a peer the
+    same way."""
+    info = {}
     if peer == "liger":
-        res["liger_applied"] = _apply_liger(spec["model_type"])  # class-level patch, before the model exists
+        info["liger_applied"] = _apply_liger(spec["model_type"])  # class-level patch, before the model exists
     model = _build_model(spec, device, torch)
-    res["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
+    info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     if peer.startswith("ours"):
         import autopatch
 
@@ -131,11 +127,26 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
 
         records = autopatch.apply(model, **OUR_TOGGLES)
         recs = [r.as_dict() if hasattr(r, "as_dict") else str(r) for r in (records or [])]
-        res["patched"] = [f"{r['kernel']}:{r['target']}" for r in recs if isinstance(r, dict) and r.get("patched")]
-        res["not_patched"] = [f"{r['kernel']}:{r['target']}: {r.get('reason', '')}"[:200]
-                              for r in recs if isinstance(r, dict) and not r.get("patched")]
+        info["patched"] = [f"{r['kernel']}:{r['target']}" for r in recs if isinstance(r, dict) and r.get("patched")]
+        info["not_patched"] = [f"{r['kernel']}:{r['target']}: {r.get('reason', '')}"[:200]
+                               for r in recs if isinstance(r, dict) and not r.get("patched")]
     if peer.endswith("compile"):
         model = _compile(model, compile_mode, torch)
+    return model, info
+
+
+def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str, compile_mode: str) -> dict:
+    import torch
+
+    spec = MODELS[model_key]
+    device = torch.device(device_name)
+    batch, seq = spec["batch"], spec["seq"]
+    res = {"model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+           "status": "ok", "compile_mode": compile_mode if "compile" in peer else None}
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    model, info = peer_model(spec, peer, device, torch, compile_mode)
+    res.update(info)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(device.type == "cuda"))
     gen = torch.Generator(device=device).manual_seed(1)
     vocab = spec["config"]["vocab_size"]

@@ -43,15 +43,7 @@ def worker(model_key: str, peer: str) -> dict:
     device = torch.device("cuda")
     torch.cuda.memory._record_memory_history(max_entries=200_000)
     torch.manual_seed(0)
-    if peer == "liger":
-        bench_e2e._apply_liger(spec["model_type"])
-    model = bench_e2e._build_model(spec, device, torch)
-    if peer.startswith("ours"):
-        import autopatch
-
-        autopatch.apply(model, **bench_e2e.OUR_TOGGLES)
-    if peer.endswith("compile"):  # torch_compile, ours_compile: the whole model, as bench_e2e's default
-        model = bench_e2e._compile(model, "model", torch)
+    model, _info = bench_e2e.peer_model(spec, peer, device, torch)  # compiled peers: the whole model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device=device)
     for _ in range(3):

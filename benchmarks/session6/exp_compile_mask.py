@@ -43,19 +43,22 @@ def _skip_when_unpadded(*args, **kwargs):
     return _ORIGINAL(*args, **kwargs)
 
 
-def run(fixed: bool) -> None:
-    import autopatch
-
+def compiled_qwen3(fixed: bool):
+    """(spec, model, optimizer, input ids): autopatched Qwen3-0.6B under torch.compile, the mask skip
+    on (fixed) or off."""
     masking_utils._ignore_causal_mask_sdpa = _skip_when_unpadded if fixed else _ORIGINAL
     torch._dynamo.reset()
     spec = bench_e2e.MODELS["qwen3_0.6b"]
     torch.manual_seed(0)
-    model = bench_e2e._build_model(spec, torch.device("cuda"), torch)
-    autopatch.apply(model, **bench_e2e.OUR_TOGGLES)
-    model = torch.compile(model)
+    model, _info = bench_e2e.peer_model(spec, "ours_compile", torch.device("cuda"), torch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda",
                         generator=torch.Generator(device="cuda").manual_seed(1))
+    return spec, model, opt, ids
+
+
+def run(fixed: bool) -> None:
+    spec, model, opt, ids = compiled_qwen3(fixed)
     times, losses = [], []
     for i in range(8):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

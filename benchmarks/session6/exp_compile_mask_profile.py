@@ -11,22 +11,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_e2e  # noqa: E402
 import exp_compile_mask  # noqa: E402
 import step_diagnosis  # noqa: E402
-from transformers import masking_utils  # noqa: E402
 
 if __name__ == "__main__":
-    import autopatch
-
-    masking_utils._ignore_causal_mask_sdpa = exp_compile_mask._skip_when_unpadded
-    spec = bench_e2e.MODELS["qwen3_0.6b"]
-    torch.manual_seed(0)
-    model = bench_e2e._build_model(spec, torch.device("cuda"), torch)
-    autopatch.apply(model, **bench_e2e.OUR_TOGGLES)
-    model = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device="cuda")
+    _spec, model, opt, ids = exp_compile_mask.compiled_qwen3(fixed=True)
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
