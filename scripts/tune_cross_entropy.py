@@ -4,6 +4,8 @@
     options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce
     --flce-only --flce-shape 16384,2304,262144 --flce-chunks 256,512,1024 (the FLCE section alone, any shape)
     --sweep-kernel (the full grid; by default the table's entry and a few shapes near it)
+    --vocabs 32000 (only these V)  --reps 7 (samples per candidate)  --configs 4096x4x0x2x1,2048x4x0x3x0 (time exactly these launch shapes
+    after the table's entry: block x warps x per_sm x stages x l2_hints, instead of the near-table list)
     --cpu-smoke: the same steps on tiny CPU tensors under the Triton interpreter (checks the script)
 
 What is timed is the real thing: the forward kernel writing the loss and the gradient of 8192 bf16 rows
@@ -111,7 +113,7 @@ class Case:
             self.launch()  # compiles on first use of these constexprs
             sync()
             self.check(cfg)
-            return event_ms(self.launch, reps=2 if SMOKE else 7)
+            return event_ms(self.launch, reps=2 if SMOKE else REPS[0])
         finally:
             ce._CONFIG["force"] = None
 
@@ -150,7 +152,7 @@ def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, La
         print(f"    {ms:7.3f} ms  {floor_ms / ms:6.1%} of floor  {fmt(cfg)}", flush=True)
 
     run(ce.launch_config(case.v))  # the table's entry first: the number to beat
-    for cfg in NEAR_TABLE:
+    for cfg in EXPLICIT or NEAR_TABLE:
         run(cfg)
     if not SWEEP_KERNEL:
         return sorted(results, key=lambda r: r[0])
@@ -163,6 +165,19 @@ def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, La
         for stages, hints in ((1, True), (2, False), (2, True), (3, True)):
             run(cfg._replace(stages=stages, l2_hints=hints))
     return sorted(results, key=lambda r: r[0])
+
+
+def parse_configs(text: str) -> list[LaunchConfig]:
+    """"8192x8x0x2x1,4096x4x0.5x3x0" -> LaunchConfigs (block x warps x per_sm x stages x l2_hints)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        block, warps, per_sm, stages, hints = item.split("x")
+        out.append(LaunchConfig(int(block), int(warps), float(per_sm), int(stages), hints == "1"))
+    return out
+
+
+EXPLICIT: list[LaunchConfig] = []
+REPS = [7]  # CUDA-event samples per candidate (--reps)
 
 
 def liger_ce():
@@ -277,7 +292,16 @@ def main() -> None:
     ap.add_argument("--flce-shape", default="8192,4096,128256", help="rows,hidden,vocab of the FLCE section")
     ap.add_argument("--flce-chunks", default="768,1024,2048", help="chunk rows whose GEMMs are timed")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    ap.add_argument("--vocabs", default="", help="comma-separated V to tune (default: 32000,128256,262144)")
+    ap.add_argument("--reps", type=int, default=7, help="CUDA-event samples per candidate (median)")
+    ap.add_argument("--configs", default="", help="launch shapes to time, BLOCKxWARPSxPER_SMxSTAGESxHINTS,...")
     args = ap.parse_args()
+    global VOCABS
+    if args.vocabs:
+        wanted = [int(v) for v in args.vocabs.split(",")]
+        VOCABS = {v: b for v, b in VOCABS.items() if v in wanted} or {v: math.inf for v in wanted}
+    EXPLICIT[:] = parse_configs(args.configs)
+    REPS[0] = args.reps
     t0 = time.monotonic()
     torch.manual_seed(0)
     if SMOKE:
