@@ -3,7 +3,8 @@
 The keywords are the kernel names (autopatch.names), the same keys as Hugging Face's
 `TrainingArguments.liger_kernel_config`, so `apply(model, **liger_kernel_config)` carries over.
 A kernel not named takes the default HF/Liger use when `use_liger_kernel=True` gives no config:
-rope, rms_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off. The
+rope, rms_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off; and our
+causal_mask on. The
 environment's kernel set (FUSED_KERNELS, toggles, per-model overrides) plays no part: the call says
 what it wants. AUTOPATCH_STRICT does apply.
 
@@ -26,6 +27,7 @@ APPLY_DEFAULTS: dict[str, bool] = {
     "geglu": True,
     "cross_entropy": False,
     "fused_linear_cross_entropy": True,
+    "causal_mask": True,  # ours, not Liger's: exact, and only changes what a compiled SDPA model runs
 }
 
 

@@ -11,6 +11,9 @@ KERNELS: dict[str, str] = {
              "fused_kernels.geglu",
     "cross_entropy": "the causal-LM loss where logits exist anyway (eval, no labels path) -> fused_kernels.cross_entropy",
     "fused_linear_cross_entropy": "*ForCausalLM forward in training with labels: lm_head + loss without full logits -> fused_kernels.fused_linear_cross_entropy",
+    "causal_mask": "not a kernel: under torch.compile, SDPA keeps is_causal (no materialised [seq, seq] mask, "
+                   "GQA kept) when a model forward gets no position_ids, attention_mask or cache -> "
+                   "transformers' mask functions answer as in eager",
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)

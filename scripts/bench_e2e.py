@@ -65,7 +65,7 @@ MODELS = {
     },
 }
 PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile", "ours_keep_input")
-OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, causal_mask=True)
 
 
 # ----------------------------------------------------------------------------------------------------
