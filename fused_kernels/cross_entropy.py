@@ -45,10 +45,14 @@ The kernel takes the gradient buffer separately from the logits; fused_linear_cr
 the same tensor for both (gradient written in place over its logits chunk): a row belongs to one
 program, which reads z_y before it writes anything and reads every block before it overwrites it.
 
-Out-of-range targets are flagged by the kernel (and treated as ignored there); the forward checks
-the flag at its end: a device-side assert on a GPU (no host sync, like torch's own cross entropy),
-a ValueError naming them on the CPU. Pass the logits in the model's dtype: an
-upcast copy (HF's `logits.float()`) doubles the bytes for nothing, the kernel computes in fp32.
+Around the kernel, two one-program kernels keep the host path short (each small torch op costs
+more CPU time than a 0.1–0.4 ms loss leaves): a prologue writes the gradient coefficient (counting the
+non-ignored rows for "mean") and clears the flag; an epilogue sums the rows' losses times the
+coefficient into the 0-d loss and turns the flag into the value the check reads. Out-of-range targets
+are flagged by the kernel (and treated as ignored there); the forward checks the flag at its end: a
+device-side assert on a GPU (no host sync, like torch's own cross entropy), a ValueError naming them
+on the CPU. Pass the logits in the model's dtype: an upcast copy (HF's `logits.float()`) doubles the
+bytes for nothing, the kernel computes in fp32.
 """
 
 from __future__ import annotations
@@ -302,6 +306,44 @@ def _scale_kernel(t_ptr, g_ptr, row_len, n_blocks_per_row, n_blocks,
                 tl.store(t_ptr + idx, for_store(v, t_ptr.dtype.element_ty, EXACT_BF16).to(t_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _loss_prologue_kernel(tgt_ptr, n_rows, ignore_index, divisor_ptr, coef_value, coef_ptr, flag_ptr,
+                          MODE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: coef_ptr[0] = what each row's gradient and the loss sum are multiplied by, and
+    flag_ptr[0] = 0 (no bad target seen yet). MODE 0: coef_value; 1: 1 / #rows whose target is not
+    ignore_index (1 when there are none); 2: 1 / divisor_ptr[0] (0 when that is 0)."""
+    if MODE == 1:
+        offs = tl.arange(0, BLOCK)
+        count = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, n_rows, BLOCK):
+            rows = start + offs
+            t = tl.load(tgt_ptr + rows, mask=rows < n_rows, other=ignore_index)
+            count += (t != ignore_index).to(tl.int32)
+        coef = 1.0 / tl.maximum(tl.sum(count, 0).to(tl.float32), 1.0)
+    elif MODE == 2:
+        d = tl.load(divisor_ptr).to(tl.float32)
+        coef = tl.where(d != 0.0, 1.0 / tl.where(d != 0.0, d, 1.0), 0.0)
+    else:
+        coef = coef_value
+    tl.store(coef_ptr, coef)
+    tl.store(flag_ptr, 0)
+
+
+@triton.jit
+def _loss_epilogue_kernel(loss_rows_ptr, n_rows, coef_ptr, flag_ptr, loss_ptr, ok_ptr,
+                          REDUCE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: loss_ptr[0] = coef · Σ loss_rows (REDUCE), and ok_ptr[0] = 1 unless a kernel
+    flagged an out-of-range target (what the device-side assert checks)."""
+    if REDUCE:
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_rows, BLOCK):
+            rows = start + offs
+            acc += tl.load(loss_rows_ptr + rows, mask=rows < n_rows, other=0.0)
+        tl.store(loss_ptr, tl.sum(acc, 0) * tl.load(coef_ptr))
+    tl.store(ok_ptr, (tl.load(flag_ptr) == 0).to(tl.int32))
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side: buffers, launch shapes
 
@@ -430,39 +472,64 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
                dict(PER_ROW=per_row, BLOCK=block, EXACT_BF16=_INTERPRETED, num_warps=8))
 
 
-def grad_coef(target: torch.Tensor, ignore_index: int, reduction: str, divisor: Optional[torch.Tensor],
-              divisor_value: float, device) -> torch.Tensor:
-    """1-element fp32 tensor on `device`: what each row's ∂loss/∂logits is multiplied by, and the
-    loss sum too (1 / #non-ignored for "mean", 1 / num_items_in_batch, else 1). No host sync."""
+_LOSS_BLOCK = 4096  # rows per step of the prologue's count and the epilogue's sum (one program each)
+
+
+def start_loss(target: torch.Tensor, ignore_index: int, reduction: str, divisor: Optional[torch.Tensor],
+               divisor_value: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(coef, flag), one launch, no host sync. coef (1,) fp32: what each row's ∂loss/∂logits, and the
+    loss sum, are multiplied by: 1 / #non-ignored rows for "mean" (1 when none), 1 / num_items_in_batch
+    (0 when it is 0), else 1. flag (1,) int32 = 0: the cross-entropy kernel sets it on a bad target.
+    Replaces ~7 small torch ops (count, clamp, reciprocal, a zeroed flag), whose host time outlasted
+    the GPU work of a 0.1–0.4 ms loss."""
+    coef = torch.empty((1,), dtype=torch.float32, device=device)
+    flag = torch.empty((1,), dtype=torch.int32, device=device)
+    div = coef  # never read unless MODE 2
     if divisor is not None:
-        d = divisor.detach().to(device=device, dtype=torch.float32).reshape(1)
-        return torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-    if divisor_value >= 0:  # num_items_in_batch given as a number
-        return torch.full((1,), 1.0 / divisor_value if divisor_value else 0.0, dtype=torch.float32, device=device)
-    if reduction == "mean":
-        count = (target != ignore_index).sum(dtype=torch.float32).reshape(1)
-        return count.clamp_(min=1.0).reciprocal_()
-    return torch.ones((1,), dtype=torch.float32, device=device)
+        mode, value = 2, 0.0
+        div = divisor.detach()
+        if div.device != coef.device or div.dtype == torch.bool:
+            div = div.to(device=device, dtype=torch.float32)
+        div = div.reshape(1)
+    elif divisor_value >= 0:  # num_items_in_batch given as a number
+        mode, value = 0, (1.0 / divisor_value if divisor_value else 0.0)
+    elif reduction == "mean":
+        mode, value = 1, 0.0
+    else:
+        mode, value = 0, 1.0
+    with _device_guard(coef):
+        launch(_loss_prologue_kernel, (1,), (target, target.numel(), ignore_index, div, value, coef, flag),
+               dict(MODE=mode, BLOCK=_LOSS_BLOCK, num_warps=4))
+    return coef, flag
 
 
-def raise_if_flagged(flag: torch.Tensor, target: torch.Tensor, v: int, ignore_index: int) -> None:
-    """Did any kernel see a target outside [0, V)? On a GPU this is a device-side assert, as in
-    torch's own cross entropy: no host sync (a sync per call cost 0.3–0.9 ms of idle GPU per
-    forward+backward on the H200, waiting for the CPU to launch the backward), but the CUDA context
-    is lost when it fires. On the CPU (the interpreter) a ValueError names the bad targets."""
-    if flag.is_cuda:
+def finish_loss(loss_rows: torch.Tensor, coef: torch.Tensor, flag: torch.Tensor, reduction: str,
+                target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
+    """The loss: coef · Σ loss_rows as a fresh 0-d tensor (one launch), or loss_rows itself for "none";
+    then the out-of-range target check. On a GPU that is a device-side assert, as in torch's own cross
+    entropy: no host sync (a sync per call cost 0.3–0.9 ms of idle GPU per forward+backward on the H200,
+    waiting for the CPU to launch the backward), but the CUDA context is lost when it fires. On the CPU
+    (the interpreter) a ValueError names the bad targets. The 0-d loss is not a view: a custom op must
+    not return one (an in-place `loss += aux_loss`, as MoE models do, would be refused by autograd)."""
+    reduce = reduction != "none"
+    loss = torch.empty((), dtype=torch.float32, device=loss_rows.device) if reduce else loss_rows
+    ok = torch.empty((1,), dtype=torch.int32, device=loss_rows.device)
+    with _device_guard(loss_rows):
+        launch(_loss_epilogue_kernel, (1,), (loss_rows, loss_rows.numel(), coef, flag, loss, ok),
+               dict(REDUCE=reduce, BLOCK=_LOSS_BLOCK, num_warps=4))
+    if ok.is_cuda:
         torch._assert_async(
-            flag[0] == 0,
+            ok,
             f"fused_kernels cross entropy: a target lies outside [0, {v}) (the number of classes) and is not "
             f"ignore_index={ignore_index}",
         )
-        return
-    if int(flag.item()):
+    elif not int(ok.item()):
         bad = target[(target != ignore_index) & ((target < 0) | (target >= v))]
         raise ValueError(
             f"target values must lie in [0, {v}) (the number of classes) or equal ignore_index={ignore_index}; "
             f"got {bad.numel()} outside, e.g. {bad[:5].tolist()}"
         )
+    return loss
 
 
 def require_triton(op: str, *tensors: torch.Tensor) -> None:
@@ -474,14 +541,6 @@ def require_triton(op: str, *tensors: torch.Tensor) -> None:
         )
 
 
-def reduce_loss(loss_rows: torch.Tensor, coef: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "none":
-        return loss_rows
-    # .sum() of the 1-element product, not .reshape(()): a custom op must not return a view (an
-    # in-place `loss += aux_loss`, as MoE models do, would be refused by autograd).
-    return (loss_rows.sum() * coef).sum()
-
-
 def _forward_impl(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
                   divisor_value, compute_grad) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(loss, grad): loss () or (N,) fp32; grad (N, V) of the logits' dtype holding ∂loss/∂logits
@@ -489,16 +548,13 @@ def _forward_impl(logits, target, divisor, ignore_index, reduction, label_smooth
     require_triton("cross_entropy", logits, target)
     count_launch("cross_entropy_fwd")
     n, v = logits.shape
-    coef = grad_coef(target, ignore_index, reduction, divisor, divisor_value, logits.device)
+    coef, flag = start_loss(target, ignore_index, reduction, divisor, divisor_value, logits.device)
     loss_rows = new_buffer((n,), torch.float32, logits.device)
     grad = new_buffer((n, v), logits.dtype, logits.device) if compute_grad else None
-    flag = torch.zeros((1,), dtype=torch.int32, device=logits.device)
     launch_ce(logits, target, grad, loss_rows, coef, None, flag,
               ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
               softcap=softcap if softcap > 0 else None)
-    loss = reduce_loss(loss_rows, coef, reduction)
-    raise_if_flagged(flag, target, v, ignore_index)
-    return loss, grad
+    return finish_loss(loss_rows, coef, flag, reduction, target, v, ignore_index), grad
 
 
 def _backward_impl(grad: torch.Tensor, grad_loss: torch.Tensor) -> None:

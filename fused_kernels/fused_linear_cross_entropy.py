@@ -135,15 +135,13 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
     _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_fwd")
     n = hidden.shape[0]
-    coef = _ce.grad_coef(target, ignore_index, reduction, divisor, divisor_value, hidden.device)
+    coef, flag = _ce.start_loss(target, ignore_index, reduction, divisor, divisor_value, hidden.device)
     loss_rows = _ce.new_buffer((n,), torch.float32, hidden.device)
-    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
     in_forward = reduction != "none"
     grads = _grad_buffers(hidden, weight, bias, need_gh and in_forward, need_gw and in_forward, need_gb and in_forward)
     _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
                 _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
-    loss = _ce.reduce_loss(loss_rows, coef, reduction)
-    _ce.raise_if_flagged(flag, target, weight.shape[0], ignore_index)
+    loss = _ce.finish_loss(loss_rows, coef, flag, reduction, target, weight.shape[0], ignore_index)
     return (loss, *_cast_bias_grad(grads, bias))
 
 
@@ -153,10 +151,9 @@ def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, l
     _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_bwd")
     n = hidden.shape[0]
-    coef = torch.ones((1,), dtype=torch.float32, device=hidden.device)
+    coef, flag = _ce.start_loss(target, ignore_index, "none", None, -1.0, hidden.device)  # coef 1
     row_scale = grad_loss.detach().to(device=hidden.device, dtype=torch.float32).reshape(-1).contiguous()
     loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)  # recomputed, unused
-    flag = torch.zeros((1,), dtype=torch.int32, device=hidden.device)
     grads = _grad_buffers(hidden, weight, bias, need_gh, need_gw, need_gb)
     _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads,
                 _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
