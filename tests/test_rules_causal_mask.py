@@ -149,3 +149,38 @@ def test_eager_results_unchanged_and_flag_scoped():
         wrapped(base, input_ids=inputs["input_ids"])
     assert seen == [True, False, False] and causal_mask._MODEL_MADE_POSITIONS == [False]
     assert original is not None
+
+
+@pytest.mark.parametrize("window,skipped", [(64, True), (4, False)])
+def test_sliding_window(sdpa_calls, window, skipped):
+    """Mistral with a sliding window: longer than the sequence, the window changes nothing and the mask is
+    skipped; shorter, the mask is built (is_causal cannot express it). Equal to unpatched eager either way."""
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128, sliding_window=window, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM._from_config(config, attn_implementation="sdpa").float().train()
+    inputs = ids_and_labels()
+    ref = step(model, model, **inputs)
+    RULE.patch_module(modeling("mistral"), everything)
+    sdpa_calls.clear()
+    assert_same(step(torch.compile(model, backend="eager"), model, **inputs), ref, f"window {window}")
+    assert sdpa_calls and all(none == skipped for none, _ in sdpa_calls), sdpa_calls
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Qwen2MoeForCausalLM",
+                                  "Cohere2ForCausalLM"])
+def test_architectures_compiled_match_eager(arch):
+    """Tiny models of other families (Gemma 3 / Cohere 2: sliding and full layers; an MoE), SDPA,
+    compiled and patched: the loss and every gradient of the unpatched eager model."""
+    from autopatch import tiny_models
+
+    spec = next(a for a in tiny_models.causal_lm_architectures() if a.class_name == arch)
+    model = tiny_models.build_tiny(spec).train()
+    model.set_attn_implementation("sdpa")
+    inputs = tiny_models.smoke_inputs(model, seq=12)
+    ref = step(model, model, **inputs)
+    module = modeling(spec.module_name.split(".")[-2])
+    records = [r for r in RULE.patch_module(module, everything) if r.patched]
+    assert records, f"{arch}: no model forward wrapped"
+    assert_same(step(torch.compile(model, backend="eager"), model, **inputs), ref, arch)

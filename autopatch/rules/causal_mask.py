@@ -16,7 +16,8 @@ attention forward 0.79 ms and backward 2.47 ms per layer compiled, against 0.29 
 What is known without reading any tensor: a model forward called with no `position_ids`, no
 `attention_mask` and no cache builds its positions itself, as `arange(past, past + seq)`: never packed,
 no padding, query length = key length. This rule wraps the forward of each model class that does that
-(its own `forward` calls `create_causal_mask` and fills `position_ids` when it is None) so that, while
+(its own `forward` names one of masking_utils' causal-mask builders and fills `position_ids` when it
+is None) so that, while
 such a call runs, the two functions above answer as eager would: no packing; skip the mask when no
 padding mask exists, the query covers the keys and no sliding window is reached. Anything else (positions,
 a mask or a cache passed in, torch.export, torch.jit tracing, a DataParallel replica running in a
@@ -39,7 +40,9 @@ from autopatch.rules import _probe
 KERNEL = "causal_mask"
 VARIANT = "no positions, mask or cache given: positions are the model's arange (unpacked, unpadded)"
 _CACHE_PARAMS = ("past_key_values", "cache")
-_MASK_CALLS = ("create_causal_mask(", "create_sliding_window_causal_mask(", "create_masks_for_generate(")
+# masking_utils' builders, named in the forward's source (called, or picked as `mask_function = ...`)
+_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask",
+                  "create_masks_for_generate")
 
 # True while a wrapped forward that was given no positions, mask or cache runs (the innermost such
 # forward decides). A one-element list: torch.compile traces reads and writes of it.
@@ -133,7 +136,7 @@ def candidate(cls: type) -> dict[str, int] | None:
         return None
     if ("position_ids" not in params or "attention_mask" not in params
             or not any(p in params for p in _CACHE_PARAMS)
-            or not any(call in source for call in _MASK_CALLS) or "if position_ids is None" not in source):
+            or not any(name in source for name in _MASK_BUILDERS) or "if position_ids is None" not in source):
         return None
     return {name: i - 1 for i, name in enumerate(params) if i > 0}
 
