@@ -53,12 +53,17 @@ SIZES = {
 }
 
 
+def warmup_cosine(step: int, warmup: int, steps: int) -> float:
+    """The lr factor at `step`: linear warm-up, then cosine decay to 0 at `steps` (also the schedule of
+    tests/test_stack_gpu.py)."""
+    return min(1.0, (step + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+
 def lr_schedule(optimizer, warmup: int, steps: int):
-    """Linear warm-up then cosine decay (as tests/test_stack_gpu.py): with a constant lr from step 0 the
-    loss spiked near steps 17-23 and amplified rounding differences by orders of magnitude."""
+    """warmup_cosine as a scheduler: with a constant lr from step 0 the loss spiked near steps 17-23 and
+    amplified rounding differences by orders of magnitude."""
     warmup = max(1, min(warmup, steps))
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * s / steps)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, steps))
 
 
 def parse_args(argv=None):

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -31,6 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from ddp_fsdp_check import warmup_cosine  # noqa: E402  (the two-GPU script's schedule: one formula)
 
 from helpers import rel_err
 
@@ -53,7 +55,7 @@ LR, WARMUP, CLIP = 1e-3, 20, 1.0
 
 
 def lr_factor(step: int) -> float:
-    return min(1.0, (step + 1) / WARMUP) * 0.5 * (1.0 + math.cos(math.pi * step / STEPS))
+    return warmup_cosine(step, WARMUP, STEPS)
 
 
 CONFIG = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
