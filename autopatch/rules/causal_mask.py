@@ -17,12 +17,15 @@ What is known without reading any tensor: a model forward called with no `positi
 `attention_mask` and no cache builds its positions itself, as `arange(past, past + seq)`: never packed,
 no padding, query length = key length. This rule wraps the forward of each model class that does that
 (its own `forward` names one of masking_utils' causal-mask builders and fills `position_ids` when it
-is None) so that, while
-such a call runs, the two functions above answer as eager would: no packing; skip the mask when no
-padding mask exists, the query covers the keys and no sliding window is reached. Anything else (positions,
-a mask or a cache passed in, torch.export, torch.jit tracing, a DataParallel replica running in a
-thread) goes to transformers' own code unchanged. In eager mode the answers are the same as before; the
-packing check's host sync is skipped as well.
+is None) so that, while such a call runs, the two functions above answer as eager would: no packing;
+skip the mask when no padding mask exists, the query covers the keys and no sliding window is reached.
+Anything else (positions, a mask or a cache passed in, torch.export, torch.jit tracing, a DataParallel
+replica running in a thread) goes to transformers' own code unchanged. In eager mode the answers are
+the same as before; the packing check's host sync is skipped as well.
+
+Not covered: a batch that carries an `attention_mask` of ones (what Trainer's collators pass). Whether
+it has a zero is data; only a graph break with a host sync could decide it under compile, and
+`fullgraph=True` forbids that, so transformers still builds the mask there.
 """
 
 from __future__ import annotations
