@@ -4,8 +4,9 @@
     options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce
     --flce-only --flce-shape 16384,2304,262144 --flce-chunks 256,512,1024 (the FLCE section alone, any shape)
     --sweep-kernel (the full grid; by default the table's entry and a few shapes near it)
-    --vocabs 32000 (only these V)  --reps 7 (samples per candidate)  --configs 4096x4x0x2x1,2048x4x0x3x0 (time exactly these launch shapes
-    after the table's entry: block x warps x per_sm x stages x l2_hints, instead of the near-table list)
+    --vocabs 32000 (only these V)  --reps 7 (samples per candidate)
+    --configs 4096x4x0x2x1,2048x4x0x3x0 (time exactly these launch shapes after the table's entry:
+    block x warps x per_sm x stages x l2_hints, instead of the near-table list)
     --cpu-smoke: the same steps on tiny CPU tensors under the Triton interpreter (checks the script)
 
 What is timed is the real thing: the forward kernel writing the loss and the gradient of 8192 bf16 rows
@@ -91,8 +92,8 @@ def sync() -> None:
 class Case:
     """Buffers for one V: bf16 logits (N, V), targets with 10 % ignored, the gradient and the rest."""
 
-    def __init__(self, n: int, v: int):
-        self.v = v
+    def __init__(self, n: int, v: int, reps: int = 7):
+        self.v, self.reps = v, reps  # reps: CUDA-event samples per candidate
         self.x = (torch.randn(n, v, device=DEVICE) * 2).to(torch.bfloat16)
         self.target = torch.randint(0, v, (n,), device=DEVICE)
         self.target[torch.rand(n, device=DEVICE) < 0.1] = -100
@@ -113,7 +114,7 @@ class Case:
             self.launch()  # compiles on first use of these constexprs
             sync()
             self.check(cfg)
-            return event_ms(self.launch, reps=2 if SMOKE else REPS[0])
+            return event_ms(self.launch, reps=2 if SMOKE else self.reps)
         finally:
             ce._CONFIG["force"] = None
 
@@ -135,7 +136,8 @@ def fmt(cfg: LaunchConfig) -> str:
             f"l2_hints={cfg.l2_hints})")
 
 
-def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, LaunchConfig]]:
+def search(case: Case, floor_ms: float, deadline: float,
+           candidates: list[LaunchConfig]) -> list[tuple[float, LaunchConfig]]:
     results: list[tuple[float, LaunchConfig]] = []
     seen: set[LaunchConfig] = set()
 
@@ -152,7 +154,7 @@ def search(case: Case, floor_ms: float, deadline: float) -> list[tuple[float, La
         print(f"    {ms:7.3f} ms  {floor_ms / ms:6.1%} of floor  {fmt(cfg)}", flush=True)
 
     run(ce.launch_config(case.v))  # the table's entry first: the number to beat
-    for cfg in EXPLICIT or NEAR_TABLE:
+    for cfg in candidates:
         run(cfg)
     if not SWEEP_KERNEL:
         return sorted(results, key=lambda r: r[0])
@@ -174,10 +176,6 @@ def parse_configs(text: str) -> list[LaunchConfig]:
         block, warps, per_sm, stages, hints = item.split("x")
         out.append(LaunchConfig(int(block), int(warps), float(per_sm), int(stages), hints == "1"))
     return out
-
-
-EXPLICIT: list[LaunchConfig] = []
-REPS = [7]  # CUDA-event samples per candidate (--reps)
 
 
 def liger_ce():
@@ -296,12 +294,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7, help="CUDA-event samples per candidate (median)")
     ap.add_argument("--configs", default="", help="launch shapes to time, BLOCKxWARPSxPER_SMxSTAGESxHINTS,...")
     args = ap.parse_args()
-    global VOCABS
+    vocabs = VOCABS
     if args.vocabs:
         wanted = [int(v) for v in args.vocabs.split(",")]
-        VOCABS = {v: b for v, b in VOCABS.items() if v in wanted} or {v: math.inf for v in wanted}
-    EXPLICIT[:] = parse_configs(args.configs)
-    REPS[0] = args.reps
+        vocabs = {v: b for v, b in VOCABS.items() if v in wanted} or {v: math.inf for v in wanted}
+    candidates = parse_configs(args.configs) or NEAR_TABLE
     t0 = time.monotonic()
     torch.manual_seed(0)
     if SMOKE:
@@ -328,13 +325,13 @@ def main() -> None:
     # Search budget shared by the three vocabularies; the FLCE section and the summary come after.
     search_budget = args.budget_s - (12.0 if not args.no_flce else 0.0)
     winners = {}
-    for i, v in enumerate(VOCABS):
-        case = Case(args.rows, v)
+    for i, v in enumerate(vocabs):
+        case = Case(args.rows, v, args.reps)
         floor_ms = 2 * case.x.numel() * 2 / bw * 1e3
-        deadline = t0 + search_budget * (i + 1) / len(VOCABS)
+        deadline = t0 + search_budget * (i + 1) / len(vocabs)
         print(f"\nV = {v}: {args.rows} rows bf16, forward writing the gradient; floor {floor_ms:.3f} ms "
               f"(table now: {fmt(ce.launch_config(v))})", flush=True)
-        ranked = search(case, floor_ms, deadline)
+        ranked = search(case, floor_ms, deadline, candidates)
         if ranked:
             winners[v] = (ranked[0][1], ranked[0][0], floor_ms)
             print("  best: " + "; ".join(f"{ms:.3f} ms {fmt(c)}" for ms, c in ranked[:3]))
@@ -343,20 +340,20 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     print("\nLAUNCH_TABLE rows to paste into fused_kernels/cross_entropy.py (replacing the last three):")
-    for v, bound in VOCABS.items():
+    for v, bound in vocabs.items():
         if v in winners:
             cfg, ms, floor_ms = winners[v]
             bound_s = "math.inf" if bound == math.inf else str(bound)
             print(f"    ({bound_s}, {fmt(cfg)}),  # V={v}: {ms:.3f} ms, {floor_ms / ms:.0%} of floor")
     # The functional entry with the winners in place (eager autograd.Function, host checks included).
     table = dict(ce.LAUNCH_TABLE)
-    for v, bound in VOCABS.items():
+    for v, bound in vocabs.items():
         if v in winners:
             table[bound] = winners[v][0]
     ce.LAUNCH_TABLE = tuple(sorted(table.items()))
     liger = liger_ce()
     print("\nfunctional forward / backward with the winners (do_bench medians, ms):")
-    for v in VOCABS:
+    for v in vocabs:
         case = Case(args.rows, v)
         floor_ms = 2 * case.x.numel() * 2 / bw * 1e3
         print(f" V = {v}")

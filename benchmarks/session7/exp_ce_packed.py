@@ -8,16 +8,15 @@ Why (session 7, ncu on the H200, benchmarks/session7/ncu_ce.txt): the table's tw
 78 % of DRAM bandwidth with the L2 88 % busy (the second sweep re-reads every row through L2, 40 % hit
 rate) and issue slots 62 % busy; a one-read kernel moves a third less through L2.
 
-    PYTHONPATH=$PWD python3 benchmarks/session7/exp_ce_packed.py      (GPU; plain CE, bf16, no options)
+    PYTHONPATH=$PWD:$PWD/scripts python3 benchmarks/session7/exp_ce_packed.py   (GPU; plain CE, bf16, no options)
 """
-
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 
 from fused_kernels.cross_entropy import launch_ce
+from tune_cross_entropy import event_ms  # CUDA-event median, as the tune script times its candidates
 
 
 @triton.jit
@@ -87,18 +86,6 @@ def _ce_pairs_kernel(xw_ptr, x_ptr, stride_w, tgt_ptr, gw_ptr, loss_ptr, coef_pt
     tl.store(gw_ptr + row * stride_w + offs, b_lo | b_hi, mask=mask, eviction_policy="evict_first")
 
 
-def event_ms(fn, reps=31):
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main():
     n, v = 8192, 32000
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -119,7 +106,7 @@ def main():
         print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}")
 
     copy_dst = torch.empty_like(x)
-    copy_ms = event_ms(lambda: copy_dst.copy_(x))
+    copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
     floor = copy_ms
     print(f"copy of the logits {copy_ms:.3f} ms (= the floor: read once, write once)")
 
@@ -149,7 +136,7 @@ def main():
         check(label + extra)
     for rnd in range(2):
         for label, fn, _ in runs:
-            ms = event_ms(fn)
+            ms = event_ms(fn, reps=31)
             print(f"  round {rnd}: {ms:.3f} ms  {floor / ms:5.1%} of floor  {label}", flush=True)
 
 
