@@ -38,7 +38,7 @@ VEC = 8  # bf16 per thread per chunk: one 16-byte cp.async / ld.shared
 
 @gluon.jit
 def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows, V, ignore_index,
-                    NCHUNK: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr):
+                    NCHUNK: gl.constexpr, PREFETCH: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr):
     T: gl.constexpr = 32 * num_warps
     CHUNK: gl.constexpr = T * 8
     reg: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
@@ -54,7 +54,7 @@ def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows
 
     # First row of this program.
     row_ptr = x_ptr + pid.to(gl.int64) * stride
-    for i in gl.static_range(NCHUNK):
+    for i in range(NCHUNK):
         cols = i * CHUNK + offs
         _async_load(buf.index(i), row_ptr + cols, mask=(cols < V) & (pid < n_rows))
     async_copy.commit_group()
@@ -68,7 +68,7 @@ def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows
         async_copy.wait_group(0)
         m = gl.full([T], float("-inf"), gl.float32, thread_l)
         s = gl.full([T], 0.0, gl.float32, thread_l)
-        for i in gl.static_range(NCHUNK):
+        for i in range(NCHUNK):
             cols = i * CHUNK + offs
             z = gl.where(cols < V, buf.index(i).load(reg).to(gl.float32), float("-inf"))
             m_new = gl.maximum(m, gl.max(z, 1))
@@ -82,7 +82,7 @@ def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows
         nxt = r + n_prog
         nxt_ptr = x_ptr + nxt.to(gl.int64) * stride
         g_ptr = grad_ptr + row * stride
-        for i in gl.static_range(NCHUNK):
+        for i in range(NCHUNK):
             cols = i * CHUNK + offs
             z = buf.index(i).load(reg).to(gl.float32)
             d = c * gl.exp(z - lse)
@@ -91,7 +91,7 @@ def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows
             if PREFETCH:
                 _async_load(buf.index(i), nxt_ptr + cols, mask=(cols < V) & (nxt < n_rows))
         if not PREFETCH:
-            for i in gl.static_range(NCHUNK):
+            for i in range(NCHUNK):
                 cols = i * CHUNK + offs
                 _async_load(buf.index(i), nxt_ptr + cols, mask=(cols < V) & (nxt < n_rows))
         async_copy.commit_group()
@@ -104,7 +104,7 @@ def launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms):
     nchunk = triton.cdiv(v, chunk)
     progs = min(n, per_sm * sms)
     return _ce_smem_kernel[(progs,)](x, x.stride(0), t, grad, loss, coef, n, v, -100, NCHUNK=nchunk,
-                                     PREFETCH=prefetch, num_warps=warps)
+                                     PREFETCH=prefetch, UNROLL=0, num_warps=warps)
 
 
 def compile_only():
@@ -114,13 +114,19 @@ def compile_only():
         nchunk = triton.cdiv(32000, 32 * warps * VEC)
         sig = {"x_ptr": "*bf16", "stride": "i32", "tgt_ptr": "*i64", "grad_ptr": "*bf16", "loss_ptr": "*fp32",
                "coef_ptr": "*fp32", "n_rows": "i32", "V": "i32", "ignore_index": "i32",
-               "NCHUNK": "constexpr", "PREFETCH": "constexpr", "num_warps": "constexpr"}
+               "NCHUNK": "constexpr", "PREFETCH": "constexpr", "UNROLL": "constexpr", "num_warps": "constexpr"}
         fn = _ce_smem_kernel
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
                  ("x_ptr", "stride", "tgt_ptr", "grad_ptr", "loss_ptr", "coef_ptr", "V")}
-        src = GluonASTSource(fn, sig, {"NCHUNK": nchunk, "PREFETCH": 1, "num_warps": warps}, attrs)
+        src = GluonASTSource(fn, sig, {"NCHUNK": nchunk, "PREFETCH": 1, "UNROLL": 0, "num_warps": warps}, attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         ptx = k.asm["ptx"]
+        import re, subprocess, tempfile
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"]); f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        print(re.search(r"REG:(\d+)", usage)[0])
         print(f"warps={warps} nchunk={nchunk} shared={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} "
               f"bar.sync={ptx.count('bar.sync')} ld.shared.v4={ptx.count('ld.shared.v4')} "
               f"st.global.v4={ptx.count('st.global.v4')} n_regs? see cubin")
@@ -162,7 +168,7 @@ def gpu_main(rounds: int):
                   softcap=None)
 
     runs = [("table (two sweeps)", table, False)]
-    for warps, per_sm, prefetch in [(4, 3, 1), (4, 3, 0), (8, 3, 1), (4, 2, 1), (8, 2, 1), (4, 1, 1), (16, 1, 1)]:
+    for warps, per_sm, prefetch in [(4, 3, 1), (4, 3, 0), (8, 3, 1), (8, 2, 1), (16, 2, 1), (16, 3, 1), (32, 1, 1)]:
         def smem(warps=warps, per_sm=per_sm, prefetch=prefetch):
             return launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms)
         runs.append((f"smem warps={warps} per_sm={per_sm} prefetch={prefetch}", smem, True))
