@@ -132,6 +132,30 @@ def compile_only():
               f"st.global.v4={ptx.count('st.global.v4')} n_regs? see cubin")
 
 
+def ncu_main(spec: str):
+    from fused_kernels.cross_entropy import launch_ce
+    n, v = 8192, 32000
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = (torch.randn((n, v), device="cuda") * 2).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda")
+    coef = torch.full((1,), 1.0 / n, device="cuda")
+    grad, loss = torch.empty_like(x), torch.empty(n, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    runs = [lambda: launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0,
+                              z_loss=0.0, softcap=None)]
+    for item in spec.split(","):
+        w, p, f = (int(a) for a in item.split("x"))
+        runs.append(lambda w=w, p=p, f=f: launch(x, t, grad, loss, coef, w, p, f, sms))
+    for fn in runs:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in runs:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def gpu_main(rounds: int):
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
@@ -194,5 +218,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ncu", default="", help="WARPSxPER_SMxPREFETCH,...: one launch each (and the table's) "
+                    "between cudaProfilerStart/Stop, for ncu --profile-from-start off")
     a = ap.parse_args()
-    compile_only() if a.compile_only else gpu_main(a.rounds)
+    if a.compile_only:
+        compile_only()
+    elif a.ncu:
+        ncu_main(a.ncu)
+    else:
+        gpu_main(a.rounds)
