@@ -98,6 +98,107 @@ def _ce_smem_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows
     async_copy.wait_group(0)
 
 
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _ce_smem2_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows, ignore_index,
+                     V: gl.constexpr, PREFETCH: gl.constexpr, FOLD_COEF: gl.constexpr, num_warps: gl.constexpr):
+    """v2: fewer instructions per class. Full chunks carry no masks (one masked tail chunk); the
+    target's -c is applied only in the chunk that holds it (a uniform branch); exponentials are
+    exp2 of one FMA; FOLD_COEF: c·exp(z - lse) = exp2(z·log2e - (lse·log2e - log2 c)) (c >= 0)."""
+    T: gl.constexpr = 32 * num_warps
+    CHUNK: gl.constexpr = T * 8
+    NFULL: gl.constexpr = V // CHUNK
+    TAIL: gl.constexpr = V % CHUNK != 0
+    NCHUNK: gl.constexpr = NFULL + TAIL
+    reg: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1], [1, 0])
+    thread_l: gl.constexpr = gl.SliceLayout(1, reg)
+    smem_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    buf = gl.allocate_shared_memory(gl.bfloat16, [NCHUNK, T, 8], smem_l)
+
+    pid = gl.program_id(0)
+    n_prog = gl.num_programs(0)
+    offs = gl.expand_dims(gl.arange(0, T, layout=thread_l), 1) * 8 + \
+        gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, reg)), 0)
+    tail_mask = offs < V - NFULL * CHUNK
+    coef_all = gl.load(coef_ptr)
+
+    row_ptr = x_ptr + pid.to(gl.int64) * stride
+    if pid < n_rows:
+        for i in range(NFULL):
+            _async_load(buf.index(i), row_ptr + i * CHUNK + offs)
+        if TAIL:
+            _async_load(buf.index(NFULL), row_ptr + NFULL * CHUNK + offs, mask=tail_mask)
+    async_copy.commit_group()
+
+    for r in range(pid, n_rows, n_prog):
+        row = r.to(gl.int64)
+        y = gl.load(tgt_ptr + row).to(gl.int32)
+        kept = y != ignore_index
+        yc = gl.where(kept, y, 0)
+        zy = gl.load(x_ptr + row * stride + yc).to(gl.float32)
+        async_copy.wait_group(0)
+        m2 = gl.full([T], float("-inf"), gl.float32, thread_l)  # running max, in log2 units
+        s = gl.full([T], 0.0, gl.float32, thread_l)
+        for i in range(NFULL):
+            z2 = buf.index(i).load(reg).to(gl.float32) * LOG2E
+            m_new = gl.maximum(m2, gl.max(z2, 1))
+            s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+            m2 = m_new
+        if TAIL:
+            z2 = gl.where(tail_mask, buf.index(NFULL).load(reg).to(gl.float32) * LOG2E, float("-inf"))
+            m_new = gl.maximum(m2, gl.max(z2, 1))
+            s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+            m2 = m_new
+        m_row = gl.max(m2, 0)
+        s_row = gl.sum(s * gl.exp2(m2 - m_row), 0)
+        lse2 = m_row + gl.log2(s_row)  # log2 Σ exp(z)
+        lse = lse2 / LOG2E
+        gl.store(loss_ptr + row, gl.where(kept, lse - zy, 0.0))
+        c = gl.where(kept, coef_all, 0.0)
+        if FOLD_COEF:
+            k2 = lse2 - gl.log2(c)  # c = 0: +inf, every exp2 gives 0
+        else:
+            k2 = lse2
+        y_chunk = gl.where(kept, y // CHUNK, -1)
+        nxt = r + n_prog
+        nxt_ptr = x_ptr + nxt.to(gl.int64) * stride
+        g_ptr = grad_ptr + row * stride
+        for i in range(NCHUNK):
+            x = buf.index(i).load(reg).to(gl.float32)
+            d = gl.exp2(x * LOG2E - k2)
+            if not FOLD_COEF:
+                d = c * d
+            if i == y_chunk:
+                d = gl.where(offs == y - i * CHUNK, d - c, d)
+            if i < NFULL:
+                gl.store(g_ptr + i * CHUNK + offs, d.to(gl.bfloat16))
+            else:
+                gl.store(g_ptr + i * CHUNK + offs, d.to(gl.bfloat16), mask=tail_mask)
+            if PREFETCH:
+                if nxt < n_rows:
+                    if i < NFULL:
+                        _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs)
+                    else:
+                        _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs, mask=tail_mask)
+        if not PREFETCH:
+            if nxt < n_rows:
+                for i in range(NFULL):
+                    _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs)
+                if TAIL:
+                    _async_load(buf.index(NFULL), nxt_ptr + NFULL * CHUNK + offs, mask=tail_mask)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+
+
+def launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold=0):
+    n, v = x.shape
+    progs = min(n, per_sm * sms)
+    return _ce_smem2_kernel[(progs,)](x, x.stride(0), t, grad, loss, coef, n, -100, V=v, PREFETCH=prefetch,
+                                      FOLD_COEF=fold, num_warps=warps)
+
+
 def launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms):
     n, v = x.shape
     chunk = 32 * warps * VEC
@@ -105,6 +206,31 @@ def launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms):
     progs = min(n, per_sm * sms)
     return _ce_smem_kernel[(progs,)](x, x.stride(0), t, grad, loss, coef, n, v, -100, NCHUNK=nchunk,
                                      PREFETCH=prefetch, UNROLL=0, num_warps=warps)
+
+
+def compile_only2():
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    import re, subprocess, tempfile
+    for warps, prefetch, fold in ((8, 1, 0), (8, 0, 0), (8, 1, 1)):
+        sig = {"x_ptr": "*bf16", "stride": "i32", "tgt_ptr": "*i64", "grad_ptr": "*bf16", "loss_ptr": "*fp32",
+               "coef_ptr": "*fp32", "n_rows": "i32", "ignore_index": "i32",
+               "V": "constexpr", "PREFETCH": "constexpr", "FOLD_COEF": "constexpr", "num_warps": "constexpr"}
+        fn = _ce_smem2_kernel
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
+                 ("x_ptr", "stride", "tgt_ptr", "grad_ptr", "loss_ptr", "coef_ptr")}
+        src = GluonASTSource(fn, sig, {"V": 32000, "PREFETCH": prefetch, "FOLD_COEF": fold, "num_warps": warps}, attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"]); f.flush()
+            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        regs = re.search(r"REG:(\d+)", usage)[0]
+        print(f"v2 warps={warps} prefetch={prefetch} fold={fold} shared={k.metadata.shared} {regs} "
+              f"sass lines {sass.count(chr(10))} BAR {sass.count('BAR.SYNC')} MUFU {sass.count('MUFU')}")
+        if os.environ.get("DUMP_SASS"):
+            open(f"/tmp/smem2_{warps}_{prefetch}_{fold}.sass", "w").write(sass)
 
 
 def compile_only():
@@ -144,8 +270,11 @@ def ncu_main(spec: str):
     runs = [lambda: launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0,
                               z_loss=0.0, softcap=None)]
     for item in spec.split(","):
-        w, p, f = (int(a) for a in item.split("x"))
-        runs.append(lambda w=w, p=p, f=f: launch(x, t, grad, loss, coef, w, p, f, sms))
+        w, p, f, *v2 = (int(a) for a in item.split("x"))
+        if v2:  # WxPxFxFOLD: the v2 kernel
+            runs.append(lambda w=w, p=p, f=f, fold=v2[0]: launch2(x, t, grad, loss, coef, w, p, f, sms, fold))
+        else:
+            runs.append(lambda w=w, p=p, f=f: launch(x, t, grad, loss, coef, w, p, f, sms))
     for fn in runs:
         fn()
     torch.cuda.synchronize()
@@ -192,10 +321,14 @@ def gpu_main(rounds: int):
                   softcap=None)
 
     runs = [("table (two sweeps)", table, False)]
-    for warps, per_sm, prefetch in [(4, 3, 1), (4, 3, 0), (8, 3, 1), (8, 2, 1), (16, 2, 1), (16, 3, 1), (32, 1, 1)]:
+    for warps, per_sm, prefetch in [(8, 3, 1)]:
         def smem(warps=warps, per_sm=per_sm, prefetch=prefetch):
             return launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms)
         runs.append((f"smem warps={warps} per_sm={per_sm} prefetch={prefetch}", smem, True))
+    for warps, per_sm, prefetch, fold in [(8, 3, 1, 0), (8, 3, 0, 0), (8, 3, 1, 1), (4, 3, 1, 0), (16, 2, 1, 0)]:
+        def smem2(warps=warps, per_sm=per_sm, prefetch=prefetch, fold=fold):
+            return launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold)
+        runs.append((f"smem2 warps={warps} per_sm={per_sm} prefetch={prefetch} fold={fold}", smem2, True))
     good = []
     for label, fn, is_gluon in runs:
         loss.fill_(float("nan")), grad.fill_(float("nan"))
@@ -223,6 +356,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.compile_only:
         compile_only()
+        compile_only2()
     elif a.ncu:
         ncu_main(a.ncu)
     else:
