@@ -285,72 +285,77 @@ def ncu_main(spec: str):
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def gpu_main(rounds: int):
+def gpu_main(rounds: int, vocabs, configs):
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
-    n, v = 8192, 32000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn((n, v), device="cuda", generator=g) * 2).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    t[::10] = -100
-    coef = torch.full((1,), 1.0 / n, device="cuda")
-    grad, loss = torch.empty_like(x), torch.empty(n, device="cuda")
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    x64 = x.double()
-    ref_loss = torch.nn.functional.cross_entropy(x64, t, reduction="none", ignore_index=-100)
-    p = torch.softmax(x64, -1)
-    keep = t != -100
-    p[keep, t[keep]] -= 1.0
-    ref_grad = p * keep[:, None] / n
-    del x64, p
-
-    def check(label):
-        le = ((loss - ref_loss).abs().max() / ref_loss.abs().max()).item()
-        ge = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
-        ok = le < 1e-5 and ge < 1e-2 and not (loss.isnan().any() or grad.isnan().any())
-        print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
-
-    copy_dst = torch.empty_like(x)
-    copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
-    print(f"copy of the logits {copy_ms:.3f} ms (read once, write once)")
+    for v in vocabs:
+        n = 8192
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn((n, v), device="cuda", generator=g) * 2).to(torch.bfloat16)
+        t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        t[::10] = -100
+        coef = torch.full((1,), 1.0 / n, device="cuda")
+        grad, loss = torch.empty_like(x), torch.empty(n, device="cuda")
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        x64 = x.double()
+        ref_loss = torch.nn.functional.cross_entropy(x64, t, reduction="none", ignore_index=-100)
+        p = torch.softmax(x64, -1)
+        keep = t != -100
+        p[keep, t[keep]] -= 1.0
+        ref_grad = p * keep[:, None] / n
+        del x64, p
 
-    def table():
-        launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  softcap=None)
+        def check(label):
+            le = ((loss - ref_loss).abs().max() / ref_loss.abs().max()).item()
+            ge = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
+            ok = le < 1e-5 and ge < 1e-2 and not (loss.isnan().any() or grad.isnan().any())
+            print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
 
-    runs = [("table (two sweeps)", table, False)]
-    for warps, per_sm, prefetch in [(8, 3, 1)]:
-        def smem(warps=warps, per_sm=per_sm, prefetch=prefetch):
-            return launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms)
-        runs.append((f"smem warps={warps} per_sm={per_sm} prefetch={prefetch}", smem, True))
-    for warps, per_sm, prefetch, fold in [(8, 3, 1, 0), (8, 3, 0, 0), (8, 3, 1, 1), (4, 3, 1, 0), (16, 2, 1, 0)]:
-        def smem2(warps=warps, per_sm=per_sm, prefetch=prefetch, fold=fold):
-            return launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold)
-        runs.append((f"smem2 warps={warps} per_sm={per_sm} prefetch={prefetch} fold={fold}", smem2, True))
-    good = []
-    for label, fn, is_gluon in runs:
-        loss.fill_(float("nan")), grad.fill_(float("nan"))
-        try:
-            k = fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        extra = f" regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}" if is_gluon else ""
-        check(label + extra)
-        good.append((label, fn))
-    for rnd in range(rounds):
-        for label, fn in good:
-            ms = event_ms(fn, reps=31)
-            print(f"  round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+        copy_dst = torch.empty_like(x)
+        copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
+        print(f"V={v}: copy of the logits {copy_ms:.3f} ms (read once, write once)")
+
+        def table():
+            launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                      softcap=None)
+
+        runs = [("table", table, False)]
+        fit = (232448 - 2048) // (v * 2 + 1024)  # programs whose row buffer fits in an SM's shared memory
+        for warps, per_sm, prefetch, fold in configs:
+            if per_sm > fit:
+                continue
+
+            def smem2(warps=warps, per_sm=per_sm, prefetch=prefetch, fold=fold):
+                return launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold)
+            runs.append((f"smem2 warps={warps} per_sm={per_sm} prefetch={prefetch} fold={fold}", smem2, True))
+        good = []
+        for label, fn, is_gluon in runs:
+            loss.fill_(float("nan")), grad.fill_(float("nan"))
+            try:
+                k = fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
+                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            extra = f" regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}" if is_gluon else ""
+            check(label + extra)
+            good.append((label, fn))
+        for rnd in range(rounds):
+            for label, fn in good:
+                ms = event_ms(fn, reps=31)
+                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+        del x, grad, copy_dst, ref_grad
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vocabs", default="32000")
+    ap.add_argument("--configs", default="8x3x1x0,8x3x0x0,8x3x1x1,16x2x1x1,8x2x1x1,16x1x1x1,32x1x1x1",
+                    help="WARPSxPER_SMxPREFETCHxFOLD,... (v2 kernel)")
     ap.add_argument("--ncu", default="", help="WARPSxPER_SMxPREFETCH,...: one launch each (and the table's) "
                     "between cudaProfilerStart/Stop, for ncu --profile-from-start off")
     a = ap.parse_args()
@@ -360,4 +365,5 @@ if __name__ == "__main__":
     elif a.ncu:
         ncu_main(a.ncu)
     else:
-        gpu_main(a.rounds)
+        gpu_main(a.rounds, [int(v) for v in a.vocabs.split(",")],
+                 [tuple(int(x) for x in c.split("x")) for c in a.configs.split(",")])

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD:$PWD/scripts TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
-timeout ${NCU_S:-200} "$NCU" --clock-control none --profile-from-start off -k regex:"_ce_kernel|_ce_smem_kernel" \
+timeout ${NCU_S:-200} "$NCU" --clock-control none --profile-from-start off -k regex:"_ce_kernel|_ce_smem" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
   --section LaunchStats --section SchedulerStats --section ComputeWorkloadAnalysis \
   python3 benchmarks/session8/exp_ce_smem.py --ncu "${NCU_CONFIGS:-8x3x1,4x3x0}" > "$OUT/ncu_ce_smem.txt" 2>&1
