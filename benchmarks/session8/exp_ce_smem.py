@@ -103,7 +103,8 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 @gluon.jit
 def _ce_smem2_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_rows, ignore_index,
-                     V: gl.constexpr, PREFETCH: gl.constexpr, FOLD_COEF: gl.constexpr, num_warps: gl.constexpr):
+                     V: gl.constexpr, PREFETCH: gl.constexpr, FOLD_COEF: gl.constexpr, FINE: gl.constexpr,
+                     num_warps: gl.constexpr):
     """v2: fewer instructions per class. Full chunks carry no masks (one masked tail chunk); the
     target's -c is applied only in the chunk that holds it (a uniform branch); exponentials are
     exp2 of one FMA; FOLD_COEF: c·exp(z - lse) = exp2(z·log2e - (lse·log2e - log2 c)) (c >= 0)."""
@@ -125,12 +126,20 @@ def _ce_smem2_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_row
     coef_all = gl.load(coef_ptr)
 
     row_ptr = x_ptr + pid.to(gl.int64) * stride
-    if pid < n_rows:
-        for i in range(NFULL):
-            _async_load(buf.index(i), row_ptr + i * CHUNK + offs)
-        if TAIL:
-            _async_load(buf.index(NFULL), row_ptr + NFULL * CHUNK + offs, mask=tail_mask)
-    async_copy.commit_group()
+    if FINE:  # one commit group per chunk: pass 1 waits for its chunk only
+        for j in gl.static_range(NCHUNK):
+            if j < NFULL:
+                _async_load(buf.index(j), row_ptr + j * CHUNK + offs, mask=offs < (pid < n_rows) * CHUNK)
+            else:
+                _async_load(buf.index(j), row_ptr + j * CHUNK + offs, mask=tail_mask & (pid < n_rows))
+            async_copy.commit_group()
+    else:
+        if pid < n_rows:
+            for i in range(NFULL):
+                _async_load(buf.index(i), row_ptr + i * CHUNK + offs)
+            if TAIL:
+                _async_load(buf.index(NFULL), row_ptr + NFULL * CHUNK + offs, mask=tail_mask)
+        async_copy.commit_group()
 
     for r in range(pid, n_rows, n_prog):
         row = r.to(gl.int64)
@@ -138,14 +147,23 @@ def _ce_smem2_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_row
         kept = y != ignore_index
         yc = gl.where(kept, y, 0)
         zy = gl.load(x_ptr + row * stride + yc).to(gl.float32)
-        async_copy.wait_group(0)
         m2 = gl.full([T], float("-inf"), gl.float32, thread_l)  # running max, in log2 units
         s = gl.full([T], 0.0, gl.float32, thread_l)
-        for i in range(NFULL):
-            z2 = buf.index(i).load(reg).to(gl.float32) * LOG2E
-            m_new = gl.maximum(m2, gl.max(z2, 1))
-            s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
-            m2 = m_new
+        if FINE:
+            for k in gl.static_range(NFULL):
+                async_copy.wait_group(NCHUNK - 1 - k)
+                z2 = buf.index(k).load(reg).to(gl.float32) * LOG2E
+                m_new = gl.maximum(m2, gl.max(z2, 1))
+                s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+                m2 = m_new
+            async_copy.wait_group(0)
+        else:
+            async_copy.wait_group(0)
+            for i in range(NFULL):
+                z2 = buf.index(i).load(reg).to(gl.float32) * LOG2E
+                m_new = gl.maximum(m2, gl.max(z2, 1))
+                s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+                m2 = m_new
         if TAIL:
             z2 = gl.where(tail_mask, buf.index(NFULL).load(reg).to(gl.float32) * LOG2E, float("-inf"))
             m_new = gl.maximum(m2, gl.max(z2, 1))
@@ -182,21 +200,24 @@ def _ce_smem2_kernel(x_ptr, stride, tgt_ptr, grad_ptr, loss_ptr, coef_ptr, n_row
                         _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs)
                     else:
                         _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs, mask=tail_mask)
+                if FINE:
+                    async_copy.commit_group()
         if not PREFETCH:
             if nxt < n_rows:
                 for i in range(NFULL):
                     _async_load(buf.index(i), nxt_ptr + i * CHUNK + offs)
                 if TAIL:
                     _async_load(buf.index(NFULL), nxt_ptr + NFULL * CHUNK + offs, mask=tail_mask)
-        async_copy.commit_group()
+        if not FINE:
+            async_copy.commit_group()
     async_copy.wait_group(0)
 
 
-def launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold=0):
+def launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold=0, fine=0):
     n, v = x.shape
     progs = min(n, per_sm * sms)
     return _ce_smem2_kernel[(progs,)](x, x.stride(0), t, grad, loss, coef, n, -100, V=v, PREFETCH=prefetch,
-                                      FOLD_COEF=fold, num_warps=warps)
+                                      FOLD_COEF=fold, FINE=fine, num_warps=warps)
 
 
 def launch(x, t, grad, loss, coef, warps, per_sm, prefetch, sms):
@@ -215,11 +236,12 @@ def compile_only2():
     for warps, prefetch, fold in ((8, 1, 0), (8, 0, 0), (8, 1, 1)):
         sig = {"x_ptr": "*bf16", "stride": "i32", "tgt_ptr": "*i64", "grad_ptr": "*bf16", "loss_ptr": "*fp32",
                "coef_ptr": "*fp32", "n_rows": "i32", "ignore_index": "i32",
-               "V": "constexpr", "PREFETCH": "constexpr", "FOLD_COEF": "constexpr", "num_warps": "constexpr"}
+               "V": "constexpr", "PREFETCH": "constexpr", "FOLD_COEF": "constexpr", "FINE": "constexpr",
+               "num_warps": "constexpr"}
         fn = _ce_smem2_kernel
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in
                  ("x_ptr", "stride", "tgt_ptr", "grad_ptr", "loss_ptr", "coef_ptr")}
-        src = GluonASTSource(fn, sig, {"V": 32000, "PREFETCH": prefetch, "FOLD_COEF": fold, "num_warps": warps}, attrs)
+        src = GluonASTSource(fn, sig, {"V": 32000, "PREFETCH": prefetch, "FOLD_COEF": fold, "FINE": 1, "num_warps": warps}, attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -272,7 +294,7 @@ def ncu_main(spec: str):
     for item in spec.split(","):
         w, p, f, *v2 = (int(a) for a in item.split("x"))
         if v2:  # WxPxFxFOLD: the v2 kernel
-            runs.append(lambda w=w, p=p, f=f, fold=v2[0]: launch2(x, t, grad, loss, coef, w, p, f, sms, fold))
+            runs.append(lambda w=w, p=p, f=f, v2=v2: launch2(x, t, grad, loss, coef, w, p, f, sms, *v2))
         else:
             runs.append(lambda w=w, p=p, f=f: launch(x, t, grad, loss, coef, w, p, f, sms))
     for fn in runs:
@@ -323,13 +345,16 @@ def gpu_main(rounds: int, vocabs, configs):
 
         runs = [("table", table, False)]
         fit = (232448 - 2048) // (v * 2 + 1024)  # programs whose row buffer fits in an SM's shared memory
-        for warps, per_sm, prefetch, fold in configs:
+        for warps, per_sm, prefetch, fold, *fine in configs:
             if per_sm > fit:
                 continue
 
-            def smem2(warps=warps, per_sm=per_sm, prefetch=prefetch, fold=fold):
-                return launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold)
-            runs.append((f"smem2 warps={warps} per_sm={per_sm} prefetch={prefetch} fold={fold}", smem2, True))
+            fine = fine[0] if fine else 0
+
+            def smem2(warps=warps, per_sm=per_sm, prefetch=prefetch, fold=fold, fine=fine):
+                return launch2(x, t, grad, loss, coef, warps, per_sm, prefetch, sms, fold, fine)
+            runs.append((f"smem2 warps={warps} per_sm={per_sm} prefetch={prefetch} fold={fold} fine={fine}",
+                         smem2, True))
         good = []
         for label, fn, is_gluon in runs:
             loss.fill_(float("nan")), grad.fill_(float("nan"))
