@@ -35,6 +35,10 @@ which is what the persistent grid and the L2 eviction hints are for. Bytes moved
 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
 floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
+On a GPU, rows of up to 65536 16-bit classes are instead held in shared memory by the Gluon kernel of
+fused_kernels/cross_entropy_smem.py (read from HBM once, 20–25 % faster; SMEM_TABLE), when the
+tensors allow it; this module's Triton kernel is the path everywhere else, and the CPU's.
+
 Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
 LaunchConfig (block, warps, programs per SM, pipelining stages of the block loops, L2 hints).
 scripts/tune_cross_entropy.py times the candidates on the GPU and prints table rows to paste here.
@@ -83,6 +87,7 @@ class LaunchConfig(NamedTuple):
     per_sm: float  # programs per SM, each looping over rows; 0: one program per row
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
+    smem: bool = False  # the row held in shared memory (cross_entropy_smem; block: classes per chunk)
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -98,6 +103,17 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (65536, LaunchConfig(block=8192, warps=8, per_sm=0, stages=2, l2_hints=True)),
     (196608, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
     (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
+)
+
+# Tried before LAUNCH_TABLE when the row can live in shared memory (cross_entropy_smem: CUDA, 16-bit,
+# aligned, the gradient wanted) and `per_sm` row buffers fit an SM; the first row whose bound is >= V
+# and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
+# (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
+# per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
+SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
+    (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
+    (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
+    (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
 )
 
 _CONFIG = {
@@ -128,11 +144,14 @@ def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.co
 
 
 @triton.jit
-def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.constexpr):
+def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.constexpr,
+             HAS_TARGET: tl.constexpr = True):
     """∂loss/∂x for a block of one row from its softmax p (see the module docstring); the coefficients
-    carry the normaliser and logit_scale: coef_p = c·(1 + 2λ·lse), coef_u = c·ε/V, coef_y = c·(1 − ε)."""
+    carry the normaliser and logit_scale: coef_p = c·(1 + 2λ·lse), coef_u = c·ε/V, coef_y = c·(1 − ε).
+    HAS_TARGET False: a block known not to hold the target (no per-class compare)."""
     d = coef_p * p - coef_u
-    d = tl.where(cols == y, d - coef_y, d)
+    if HAS_TARGET:
+        d = tl.where(cols == y, d - coef_y, d)
     if HAS_SOFTCAP:
         c = tl.minimum(tl.abs(z) / softcap, 1.0)  # |z| <= softcap; masked lanes (z = -inf) give 0, not NaN
         d = d * (1.0 - c * c)
@@ -380,10 +399,15 @@ def _sm_count(device: torch.device) -> Optional[int]:
     return _SM_COUNT[index]
 
 
-def launch_config(v: int) -> LaunchConfig:
-    """The launch shape for rows of v classes: the forced one, else the table's."""
+def launch_config(v: int, smem_fits=None) -> LaunchConfig:
+    """The launch shape for rows of v classes: the forced one, else SMEM_TABLE's first row for v that
+    smem_fits(cfg) accepts (None: the rows may not live in shared memory), else LAUNCH_TABLE's."""
     if _CONFIG["force"] is not None:
         return _CONFIG["force"]
+    if smem_fits is not None:
+        for bound, cfg in SMEM_TABLE:
+            if v <= bound and smem_fits(cfg):
+                return cfg
     for bound, cfg in LAUNCH_TABLE:
         if v <= bound:
             return cfg
@@ -396,6 +420,19 @@ def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
     if cfg.per_sm <= 0 or sms is None:
         return n_rows
     return max(1, min(n_rows, int(round(cfg.per_sm * sms))))
+
+
+_SMEM_MODULE: list = []
+
+
+def _smem_module():
+    """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's helpers), or
+    None where it cannot run here (no Gluon, the interpreter)."""
+    if not _SMEM_MODULE:
+        from fused_kernels import cross_entropy_smem
+
+        _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
+    return _SMEM_MODULE[0]
 
 
 def launch_ce(
@@ -423,7 +460,23 @@ def launch_ce(
     if n == 0:
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
-    cfg = launch_config(v)
+    smem = _smem_module()
+    in_smem = smem is not None and smem.eligible(x, grad)
+    cfg = launch_config(v, (lambda c: smem.programs_that_fit(v, c.warps, x.element_size(), x.device) >= c.per_sm)
+                        if in_smem else None)
+    if cfg.smem:
+        if not in_smem:
+            raise RuntimeError(
+                f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
+                f"compute capability >= 8.0 with Gluon, 16-bit logits and gradient with row strides a multiple "
+                f"of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
+            )
+        with _device_guard(x):
+            smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
+                                per_sm=int(cfg.per_sm), sm_count=_sm_count(x.device), ignore_index=ignore_index,
+                                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                logit_scale=logit_scale)
+        return
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),

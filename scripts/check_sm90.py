@@ -38,7 +38,10 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int,
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=_TARGET,
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":  # cross_entropy_smem's kernel
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    kernel = triton.compile(source(fn, sig, constexprs, attrs), target=_TARGET,
                             options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -143,10 +146,34 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
 
 
+def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
+    """The Gluon kernel (row in shared memory) with SMEM_TABLE's shape for each V it covers, with and
+    without the optional terms; per_sm is the programs per SM the table expects to fit."""
+    ce = importlib.import_module("fused_kernels.cross_entropy")
+    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    sig = {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
+           "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
+           "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
+           "z_loss": "fp32"}
+    aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]  # what eligible() demands
+    for v in vocabs:
+        cfg = next((c for b, c in ce.SMEM_TABLE if v <= b), None)
+        if cfg is None:
+            continue
+        for extras in (False, True):
+            flags = dict(V=v, HAS_SCALE=extras, HAS_SOFTCAP=extras, HAS_LS=extras, HAS_ROW_SCALE=extras,
+                         WARPS=cfg.warps)
+            label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
+            yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, int(cfg.per_sm)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "all"), default="all")
+    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "all"),
+                    default="all")
     ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
+    ap.add_argument("--smem-vocab", default="16384,32000,50304,65536",
+                    help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -160,6 +187,8 @@ def main() -> None:
         cases += list(rope_cases(shapes, args.dtype))
     if args.op in ("cross_entropy", "all"):
         cases += list(cross_entropy_cases([int(v) for v in args.vocab.split(",")], args.dtype))
+    if args.op in ("cross_entropy_smem", "all") and args.dtype != "fp32":
+        cases += list(cross_entropy_smem_cases([int(v) for v in args.smem_vocab.split(",")], args.dtype))
     bad = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:
         try:

@@ -574,3 +574,139 @@ def test_gpu_out_of_range_target_is_a_device_assert():
     bad = subprocess.run([sys.executable, "-c", body, "bad"], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode != 0 and "finished" not in bad.stdout, "an out-of-range target went through silently"
     assert "device-side assert" in bad.stderr or "Assertion" in bad.stderr, bad.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# The row held in shared memory (fused_kernels/cross_entropy_smem.py, Gluon: GPU only)
+
+
+def test_smem_table_rows_and_fallback():
+    """SMEM_TABLE is tried first when the rows may live in shared memory: the first row covering V
+    whose programs fit; otherwise, and for longer rows, LAUNCH_TABLE's row."""
+    bounds = [b for b, _ in ce.SMEM_TABLE]
+    assert bounds == sorted(bounds) and all(c.smem and c.per_sm >= 1 for _, c in ce.SMEM_TABLE)
+    assert not any(c.smem for _, c in ce.LAUNCH_TABLE)
+    with ce_config(force=None):
+        table_row = ce.launch_config(32000)
+        assert not table_row.smem
+        assert ce.launch_config(32000, lambda c: True) is ce.SMEM_TABLE[0][1]
+        assert ce.launch_config(32000, lambda c: c.per_sm <= 2) is ce.SMEM_TABLE[1][1]  # e.g. an A100
+        assert ce.launch_config(32000, lambda c: False) is table_row
+        assert ce.launch_config(50304, lambda c: True) is ce.SMEM_TABLE[1][1]
+        assert not ce.launch_config(65537, lambda c: True).smem
+        assert not ce.launch_config(128256, lambda c: True).smem
+
+
+def test_smem_shape_forced_where_it_cannot_run_says_why():
+    logits = torch.randn(4, 64, requires_grad=True)
+    target = torch.randint(0, 64, (4,))
+    with ce_config(force=ce.SMEM_TABLE[0][1]):
+        with pytest.raises(RuntimeError, match="shared memory.*16-bit logits"):
+            fused_kernels.cross_entropy(logits, target)
+
+
+def test_smem_kernel_compiles_for_sm90():
+    """The Gluon kernel compiles for sm_90a with this Triton (the CPU suite cannot run it): every
+    SMEM_TABLE shape, with and without the optional terms, without spills, and each program's shared
+    memory within what programs_that_fit assumes, so that per_sm of them fit an H100/H200 SM."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90.py"), "--op",
+                           "cross_entropy_smem"], capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    assert "grid sized for" not in out, out
+    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    for line in out.splitlines():
+        if "cross_entropy_smem V=" in line:
+            shared = int(line.split("shared")[1].split()[0])
+            v = int(line.split("V=")[1].split()[0])
+            warps = 32 if "warps=32" in line else 8
+            assert shared <= smem.buffer_bytes(v, warps, 2) + smem._SMEM_SLACK, line
+
+
+def _smem_calls(monkeypatch):
+    """Count launches of the shared-memory kernel (to know the path under test was taken)."""
+    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    calls = []
+    real = smem.launch_ce_smem
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["per_sm"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(smem, "launch_ce_smem", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536])
+@pytest.mark.parametrize("options", ["plain", "smoothing_zloss", "softcap_scale_rowscale", "fp16"])
+def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
+    """The shared-memory kernel against float64 at several times its grid in rows (so each program loops
+    and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304), 3 / 2 / 1 programs per
+    SM, every optional term; the gradient written in place over the logits (as fused_linear_cross_entropy
+    does) equals the separate buffer; an out-of-range target is flagged and its row treated as ignored."""
+    calls = _smem_calls(monkeypatch)
+    dtype = torch.float16 if options == "fp16" else torch.bfloat16
+    ls, zl, softcap, scale = (0.1, 1e-3, None, 1.0) if options == "smoothing_zloss" else (0.0, 0.0, None, 1.0)
+    if options == "softcap_scale_rowscale":
+        softcap, scale = 20.0, 0.7
+    n = 1100
+    gen = torch.Generator(device="cuda").manual_seed(v)
+    x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(dtype)
+    target = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    target[torch.rand(n, device="cuda", generator=gen) < 0.2] = -100
+    target[5] = v + 3  # out of range: flagged, ignored
+    row_scale = torch.rand(n, device="cuda", generator=gen) + 0.5 if options == "softcap_scale_rowscale" else None
+    coef = torch.full((1,), 1.0 / n, device="cuda")
+    kwargs = dict(ignore_index=-100, label_smoothing=ls, z_loss=zl, softcap=softcap, logit_scale=scale)
+
+    grad = torch.full_like(x, float("nan"))
+    loss_rows = torch.full((n,), float("nan"), device="cuda")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ce.launch_ce(x, target, grad, loss_rows, coef, row_scale, flag, **kwargs)
+    torch.cuda.synchronize()
+    assert calls and calls[0] >= 1, "the shared-memory path was not taken"
+    assert flag.item() == 1
+
+    valid = (target != -100) & (target >= 0) & (target < v)
+    t_ref = torch.where(valid, target, -100)
+    x64 = x.double().requires_grad_()
+    u = x64 * scale
+    z = u if softcap is None else softcap * torch.tanh(u / softcap)
+    per = reference_loss(z, t_ref, reduction="none", label_smoothing=ls, z_loss=zl)
+    weights = coef.double() * (row_scale.double() if row_scale is not None else 1.0)
+    (per * weights).sum().backward()
+    assert_close(loss_rows, per, torch.float32, "per-row loss", tol=LOSS_TOL)
+    assert_close(grad, x64.grad, dtype, "gradient")
+    assert (grad[~valid] == 0).all() and (loss_rows[~valid] == 0).all()
+
+    in_place = x.clone()
+    loss2 = torch.full((n,), float("nan"), device="cuda")
+    ce.launch_ce(in_place, target, in_place, loss2, coef, row_scale, flag, **kwargs)
+    assert torch.equal(in_place, grad) and torch.equal(loss2, loss_rows)
+
+
+@pytest.mark.gpu
+def test_gpu_smem_path_skipped_for_rows_it_cannot_copy(monkeypatch):
+    """Rows whose stride is not a multiple of 16 elements (V = 50257, GPT-2) cannot be copied 16 bytes
+    at a time: the Triton kernel serves them, with the same numbers."""
+    calls = _smem_calls(monkeypatch)
+    v = 50257
+    x = (torch.randn(600, v, device="cuda") * 2).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, v, (600,), device="cuda")
+    loss = fused_kernels.cross_entropy(x, target)
+    loss.backward()
+    assert not calls
+    x64 = x.detach().double().requires_grad_()
+    ref = F.cross_entropy(x64, target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= LOSS_TOL * abs(ref.item())
+    assert_close(x.grad, x64.grad, torch.bfloat16, "gradient")

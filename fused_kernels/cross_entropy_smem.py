@@ -1,0 +1,236 @@
+"""Cross entropy with each row held in shared memory: the GPU path of fused_kernels.cross_entropy for
+rows that fit (16-bit logits, V up to 65536 on an H100/H200). Written in Gluon, Triton's lower-level
+language, because Triton's tensor language keeps a row in registers or sweeps it twice through L2.
+
+Math: exactly cross_entropy's (its module docstring), with the same Triton helpers (_capped, _dlogits,
+_row_loss); only where the row lives differs.
+
+Kernel: a persistent grid of `per_sm` programs per SM (each a few warps) loops over rows r = pid,
+pid + P, ... Each program owns one row buffer in shared memory (ceil(V / CHUNK) chunks of CHUNK =
+256·warps classes; each thread copies and reads the same 16 bytes of every chunk).
+  - The row arrives by cp.async (HBM read once, no register staging).
+  - Pass 1 reads it from shared memory: a per-thread online max and Σ exp (one exp2 per class, one
+    per 8-class vector to rescale), Σ z for label smoothing, then one CTA reduction gives lse.
+  - Pass 2 reads it again and writes ∂loss/∂x chunk by chunk. The target's term is applied only in the
+    chunk that holds it (a uniform branch, no per-class compare elsewhere), and as each chunk is
+    consumed the cp.async of the same chunk of the program's next row is issued into its slot, so
+    loads stay in flight through the whole row.
+  - z_y is read from global memory before anything is written, so the gradient may overwrite the
+    logits in place (fused_linear_cross_entropy); a program's next row is a different row.
+Several programs per SM overlap their phases (one loads while another computes).
+
+Bytes moved, 8192 × 32000 bf16: read 524 MB + write 524 MB, the copy floor; the two-sweep kernel moved
+~30 % more through HBM (second sweep missing L2). H200, triton 3.6 (benchmarks/session8): 0.302 ms
+against 0.375 ms for the table's two-sweep kernel and 0.255 ms for a copy of the logits; V = 16384:
+0.164 vs 0.188; V = 50304: 0.466 vs 0.606 (2 programs per SM); V = 65536: 0.73 vs 0.81 (1 per SM).
+
+When it runs (`eligible` and `programs_that_fit`): a CUDA device of compute capability >= 8.0 (cp.async)
+with Gluon importable, not the interpreter, 16-bit logits and gradient, row strides a multiple of 16
+elements and 16-byte aligned bases (16-byte copies), the gradient wanted (without it the table's
+kernel reads each row once anyway), and per_sm row buffers fitting one SM's shared memory. Otherwise
+cross_entropy's LAUNCH_TABLE falls through to the Triton kernel's row for that V. There is no CPU
+interpreter for Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_cross_entropy.py), the
+gpu tests check its numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from fused_kernels._launch import launch
+from fused_kernels._utils import interpreter_on
+from fused_kernels.cross_entropy import _capped, _dlogits, _row_loss
+
+try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # pragma: no cover - an older Triton: the table's Triton kernel serves every V
+    gluon = None
+
+VEC = 8  # 16-bit classes per thread per chunk: one 16-byte cp.async and one 16-byte shared-memory read
+_SMEM_RESERVED = 1024  # shared memory the driver reserves per program (CTA) on sm_80+
+_SMEM_SLACK = 256  # the compiler's own scratch (reductions) beside the row buffer
+
+if gluon is not None:
+    # Triton 3.6 names it async_copy_global_to_shared; later versions async_load.
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    LOG2E = gl.constexpr(1.4426950408889634)
+
+    @gluon.jit
+    def _stats_chunk(z, z_sum, m2, s, sumz, HAS_LS: gl.constexpr):
+        """One chunk of pass 1 for each thread's 8 classes: the running max m2 (log2 units), Σ exp2
+        rescaled to it, and Σ z (z_sum: z with masked classes 0) for label smoothing."""
+        z2 = z * LOG2E
+        m_new = gl.maximum(m2, gl.max(z2, 1))
+        s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+        if HAS_LS:
+            sumz += gl.sum(z_sum, 1)
+        return m_new, s, sumz
+
+    @gluon.jit
+    def _ce_smem_kernel(
+        x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
+        n_rows, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
+        V: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_LS: gl.constexpr,
+        HAS_ROW_SCALE: gl.constexpr, WARPS: gl.constexpr,
+    ):
+        """Rows pid, pid + P, ...: loss_i into loss_ptr[row], coef·row_scale_i·∂loss_i/∂x into the
+        gradient row (see the module docstring)."""
+        T: gl.constexpr = 32 * WARPS  # threads; a chunk is T × VEC classes
+        CHUNK: gl.constexpr = T * 8
+        NFULL: gl.constexpr = V // CHUNK  # unmasked chunks, then one masked tail chunk if V % CHUNK
+        TAIL: gl.constexpr = V % CHUNK != 0
+        NCHUNK: gl.constexpr = NFULL + TAIL
+        reg: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS, 1], [1, 0])
+        per_thread: gl.constexpr = gl.SliceLayout(1, reg)
+        buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, T, 8],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
+        pid = gl.program_id(0)
+        n_prog = gl.num_programs(0)
+        offs = gl.expand_dims(gl.arange(0, T, layout=per_thread), 1) * 8 + \
+            gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, reg)), 0)
+        tail = offs < V - NFULL * CHUNK
+        inv_v = 1.0 / V
+        coef_all = gl.load(coef_ptr)
+        if HAS_SCALE:
+            coef_all = coef_all * logit_scale  # ∂z/∂x = s (times the softcap factor)
+
+        first = x_ptr + pid.to(gl.int64) * x_stride  # the grid never exceeds the rows
+        for i in range(NFULL):
+            _async_load(buf.index(i), first + i * CHUNK + offs)
+        if TAIL:
+            _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
+        async_copy.commit_group()
+
+        for r in range(pid, n_rows, n_prog):
+            row = r.to(gl.int64)
+            y = gl.load(tgt_ptr + row).to(gl.int64)
+            kept = y != ignore_index
+            in_range = (y >= 0) & (y < V)
+            gl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
+            use = kept & in_range
+            yc = gl.where(use, y, 0).to(gl.int32)
+            zy = _capped(gl.load(x_ptr + row * x_stride + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+            c = gl.where(use, coef_all, 0.0)
+            if HAS_ROW_SCALE:
+                c = c * gl.load(row_scale_ptr + row)
+
+            # Pass 1: per-thread online max (log2 units) and Σ exp2, then the CTA's lse.
+            async_copy.wait_group(0)
+            m2 = gl.full([T], float("-inf"), gl.float32, per_thread)
+            s = gl.full([T], 0.0, gl.float32, per_thread)
+            sumz = gl.full([T], 0.0, gl.float32, per_thread)
+            for i in range(NFULL):
+                z = _capped(buf.index(i).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if TAIL:
+                z = _capped(buf.index(NFULL).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz,
+                                           HAS_LS)
+            m_row = gl.max(m2, 0)
+            lse2 = m_row + gl.log2(gl.sum(s * gl.exp2(m2 - m_row), 0))
+            lse = lse2 / LOG2E
+            loss = _row_loss(lse, zy, gl.sum(sumz, 0), inv_v, label_smoothing, z_loss, HAS_LS)
+            gl.store(loss_ptr + row, gl.where(use, loss, 0.0))
+
+            # Pass 2: the gradient, chunk by chunk; each consumed slot takes the next row's chunk.
+            coef_p = c * (1.0 + 2.0 * z_loss * lse)
+            coef_u = c * label_smoothing * inv_v
+            coef_y = c * (1.0 - label_smoothing)
+            y_chunk = gl.where(use, yc // CHUNK, -1)
+            nxt = r + n_prog
+            nxt_row = x_ptr + nxt.to(gl.int64) * x_stride
+            g_row = grad_ptr + row * grad_stride
+            for i in range(NCHUNK):
+                z = _capped(buf.index(i).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                p = gl.exp2(z * LOG2E - lse2)
+                if i == y_chunk:
+                    d = _dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+                else:
+                    d = _dlogits(p, z, offs, -1, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP, False)
+                d = d.to(grad_ptr.dtype.element_ty)
+                if i < NFULL:
+                    gl.store(g_row + i * CHUNK + offs, d)
+                    if nxt < n_rows:
+                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs)
+                else:
+                    gl.store(g_row + i * CHUNK + offs, d, mask=tail)
+                    if nxt < n_rows:
+                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
+            async_copy.commit_group()
+        async_copy.wait_group(0)
+
+
+def available() -> bool:
+    """Gluon importable and real kernels (not the interpreter)."""
+    return gluon is not None and not interpreter_on()
+
+
+def chunk_classes(warps: int) -> int:
+    return 32 * warps * VEC
+
+
+def buffer_bytes(v: int, warps: int, element_size: int) -> int:
+    """Shared memory of one program's row buffer: V rounded up to whole chunks."""
+    return triton.cdiv(v, chunk_classes(warps)) * chunk_classes(warps) * element_size
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_per_sm(device_index: int) -> int:
+    """Shared memory one SM offers its programs: the per-block opt-in maximum plus the driver's
+    per-block reservation (228 KB on an H100/H200, 164 KB on an A100)."""
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"]) + _SMEM_RESERVED
+
+
+def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device) -> int:
+    """How many programs' row buffers one SM's shared memory holds."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    need = buffer_bytes(v, warps, element_size) + _SMEM_RESERVED + _SMEM_SLACK
+    return _smem_per_sm(index) // need
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def eligible(x: torch.Tensor, grad) -> bool:
+    """Whether the tensors allow this path at all (see the module docstring); programs_that_fit
+    then decides per launch shape."""
+    return (
+        available()
+        and grad is not None
+        and x.is_cuda
+        and torch.version.hip is None
+        and x.element_size() == 2
+        and grad.dtype == x.dtype
+        and x.shape[0] > 0
+        and _aligned(x)
+        and _aligned(grad)
+        and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 0)
+    )
+
+
+def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, per_sm: int, sm_count: int,
+                   ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float) -> None:
+    """cross_entropy.launch_ce's contract, on this kernel: per_sm programs of `warps` warps per SM."""
+    n, v = x.shape
+    rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
+    launch(
+        _ce_smem_kernel, (min(n, per_sm * sm_count),),
+        (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag, n, ignore_index,
+         float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing), float(z_loss)),
+        dict(V=v, HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
+             HAS_ROW_SCALE=row_scale is not None, WARPS=warps, num_warps=warps),
+    )
