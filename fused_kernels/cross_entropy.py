@@ -423,16 +423,33 @@ def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
 
 
 _SMEM_MODULE: list = []
+_SMEM_LAUNCHED: set = set()  # (V, dtype, options) the shared-memory kernel has compiled and run for
 
 
 def _smem_module():
     """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's helpers), or
-    None where it cannot run here (no Gluon, the interpreter)."""
+    None where it cannot run here (no Gluon, the interpreter, or it failed to build: _smem_failed)."""
     if not _SMEM_MODULE:
         from fused_kernels import cross_entropy_smem
 
         _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
     return _SMEM_MODULE[0]
+
+
+def _smem_failed(exc: Exception) -> None:
+    """Gluon is an experimental API that changes between Triton releases: when the kernel does not build
+    with this Triton, say so once and use the Triton kernel from then on (same numbers, ~20 % slower at
+    V <= 65536) instead of failing the user's loss."""
+    import warnings
+
+    warnings.warn(
+        f"fused_kernels.cross_entropy: the shared-memory kernel (cross_entropy_smem.py) did not build or launch "
+        f"with triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); using the Triton kernel "
+        f"for every vocabulary size from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    _SMEM_MODULE[:] = [None]
 
 
 def launch_ce(
@@ -471,12 +488,21 @@ def launch_ce(
                 f"compute capability >= 8.0 with Gluon, 16-bit logits and gradient with row strides a multiple "
                 f"of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
             )
-        with _device_guard(x):
-            smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                per_sm=int(cfg.per_sm), sm_count=_sm_count(x.device), ignore_index=ignore_index,
-                                label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                logit_scale=logit_scale)
-        return
+        key = (v, x.dtype, cfg, row_scale is not None, softcap is not None, logit_scale != 1.0, label_smoothing > 0)
+        try:
+            with _device_guard(x):
+                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
+                                    per_sm=int(cfg.per_sm), sm_count=_sm_count(x.device), ignore_index=ignore_index,
+                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                                    logit_scale=logit_scale)
+        except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
+            if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
+                raise
+            _smem_failed(exc)
+            cfg = launch_config(v)
+        else:
+            _SMEM_LAUNCHED.add(key)
+            return
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),

@@ -1,8 +1,10 @@
-"""Compile the rms_norm and rope kernels for sm_90a (H100/H200) on a machine without a GPU and report,
-per autotuning candidate, registers per thread, spills and shared memory, so that a candidate that
-spills or cannot fit is seen before the lead's GPU run.
+"""Compile the rms_norm, rope and cross-entropy kernels (the Triton one and the Gluon shared-memory one)
+for sm_90a (H100/H200) on a machine without a GPU and report, per autotuning candidate or table shape,
+registers per thread, spills and shared memory, so that a candidate that spills or cannot fit is seen
+before the lead's GPU run (tests/test_cross_entropy.py runs it for the Gluon kernel).
 
-    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|cross_entropy|all] [--cols 4096,1024] [--dtype bf16]
+    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|cross_entropy|cross_entropy_smem|all]
+                                           [--cols 4096,1024] [--dtype bf16]
 
 Triton's own compiler and the ptxas it ships do the work; nothing runs. Registers are what decide how
 many programs share an SM (65536 per SM), which rms_norm's persistent backward grid is sized from

@@ -605,6 +605,53 @@ def test_smem_shape_forced_where_it_cannot_run_says_why():
             fused_kernels.cross_entropy(logits, target)
 
 
+class _FailingSmem:
+    """Stands in for cross_entropy_smem on a Triton whose Gluon API the kernel does not build with."""
+
+    def __init__(self):
+        self.launches = 0
+
+    def eligible(self, x, grad):
+        return grad is not None
+
+    def programs_that_fit(self, v, warps, element_size, device):
+        return 3
+
+    def launch_ce_smem(self, *args, **kwargs):
+        self.launches += 1
+        raise RuntimeError("PassManager::run failed")
+
+
+def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
+    """If the Gluon kernel does not build with the installed Triton, the loss is still computed (by the
+    Triton kernel), one RuntimeWarning says why, and the shared-memory path is not tried again. A
+    kernel that has run before and then fails is an error, not a fallback."""
+    fake = _FailingSmem()
+    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
+    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen).requires_grad_()
+    target = torch.randint(0, 300, (6,), generator=gen)
+    with pytest.warns(RuntimeWarning, match="shared-memory kernel.*did not build.*Triton kernel"):
+        loss = fused_kernels.cross_entropy(logits, target)
+    loss.backward()
+    x64 = logits.detach().double().requires_grad_()
+    ref = F.cross_entropy(x64, target)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= LOSS_TOL * abs(ref.item())
+    assert_close(logits.grad, x64.grad, torch.float32, "gradient after the fallback")
+    assert fake.launches == 1 and ce._SMEM_MODULE == [None]
+    fused_kernels.cross_entropy(logits.detach(), target)  # no second attempt, no warning
+    assert fake.launches == 1
+
+    fake = _FailingSmem()
+    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
+    cfg = ce.SMEM_TABLE[0][1]
+    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", {(300, torch.float32, cfg, False, False, False, False)})
+    with pytest.raises(RuntimeError, match="PassManager"):
+        fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)
+
+
 def test_smem_kernel_compiles_for_sm90():
     """The Gluon kernel compiles for sm_90a with this Triton (the CPU suite cannot run it): every
     SMEM_TABLE shape, with and without the optional terms, without spills, and each program's shared
