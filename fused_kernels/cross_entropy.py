@@ -35,7 +35,7 @@ which is what the persistent grid and the L2 eviction hints are for. Bytes moved
 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
 floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
-On a GPU, rows of up to 65536 16-bit classes are instead held in shared memory by the Gluon kernel of
+On a GPU, rows of 8193 to 65536 16-bit classes are instead held in shared memory by the Gluon kernel of
 fused_kernels/cross_entropy_smem.py (read from HBM once, 20–25 % faster; SMEM_TABLE), when the
 tensors allow it; this module's Triton kernel is the path everywhere else, and the CPU's.
 
@@ -110,6 +110,9 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
 # (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
 # per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
+# Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
+# (one read already; the shared-memory kernel was measured from V = 16384 up).
+SMEM_FROM = 8193
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
@@ -400,11 +403,12 @@ def _sm_count(device: torch.device) -> Optional[int]:
 
 
 def launch_config(v: int, smem_fits=None) -> LaunchConfig:
-    """The launch shape for rows of v classes: the forced one, else SMEM_TABLE's first row for v that
-    smem_fits(cfg) accepts (None: the rows may not live in shared memory), else LAUNCH_TABLE's."""
+    """The launch shape for rows of v classes: the forced one, else (v >= SMEM_FROM) SMEM_TABLE's first
+    row for v that smem_fits(cfg) accepts (None: the rows may not live in shared memory), else
+    LAUNCH_TABLE's."""
     if _CONFIG["force"] is not None:
         return _CONFIG["force"]
-    if smem_fits is not None:
+    if smem_fits is not None and v >= SMEM_FROM:
         for bound, cfg in SMEM_TABLE:
             if v <= bound and smem_fits(cfg):
                 return cfg

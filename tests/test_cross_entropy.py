@@ -595,6 +595,9 @@ def test_smem_table_rows_and_fallback():
         assert ce.launch_config(50304, lambda c: True) is ce.SMEM_TABLE[1][1]
         assert not ce.launch_config(65537, lambda c: True).smem
         assert not ce.launch_config(128256, lambda c: True).smem
+        for v in (1, 1000, 4096, 8192):  # held whole in registers by the Triton kernel: one read already
+            assert ce.launch_config(v, lambda c: True) is ce.launch_config(v)
+        assert ce.launch_config(8193, lambda c: True).smem
 
 
 def test_smem_shape_forced_where_it_cannot_run_says_why():
@@ -630,8 +633,9 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
     monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(6, 300, generator=gen).requires_grad_()
-    target = torch.randint(0, 300, (6,), generator=gen)
+    v = ce.SMEM_FROM + 7  # the shortest rows the shared-memory path takes
+    logits = torch.randn(6, v, generator=gen).requires_grad_()
+    target = torch.randint(0, v, (6,), generator=gen)
     with pytest.warns(RuntimeWarning, match="shared-memory kernel.*did not build.*Triton kernel"):
         loss = fused_kernels.cross_entropy(logits, target)
     loss.backward()
@@ -647,7 +651,7 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     fake = _FailingSmem()
     monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
     cfg = ce.SMEM_TABLE[0][1]
-    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", {(300, torch.float32, cfg, False, False, False, False)})
+    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", {(v, torch.float32, cfg, False, False, False, False)})
     with pytest.raises(RuntimeError, match="PassManager"):
         fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)
 
