@@ -1,7 +1,7 @@
 """Cross entropy with each row held in shared memory: the GPU path of fused_kernels.cross_entropy for
 rows that fit and that the Triton kernel would sweep twice (16-bit logits, 8192 < V <= 65536 on an
-H100/H200). Written in Gluon, Triton's lower-level
-language, because Triton's tensor language keeps a row in registers or sweeps it twice through L2.
+H100/H200). Written in Gluon, Triton's lower-level language, because Triton's tensor language keeps a
+row in registers or sweeps it twice through L2.
 
 Math: exactly cross_entropy's (its module docstring), with the same Triton helpers (_capped, _dlogits,
 _row_loss); only where the row lives differs.
