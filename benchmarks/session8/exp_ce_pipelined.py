@@ -22,6 +22,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ce_case
 if "--compile-only" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "0"
 
@@ -93,30 +94,17 @@ def main():
 
 
 def gpu_main():
+    from ce_case import ce_case, poison
+    from ce_case import check as ce_check
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
-    n, v = 8192, 32000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn((n, v), device="cuda", generator=g) * 2).to(torch.bfloat16)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    t[::10] = -100
-    coef = torch.full((1,), 1.0 / n, device="cuda")
-    grad, loss = torch.empty_like(x), torch.empty(n, device="cuda")
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    x64 = x.double()
-    ref_loss = torch.nn.functional.cross_entropy(x64, t, reduction="none", ignore_index=-100)
-    p = torch.softmax(x64, -1)
-    keep = (t != -100)
-    p[keep, t[keep]] -= 1.0
-    ref_grad = p * keep[:, None] / n
-    del x64, p
+    case = ce_case(32000)
+    n, v = case.n, case.v
+    x, t, grad, loss, coef, flag = case.x, case.t, case.grad, case.loss, case.coef, case.flag
 
     def check(label):
-        le = ((loss - ref_loss).abs().max() / ref_loss.abs().max()).item()
-        ge = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
-        ok = le < 1e-5 and ge < 1e-2 and not (loss.isnan().any() or grad.isnan().any())
-        print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+        ce_check(case, label)
 
     copy_dst = torch.empty_like(x)
     copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
@@ -139,7 +127,7 @@ def gpu_main():
         runs.append((f"pipelined warps={warps} stages={stages} programs={progs} evict={evict or 'none'}",
                      pipelined, True))
     for label, fn, is_triton in runs:
-        loss.fill_(float("nan")), grad.fill_(float("nan"))
+        poison(case)
         k = fn()
         torch.cuda.synchronize()
         extra = f" regs {k.n_regs} spills {k.n_spills} shared {k.metadata.shared}" if is_triton else ""

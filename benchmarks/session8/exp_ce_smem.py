@@ -23,6 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # ce_case
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -308,32 +309,18 @@ def ncu_main(spec: str):
 
 
 def gpu_main(rounds: int, vocabs, configs):
+    from ce_case import ce_case, poison
+    from ce_case import check as ce_check
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
-        n = 8192
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = (torch.randn((n, v), device="cuda", generator=g) * 2).to(torch.bfloat16)
-        t = torch.randint(0, v, (n,), device="cuda", generator=g)
-        t[::10] = -100
-        coef = torch.full((1,), 1.0 / n, device="cuda")
-        grad, loss = torch.empty_like(x), torch.empty(n, device="cuda")
-        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        x64 = x.double()
-        ref_loss = torch.nn.functional.cross_entropy(x64, t, reduction="none", ignore_index=-100)
-        p = torch.softmax(x64, -1)
-        keep = t != -100
-        p[keep, t[keep]] -= 1.0
-        ref_grad = p * keep[:, None] / n
-        del x64, p
+        case = ce_case(v)
+        x, t, grad, loss, coef, flag = case.x, case.t, case.grad, case.loss, case.coef, case.flag
 
         def check(label):
-            le = ((loss - ref_loss).abs().max() / ref_loss.abs().max()).item()
-            ge = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
-            ok = le < 1e-5 and ge < 1e-2 and not (loss.isnan().any() or grad.isnan().any())
-            print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+            ce_check(case, label)
 
         copy_dst = torch.empty_like(x)
         copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
@@ -357,7 +344,7 @@ def gpu_main(rounds: int, vocabs, configs):
                          smem2, True))
         good = []
         for label, fn, is_gluon in runs:
-            loss.fill_(float("nan")), grad.fill_(float("nan"))
+            poison(case)
             try:
                 k = fn()
                 torch.cuda.synchronize()
@@ -371,7 +358,7 @@ def gpu_main(rounds: int, vocabs, configs):
             for label, fn in good:
                 ms = event_ms(fn, reps=31)
                 print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
-        del x, grad, copy_dst, ref_grad
+        del x, grad, copy_dst, case
 
 
 if __name__ == "__main__":

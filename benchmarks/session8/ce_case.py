@@ -1,0 +1,46 @@
+"""The session-8 CE experiments' shared GPU harness: one forward-with-gradient case of 8192 rows bf16 (10 %
+ignored) with its float64 reference, and the check every candidate kernel's output gets.
+
+The reference covers the first `ref_rows` rows (all by default): softmax in float64 needs 16 bytes per
+logit, 17 GB at V = 262144.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+
+def ce_case(v: int, n: int = 8192, ref_rows=None) -> SimpleNamespace:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn((n, v), device="cuda", generator=g) * 2).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::10] = -100
+    rows = slice(0, ref_rows or n)
+    x64 = x[rows].double()
+    ref_loss = torch.nn.functional.cross_entropy(x64, t[rows], reduction="none", ignore_index=-100)
+    p = torch.softmax(x64, -1)
+    keep = t[rows] != -100
+    p[keep, t[rows][keep]] -= 1.0
+    ref_grad = p * keep[:, None] / n
+    del x64, p
+    return SimpleNamespace(
+        n=n, v=v, x=x, t=t, rows=rows, ref_loss=ref_loss, ref_grad=ref_grad,
+        coef=torch.full((1,), 1.0 / n, device="cuda"), grad=torch.empty_like(x),
+        loss=torch.empty(n, device="cuda"), flag=torch.zeros(1, dtype=torch.int32, device="cuda"),
+    )
+
+
+def poison(case) -> None:
+    case.loss.fill_(float("nan"))
+    case.grad.fill_(float("nan"))
+
+
+def check(case, label: str) -> None:
+    """Max relative errors of the loss and the gradient over the reference rows; NaN anywhere is WRONG."""
+    loss, grad = case.loss[case.rows], case.grad[case.rows]
+    le = ((loss - case.ref_loss).abs().max() / case.ref_loss.abs().max()).item()
+    ge = ((grad.double() - case.ref_grad).abs().max() / case.ref_grad.abs().max()).item()
+    ok = le < 1e-5 and ge < 1e-2 and not (case.loss.isnan().any() or case.grad.isnan().any())
+    print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
