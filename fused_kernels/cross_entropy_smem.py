@@ -208,10 +208,9 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def eligible(x: torch.Tensor, grad) -> bool:
     """Whether the tensors allow this path at all (see the module docstring); programs_that_fit
-    then decides per launch shape."""
+    then decides per launch shape. Asked only where available() holds (cross_entropy._smem_module)."""
     return (
-        available()
-        and grad is not None
+        grad is not None
         and x.is_cuda
         and torch.version.hip is None
         and x.element_size() == 2

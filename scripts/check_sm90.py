@@ -129,13 +129,19 @@ def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
                 yield label, rope._rope_kernel, sig, flags, aligned, cfg.num_warps, 3, 0
 
 
+def _ce_signature(dtype: str) -> dict:
+    """The runtime arguments of the Triton cross-entropy kernel, in order (the Gluon one takes the same
+    without V, which is a constexpr there)."""
+    return {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
+            "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
+            "V": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
+            "z_loss": "fp32"}
+
+
 def cross_entropy_cases(vocabs: list[int], dtype: str):
     """The cross-entropy kernel with the launch table's shape for each V, writing the gradient."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
-    sig = {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
-           "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
-           "V": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
-           "z_loss": "fp32"}
+    sig = _ce_signature(dtype)
     pointers = [k for k in sig if k.endswith("_ptr")]
     for v in vocabs:
         # what Triton specialises on at launch: V (and the row strides of contiguous logits) divisible by 16
@@ -153,10 +159,7 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     without the optional terms; per_sm is the programs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    sig = {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
-           "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
-           "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
-           "z_loss": "fp32"}
+    sig = {k: t for k, t in _ce_signature(dtype).items() if k != "V"}
     aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]  # what eligible() demands
     for v in vocabs:
         cfg = next((c for b, c in ce.SMEM_TABLE if v <= b), None)
