@@ -434,9 +434,12 @@ def _smem_module():
     """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's helpers), or
     None where it cannot run here (no Gluon, the interpreter, or it failed to build: _smem_failed)."""
     if not _SMEM_MODULE:
-        from fused_kernels import cross_entropy_smem
+        if _INTERPRETED:  # no Gluon under the interpreter: do not even import it (Triton's compiler bindings)
+            _SMEM_MODULE.append(None)
+        else:
+            from fused_kernels import cross_entropy_smem
 
-        _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
+            _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
     return _SMEM_MODULE[0]
 
 
