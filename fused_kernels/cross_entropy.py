@@ -35,9 +35,10 @@ which is what the persistent grid and the L2 eviction hints are for. Bytes moved
 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
 floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
-On a GPU, rows of 8193 to 65536 16-bit classes are instead held in shared memory by the Gluon kernel of
-fused_kernels/cross_entropy_smem.py (read from HBM once, 20–25 % faster; SMEM_TABLE), when the
-tensors allow it; this module's Triton kernel is the path everywhere else, and the CPU's.
+On a GPU, rows of 8193 to 262144 16-bit classes are instead held in shared memory by the Gluon kernel of
+fused_kernels/cross_entropy_smem.py (read from HBM once, 20–25 % faster; SMEM_TABLE; rows over 65536
+classes split over a thread-block cluster of 4 or 8 SMs, Hopper and later), when the tensors allow it;
+this module's Triton kernel is the path everywhere else, and the CPU's.
 
 Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
 LaunchConfig (block, warps, programs per SM, pipelining stages of the block loops, L2 hints).
@@ -88,6 +89,7 @@ class LaunchConfig(NamedTuple):
     stages: int = 1  # software-pipelining stages of the block loops (tl.range num_stages); 1: none
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
     smem: bool = False  # the row held in shared memory (cross_entropy_smem; block: classes per chunk)
+    ctas: int = 1  # smem: CTAs (SMs) a row is split over, a thread-block cluster when > 1; per_sm counts CTAs
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -110,6 +112,10 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
 # (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
 # per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
+# Longer rows are split over a cluster of 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the
+# row; the CTAs exchange their partial max / Σ exp through global memory and one cluster barrier per row
+# (benchmarks/session9, no ignored rows): V = 128256 1.263 ms (table 1.548, copy 0.990), V = 262144
+# 2.606 ms (table 3.254, copy 2.010).
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
 # (one read already; the shared-memory kernel was measured from V = 16384 up).
 SMEM_FROM = 8193
@@ -117,6 +123,8 @@ SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
     (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
+    (131072, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=4)),
+    (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )
 
 _CONFIG = {
@@ -486,20 +494,21 @@ def launch_ce(
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
     smem = _smem_module()
     in_smem = smem is not None and smem.eligible(x, grad)
-    cfg = launch_config(v, (lambda c: smem.programs_that_fit(v, c.warps, x.element_size(), x.device) >= c.per_sm)
+    cfg = launch_config(v, (lambda c: smem.fits(v, c.warps, c.per_sm, c.ctas, x.element_size(), x.device))
                         if in_smem else None)
     if cfg.smem:
         if not in_smem:
             raise RuntimeError(
                 f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
-                f"compute capability >= 8.0 with Gluon, 16-bit logits and gradient with row strides a multiple "
-                f"of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
+                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
+                f"strides a multiple of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
             )
         key = (v, x.dtype, cfg, row_scale is not None, softcap is not None, logit_scale != 1.0, label_smoothing > 0)
         try:
             with _device_guard(x):
                 smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    per_sm=int(cfg.per_sm), sm_count=_sm_count(x.device), ignore_index=ignore_index,
+                                    per_sm=int(cfg.per_sm), ctas=cfg.ctas, sm_count=_sm_count(x.device),
+                                    ignore_index=ignore_index,
                                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                                     logit_scale=logit_scale)
         except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)

@@ -66,35 +66,60 @@ if gluon is not None:
         """One chunk of pass 1 for each thread's 8 classes: the running max m2 (log2 units), Σ exp2
         rescaled to it, and Σ z (z_sum: z with masked classes 0) for label smoothing."""
         z2 = z * LOG2E
-        m_new = gl.maximum(m2, gl.max(z2, 1))
-        s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 1)), 1)
+        m_new = gl.maximum(m2, gl.max(z2, 2))
+        s = s * gl.exp2(m2 - m_new) + gl.sum(gl.exp2(z2 - gl.expand_dims(m_new, 2)), 2)
         if HAS_LS:
-            sumz += gl.sum(z_sum, 1)
+            sumz += gl.sum(z_sum, 2)
         return m_new, s, sumz
+
+    @gluon.jit
+    def _cluster_sync():
+        # barrier.cluster with release / acquire semantics: each CTA's global stores before it are seen
+        # by every CTA of the cluster after it. Inline PTX: Triton 3.6's Gluon has no cluster barrier.
+        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\t"
+                                  "barrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+                                  "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _claim_next_row(counter_ptr, slot_ptr, n_prog):
+        # Thread 0 of CTA 0 of the cluster claims the next row for all: *slot = n_prog + counter++
+        # (published by the _cluster_sync that follows). Inline PTX: Gluon's atomic would broadcast its
+        # result to every thread of the cluster, with two more cluster barriers per row.
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 who, got;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "mov.u32 got, %tid.x;\n\tor.b32 who, who, got;\n\tsetp.eq.u32 lead, who, 0;\n\t"
+            "@lead atom.global.add.u32 got, [$1], 1;\n\t@lead add.u32 got, got, $3;\n\t"
+            "@lead st.global.u32 [$2], got;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,l,r", [counter_ptr, slot_ptr, n_prog], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _ce_smem_kernel(
         x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
+        partials_ptr, next_ptr, counter_ptr,
         n_rows, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
         V: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_LS: gl.constexpr,
-        HAS_ROW_SCALE: gl.constexpr, WARPS: gl.constexpr,
+        HAS_ROW_SCALE: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
+        SMEM: gl.constexpr,
     ):
-        """Rows pid, pid + P, ...: loss_i into loss_ptr[row], coef·row_scale_i·∂loss_i/∂x into the
-        gradient row (see the module docstring)."""
-        T: gl.constexpr = 32 * WARPS  # threads; a chunk is T × VEC classes
-        CHUNK: gl.constexpr = T * 8
+        """Rows of a program (CTAS = 1) or of a cluster of CTAS CTAs: loss_i into loss_ptr[row],
+        coef·row_scale_i·∂loss_i/∂x into the gradient row (see the module docstring). REG / SMEM:
+        `layouts(WARPS, CTAS)`."""
+        T: gl.constexpr = 32 * WARPS  # threads of one CTA
+        CHUNK: gl.constexpr = CTAS * T * 8  # classes per chunk: 8 per thread of the cluster
         NFULL: gl.constexpr = V // CHUNK  # unmasked chunks, then one masked tail chunk if V % CHUNK
         TAIL: gl.constexpr = V % CHUNK != 0
         NCHUNK: gl.constexpr = NFULL + TAIL
-        reg: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [WARPS, 1], [1, 0])
-        per_thread: gl.constexpr = gl.SliceLayout(1, reg)
-        buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, T, 8],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+        per_thread: gl.constexpr = gl.SliceLayout(2, REG)  # [CTAS, T]
+        per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)  # [CTAS]: one value per CTA
+        buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
-        pid = gl.program_id(0)
+        pid = gl.program_id(0)  # the cluster's index when CTAS > 1
         n_prog = gl.num_programs(0)
-        offs = gl.expand_dims(gl.arange(0, T, layout=per_thread), 1) * 8 + \
-            gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, reg)), 0)
+        ranks = gl.arange(0, CTAS, layout=per_cta)
+        threads = gl.arange(0, T, layout=gl.SliceLayout(0, per_thread))
+        lanes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, REG)))
+        offs = gl.expand_dims(gl.expand_dims(ranks, 1), 2) * (T * 8) + \
+            gl.expand_dims(gl.expand_dims(threads, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(lanes, 0), 1)
         tail = offs < V - NFULL * CHUNK
         inv_v = 1.0 / V
         coef_all = gl.load(coef_ptr)
@@ -108,7 +133,8 @@ if gluon is not None:
             _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
         async_copy.commit_group()
 
-        for r in range(pid, n_rows, n_prog):
+        r = pid
+        while r < n_rows:
             row = r.to(gl.int64)
             y = gl.load(tgt_ptr + row).to(gl.int64)
             kept = y != ignore_index
@@ -121,22 +147,50 @@ if gluon is not None:
             if HAS_ROW_SCALE:
                 c = c * gl.load(row_scale_ptr + row)
 
-            # Pass 1: per-thread online max (log2 units) and Σ exp2, then the CTA's lse.
+            # Pass 1: per-thread online max (log2 units) and Σ exp2, then each CTA's share of the row.
             async_copy.wait_group(0)
-            m2 = gl.full([T], float("-inf"), gl.float32, per_thread)
-            s = gl.full([T], 0.0, gl.float32, per_thread)
-            sumz = gl.full([T], 0.0, gl.float32, per_thread)
+            m2 = gl.full([CTAS, T], float("-inf"), gl.float32, per_thread)
+            s = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
+            sumz = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
             for i in range(NFULL):
-                z = _capped(buf.index(i).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
             if TAIL:
-                z = _capped(buf.index(NFULL).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                z = _capped(buf.index(NFULL).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz,
                                            HAS_LS)
-            m_row = gl.max(m2, 0)
-            lse2 = m_row + gl.log2(gl.sum(s * gl.exp2(m2 - m_row), 0))
+            m_cta = gl.max(m2, 1)
+            s_cta = gl.sum(s * gl.exp2(m2 - gl.expand_dims(m_cta, 1)), 1)
+            z_cta = gl.sum(sumz, 1)
+            if CTAS == 1:
+                m_row = gl.max(m_cta, 0)
+                s_row = gl.sum(s_cta, 0)
+                z_row = gl.sum(z_cta, 0)
+                nxt = r + n_prog
+            else:
+                # The CTAs' shares meet in global memory: a slot of its own per row (never reused within a
+                # launch, so no stale cache line), one cluster barrier, then every CTA combines them all.
+                slot = partials_ptr + row * (3 * CTAS)
+                gl.store(slot + ranks, m_cta)
+                gl.store(slot + CTAS + ranks, s_cta)
+                if HAS_LS:
+                    gl.store(slot + 2 * CTAS + ranks, z_cta)
+                _claim_next_row(counter_ptr, next_ptr + row, n_prog)
+                _cluster_sync()
+                m_row = gl.load(slot, cache_modifier=".cg")
+                for k in gl.static_range(1, CTAS):
+                    m_row = gl.maximum(m_row, gl.load(slot + k, cache_modifier=".cg"))
+                s_row = 0.0
+                z_row = 0.0
+                for k in gl.static_range(CTAS):
+                    s_row += gl.load(slot + CTAS + k, cache_modifier=".cg") * \
+                        gl.exp2(gl.load(slot + k, cache_modifier=".cg") - m_row)
+                    if HAS_LS:
+                        z_row += gl.load(slot + 2 * CTAS + k, cache_modifier=".cg")
+                nxt = gl.load(next_ptr + row, cache_modifier=".cg")
+            lse2 = m_row + gl.log2(s_row)
             lse = lse2 / LOG2E
-            loss = _row_loss(lse, zy, gl.sum(sumz, 0), inv_v, label_smoothing, z_loss, HAS_LS)
+            loss = _row_loss(lse, zy, z_row, inv_v, label_smoothing, z_loss, HAS_LS)
             gl.store(loss_ptr + row, gl.where(use, loss, 0.0))
 
             # Pass 2: the gradient, chunk by chunk; each consumed slot takes the next row's chunk.
@@ -144,11 +198,10 @@ if gluon is not None:
             coef_u = c * label_smoothing * inv_v
             coef_y = c * (1.0 - label_smoothing)
             y_chunk = gl.where(use, yc // CHUNK, -1)
-            nxt = r + n_prog
             nxt_row = x_ptr + nxt.to(gl.int64) * x_stride
             g_row = grad_ptr + row * grad_stride
             for i in range(NCHUNK):
-                z = _capped(buf.index(i).load(reg), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 p = gl.exp2(z * LOG2E - lse2)
                 if i == y_chunk:
                     d = _dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
@@ -164,6 +217,7 @@ if gluon is not None:
                     if nxt < n_rows:
                         _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
             async_copy.commit_group()
+            r = nxt
         async_copy.wait_group(0)
 
 
@@ -172,13 +226,38 @@ def available() -> bool:
     return gluon is not None and not interpreter_on()
 
 
-def chunk_classes(warps: int) -> int:
-    return 32 * warps * VEC
+def chunk_classes(warps: int, ctas: int = 1) -> int:
+    """Classes per chunk of a row: 8 per thread of the program (or of the cluster)."""
+    return 32 * warps * VEC * ctas
 
 
-def buffer_bytes(v: int, warps: int, element_size: int) -> int:
-    """Shared memory of one program's row buffer: V rounded up to whole chunks."""
-    return triton.cdiv(v, chunk_classes(warps)) * chunk_classes(warps) * element_size
+def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1) -> int:
+    """Shared memory of one CTA's row buffer: its share of V rounded up to whole chunks."""
+    return triton.cdiv(v, chunk_classes(warps, ctas)) * chunk_classes(warps) * element_size
+
+
+def _cta_bases(ctas: int) -> list:
+    """A cga_layout splitting dim 0 of a [CTAS, T, 8] tensor over the cluster: bit b of the CTA's rank
+    steps dim 0 by 2**b, so CTA k holds slice k of every chunk."""
+    return [[1 << b, 0, 0] for b in range(ctas.bit_length() - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def layouts(warps: int, ctas: int):
+    """(REG, SMEM) of _ce_smem_kernel: each thread owns 8 consecutive classes ([CTAS, T, 8], order
+    2, 1, 0), in registers and in its 16-byte shared-memory slot; over a cluster when ctas > 1."""
+    split = {} if ctas == 1 else {"cga_layout": _cta_bases(ctas)}
+    return (gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, warps, 1], [2, 1, 0], **split),
+            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0], **split))
+
+
+def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
+                      has_row_scale: bool) -> dict:
+    """_ce_smem_kernel's constexprs (launch_ce_smem, and scripts/check_sm90.py, which compiles the same
+    kernels for sm_90a)."""
+    reg, smem = layouts(warps, ctas)
+    return dict(V=v, HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
+                WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem)
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,11 +269,23 @@ def _smem_per_sm(device_index: int) -> int:
     return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"]) + _SMEM_RESERVED
 
 
-def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device) -> int:
-    """How many programs' row buffers one SM's shared memory holds."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    need = buffer_bytes(v, warps, element_size) + _SMEM_RESERVED + _SMEM_SLACK
-    return _smem_per_sm(index) // need
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1) -> int:
+    """How many CTAs' row buffers one SM's shared memory holds."""
+    need = buffer_bytes(v, warps, element_size, ctas) + _SMEM_RESERVED + _SMEM_SLACK
+    return _smem_per_sm(_index(device)) // need
+
+
+def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device) -> bool:
+    """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, and a row split over a
+    cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
+    portable cluster size)."""
+    if ctas > 1 and (ctas > 8 or _capability(_index(device)) < (9, 0)):
+        return False
+    return programs_that_fit(v, warps, element_size, device, ctas) >= per_sm
 
 
 @functools.lru_cache(maxsize=None)
@@ -207,8 +298,8 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def eligible(x: torch.Tensor, grad) -> bool:
-    """Whether the tensors allow this path at all (see the module docstring); programs_that_fit
-    then decides per launch shape. Asked only where available() holds (cross_entropy._smem_module)."""
+    """Whether the tensors allow this path at all (see the module docstring); fits() then decides per
+    launch shape. Asked only where available() holds (cross_entropy._smem_module)."""
     return (
         grad is not None
         and x.is_cuda
@@ -218,19 +309,29 @@ def eligible(x: torch.Tensor, grad) -> bool:
         and x.shape[0] > 0
         and _aligned(x)
         and _aligned(grad)
-        and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (8, 0)
+        and _capability(_index(x.device)) >= (8, 0)
     )
 
 
-def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, per_sm: int, sm_count: int,
-                   ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float) -> None:
-    """cross_entropy.launch_ce's contract, on this kernel: per_sm programs of `warps` warps per SM."""
+def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, per_sm: int, ctas: int,
+                   sm_count: int, ignore_index: int, label_smoothing: float, z_loss: float, softcap,
+                   logit_scale: float) -> None:
+    """cross_entropy.launch_ce's contract, on this kernel: per_sm CTAs of `warps` warps per SM, each row
+    split over a cluster of `ctas` of them."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
+    if ctas > 1:  # the exchange slots of the row partials, the claimed next rows and the claim counter
+        partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)
+        next_rows = torch.empty(n, dtype=torch.int32, device=x.device)
+        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    else:  # never touched
+        partials, next_rows, counter = coef, flag, flag
     launch(
-        _ce_smem_kernel, (min(n, per_sm * sm_count),),
-        (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag, n, ignore_index,
-         float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing), float(z_loss)),
-        dict(V=v, HAS_SCALE=logit_scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_LS=label_smoothing > 0.0,
-             HAS_ROW_SCALE=row_scale is not None, WARPS=warps, num_warps=warps),
+        _ce_smem_kernel, (min(n, per_sm * sm_count // ctas),),
+        (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag, partials, next_rows, counter, n,
+         ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing),
+         float(z_loss)),
+        dict(kernel_constexprs(v, warps, ctas, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
+                               has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None),
+             num_warps=warps, num_ctas=ctas),
     )

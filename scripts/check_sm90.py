@@ -36,7 +36,10 @@ _TARGET = GPUTarget("cuda", 90, 32)
 def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int, num_stages: int = 3) -> dict:
     """Registers, spill bytes and shared memory (bytes, static + what the pipeliner allocates) of
     `fn` compiled for sm_90a. `aligned`: the arguments Triton would see as 16-divisible (pointers of
-    fresh tensors, sizes that are multiples of 16)."""
+    fresh tensors, sizes that are multiples of 16). A "num_ctas" among the constexprs is the launch
+    option (a thread-block cluster), not a kernel argument."""
+    constexprs = dict(constexprs)
+    num_ctas = constexprs.pop("num_ctas", 1)
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -44,7 +47,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int,
     if type(fn).__name__ == "GluonJITFunction":  # cross_entropy_smem's kernel
         from triton.experimental.gluon._runtime import GluonASTSource as source
     kernel = triton.compile(source(fn, sig, constexprs, attrs), target=_TARGET,
-                            options={"num_warps": num_warps, "num_stages": num_stages})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -131,7 +134,7 @@ def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
 
 def _ce_signature(dtype: str) -> dict:
     """The runtime arguments of the Triton cross-entropy kernel, in order (the Gluon one takes the same
-    without V, which is a constexpr there)."""
+    without V, which is a constexpr there, plus its cluster exchange buffers)."""
     return {"x_ptr": f"*{dtype}", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": f"*{dtype}", "grad_stride": "i32",
             "loss_ptr": "*fp32", "coef_ptr": "*fp32", "row_scale_ptr": "*fp32", "flag_ptr": "*i32", "n_rows": "i32",
             "V": "i32", "ignore_index": "i32", "logit_scale": "fp32", "softcap": "fp32", "label_smoothing": "fp32",
@@ -156,18 +159,23 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
 
 def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     """The Gluon kernel (row in shared memory) with SMEM_TABLE's shape for each V it covers, with and
-    without the optional terms; per_sm is the programs per SM the table expects to fit."""
+    without the optional terms; per_sm is the CTAs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    sig = {k: t for k, t in _ce_signature(dtype).items() if k != "V"}
+    sig = {}
+    for k, t in _ce_signature(dtype).items():
+        if k == "n_rows":  # the cluster exchange buffers come before the scalars
+            sig.update(partials_ptr="*fp32", next_ptr="*i32", counter_ptr="*i32")
+        if k != "V":
+            sig[k] = t
     aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]  # what eligible() demands
     for v in vocabs:
         cfg = next((c for b, c in ce.SMEM_TABLE if v <= b), None)
         if cfg is None:
             continue
         for extras in (False, True):
-            flags = dict(V=v, HAS_SCALE=extras, HAS_SOFTCAP=extras, HAS_LS=extras, HAS_ROW_SCALE=extras,
-                         WARPS=cfg.warps)
+            flags = dict(smem.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
+                                                has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
             yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, int(cfg.per_sm)
 
@@ -177,7 +185,7 @@ def main() -> None:
     ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "all"),
                     default="all")
     ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
-    ap.add_argument("--smem-vocab", default="16384,32000,50304,65536",
+    ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,262144",
                     help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")

@@ -593,8 +593,12 @@ def test_smem_table_rows_and_fallback():
         assert ce.launch_config(32000, lambda c: c.per_sm <= 2) is ce.SMEM_TABLE[1][1]  # e.g. an A100
         assert ce.launch_config(32000, lambda c: False) is table_row
         assert ce.launch_config(50304, lambda c: True) is ce.SMEM_TABLE[1][1]
-        assert not ce.launch_config(65537, lambda c: True).smem
-        assert not ce.launch_config(128256, lambda c: True).smem
+        # longer rows: split over a cluster of CTAs (Hopper), else the Triton kernel
+        assert ce.launch_config(65537, lambda c: True).ctas == 4
+        assert ce.launch_config(128256, lambda c: True).ctas == 4
+        assert ce.launch_config(262144, lambda c: True).ctas == 8
+        assert ce.launch_config(128256, lambda c: c.ctas == 1) is ce.launch_config(128256)  # e.g. an A100
+        assert not ce.launch_config(262145, lambda c: True).smem
         for v in (1, 1000, 4096, 8192):  # held whole in registers by the Triton kernel: one read already
             assert ce.launch_config(v, lambda c: True) is ce.launch_config(v)
         assert ce.launch_config(8193, lambda c: True).smem
@@ -617,8 +621,8 @@ class _FailingSmem:
     def eligible(self, x, grad):
         return grad is not None
 
-    def programs_that_fit(self, v, warps, element_size, device):
-        return 3
+    def fits(self, v, warps, per_sm, ctas, element_size, device):
+        return True
 
     def launch_ce_smem(self, *args, **kwargs):
         self.launches += 1
@@ -671,15 +675,16 @@ def test_smem_kernel_compiles_for_sm90():
                            "cross_entropy_smem"], capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "8 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    assert "12 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
     assert "grid sized for" not in out, out
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
     for line in out.splitlines():
         if "cross_entropy_smem V=" in line:
             shared = int(line.split("shared")[1].split()[0])
             v = int(line.split("V=")[1].split()[0])
-            warps = 32 if "warps=32" in line else 8
-            assert shared <= smem.buffer_bytes(v, warps, 2) + smem._SMEM_SLACK, line
+            warps = int(line.split("warps=")[1].split(",")[0])
+            ctas = int(line.split("ctas=")[1].split(")")[0])
+            assert shared <= smem.buffer_bytes(v, warps, 2, ctas) + smem._SMEM_SLACK, line
 
 
 def _smem_calls(monkeypatch):
@@ -697,13 +702,15 @@ def _smem_calls(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536])
+@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536, 100000, 151936])
 @pytest.mark.parametrize("options", ["plain", "smoothing_zloss", "softcap_scale_rowscale", "fp16"])
 def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     """The shared-memory kernel against float64 at several times its grid in rows (so each program loops
-    and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304), 3 / 2 / 1 programs per
-    SM, every optional term; the gradient written in place over the logits (as fused_linear_cross_entropy
-    does) equals the separate buffer; an out-of-range target is flagged and its row treated as ignored."""
+    and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304, 100000, 151936), 3 / 2 / 1
+    programs per SM, rows split over clusters of 4 and 8 CTAs (V = 100000, 151936: partials exchanged,
+    rows claimed), every optional term; the gradient written in place over the logits (as
+    fused_linear_cross_entropy does) equals the separate buffer; an out-of-range target is flagged and
+    its row treated as ignored."""
     calls = _smem_calls(monkeypatch)
     dtype = torch.float16 if options == "fp16" else torch.bfloat16
     ls, zl, softcap, scale = (0.1, 1e-3, None, 1.0) if options == "smoothing_zloss" else (0.0, 0.0, None, 1.0)

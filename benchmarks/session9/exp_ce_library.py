@@ -1,0 +1,74 @@
+"""Experiment (session 9): the library's cross-entropy launch (fused_kernels.cross_entropy.launch_ce) per
+vocabulary size, as SMEM_TABLE picks it, against LAUNCH_TABLE's Triton kernel and other shared-memory
+shapes (forced), checked against float64 and timed against a copy of the logits. 8192 rows bf16, no
+ignored rows (as scripts/bench.py), CUDA-event medians of the forward kernel writing the gradient.
+
+    PYTHONPATH=$PWD:$PWD/scripts python3 benchmarks/session9/exp_ce_library.py [--vocabs ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8")]
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from fused_kernels import cross_entropy as ce  # noqa: E402
+
+# extra shared-memory shapes to try per V: (warps, per_sm, ctas)
+EXTRA = {65536: [(8, 3, 2), (16, 1, 2)], 100000: [(8, 3, 4)], 151936: [(8, 4, 8), (8, 5, 8), (8, 2, 4)],
+         128256: [(4, 6, 8)], 262144: [(4, 3, 8)]}
+
+
+def main(vocabs, rounds):
+    from ce_case import ce_case, check, poison
+    from tune_cross_entropy import event_ms
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    for v in vocabs:
+        case = ce_case(v, ref_rows=256, ignored=False)
+        copy_dst = torch.empty_like(case.x)
+        copy_ms = event_ms(lambda: copy_dst.copy_(case.x), reps=15)
+        print(f"V={v}: copy {copy_ms:.3f} ms", flush=True)
+        shapes = [("library", None), ("table", ce.launch_config(v))]
+        shapes += [(f"smem warps={w} per_sm={p} ctas={c}", ce.LaunchConfig(block=256 * w, warps=w, per_sm=p, smem=True,
+                                                                            ctas=c)) for w, p, c in EXTRA.get(v, [])]
+        good = []
+        for label, force in shapes:
+            def run(force=force):
+                ce._CONFIG["force"] = force
+                try:
+                    ce.launch_ce(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, ignore_index=-100,
+                                 label_smoothing=0.0, z_loss=0.0, softcap=None)
+                finally:
+                    ce._CONFIG["force"] = None
+            if label == "library":
+                label = f"library {ce.launch_config(v, lambda c: True)}"
+            poison(case)
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
+                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            check(case, label)
+            good.append((label, run))
+        for rnd in range(rounds):
+            for label, fn in good:
+                ms = event_ms(fn, reps=15)
+                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+        del case, copy_dst
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocabs", default="16384,32000,50304,65536,100000,128256,151936,262144")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    main([int(v) for v in a.vocabs.split(",")], a.rounds)
