@@ -112,18 +112,22 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
 # (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
 # per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
-# Longer rows are split over a cluster of 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the
+# Longer rows are split over a cluster of 2, 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the
 # row; the CTAs exchange their partial max / Σ exp through global memory and one cluster barrier per row
-# (benchmarks/session9, no ignored rows): V = 128256 1.263 ms (table 1.548, copy 0.990), V = 262144
-# 2.606 ms (table 3.254, copy 2.010).
+# (benchmarks/session9/exp_ce_library.txt, no ignored rows; table = LAUNCH_TABLE's kernel): V = 65536
+# 0.643 ms (1 per SM unsplit 0.740, table 0.817, copy 0.511), 128256 1.273 (table 1.508, copy 0.998),
+# 151936 1.568 (3 per SM 1.694, table 1.800, copy 1.166), 262144 2.654 (table 3.191, copy 2.012).
+# Without clusters (before Hopper) V = 65536 takes the unsplit row and longer rows the Triton kernel.
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
 # (one read already; the shared-memory kernel was measured from V = 16384 up).
 SMEM_FROM = 8193
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
+    (65536, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=2)),
     (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
     (131072, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=4)),
+    (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8)),
     (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )
 

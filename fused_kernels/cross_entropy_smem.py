@@ -1,37 +1,45 @@
 """Cross entropy with each row held in shared memory: the GPU path of fused_kernels.cross_entropy for
-rows that fit and that the Triton kernel would sweep twice (16-bit logits, 8192 < V <= 65536 on an
+rows that fit and that the Triton kernel would sweep twice (16-bit logits, 8192 < V <= 262144 on an
 H100/H200). Written in Gluon, Triton's lower-level language, because Triton's tensor language keeps a
 row in registers or sweeps it twice through L2.
 
 Math: exactly cross_entropy's (its module docstring), with the same Triton helpers (_capped, _dlogits,
 _row_loss); only where the row lives differs.
 
-Kernel: a persistent grid of `per_sm` programs per SM (each a few warps) loops over rows r = pid,
-pid + P, ... Each program owns one row buffer in shared memory (ceil(V / CHUNK) chunks of CHUNK =
-256·warps classes; each thread copies and reads the same 16 bytes of every chunk).
+Kernel: a persistent grid of `per_sm` CTAs per SM (each a few warps). With CTAS = 1 a CTA owns whole
+rows r = pid, pid + P, ...; with CTAS > 1 a thread-block cluster of CTAS CTAs (on as many SMs) owns a
+row, CTA k holding slice k of every chunk, and clusters claim rows from a global counter. Each CTA
+owns one buffer in shared memory for its share of a row (ceil(V / CHUNK) chunks of CHUNK = 256·warps·
+CTAS classes; each thread copies and reads the same 16 bytes of every chunk).
   - The row arrives by cp.async (HBM read once, no register staging).
   - Pass 1 reads it from shared memory: a per-thread online max and Σ exp (one exp2 per class, one
-    per 8-class vector to rescale), Σ z for label smoothing, then one CTA reduction gives lse.
+    per 8-class vector to rescale), Σ z for label smoothing, then a CTA reduction. A split row's CTAs
+    then write their partials to a slot of that row in global memory, meet at one cluster barrier
+    (release / acquire) and each combines all of them into lse. (A reduction across the cluster's
+    shared memory is what Triton 3.9 would generate, but 3.6 cannot: benchmarks/session9.)
   - Pass 2 reads it again and writes ∂loss/∂x chunk by chunk. The target's term is applied only in the
     chunk that holds it (a uniform branch, no per-class compare elsewhere), and as each chunk is
     consumed the cp.async of the same chunk of the program's next row is issued into its slot, so
     loads stay in flight through the whole row.
-  - z_y is read from global memory before anything is written, so the gradient may overwrite the
-    logits in place (fused_linear_cross_entropy); a program's next row is a different row.
-Several programs per SM overlap their phases (one loads while another computes).
+  - z_y is read from global memory before anything is written (and before the cluster barrier), so
+    the gradient may overwrite the logits in place (fused_linear_cross_entropy); a program's next row
+    is a different row.
+Several CTAs per SM overlap their phases (one loads while another computes).
 
 Bytes moved, 8192 × 32000 bf16: read 524 MB + write 524 MB, the copy floor; the two-sweep kernel moved
-~30 % more through HBM (second sweep missing L2). H200, triton 3.6 (benchmarks/session8): 0.302 ms
-against 0.375 ms for the table's two-sweep kernel and 0.255 ms for a copy of the logits; V = 16384:
-0.164 vs 0.188; V = 50304: 0.466 vs 0.606 (2 programs per SM); V = 65536: 0.73 vs 0.81 (1 per SM).
+~30 % more through HBM (second sweep missing L2). H200, triton 3.6, no ignored rows
+(benchmarks/session9/exp_ce_library.txt; table = the Triton kernel, copy = a copy of the logits):
+V = 16384 0.184 ms (table 0.200, copy 0.134); 32000 0.322 (0.399, 0.254); 50304 0.495 (0.648, 0.394);
+65536 split over 2 CTAs 0.643 (0.817, 0.511); 128256 over 4 1.273 (1.508, 0.998); 151936 over 8 1.568
+(1.800, 1.166); 262144 over 8 2.654 (3.191, 2.012): 69-80 % of a copy.
 
-When it runs (`eligible` and `programs_that_fit`): a CUDA device of compute capability >= 8.0 (cp.async)
-with Gluon importable, not the interpreter, 16-bit logits and gradient, row strides a multiple of 16
-elements and 16-byte aligned bases (16-byte copies), the gradient wanted (without it the table's
-kernel reads each row once anyway), and per_sm row buffers fitting one SM's shared memory. Otherwise
-cross_entropy's LAUNCH_TABLE falls through to the Triton kernel's row for that V. There is no CPU
-interpreter for Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_cross_entropy.py), the
-gpu tests check its numbers.
+When it runs (`eligible` and `fits`): a CUDA device of compute capability >= 8.0 (cp.async; 9.0 for
+clusters) with Gluon importable, not the interpreter, 16-bit logits and gradient, row strides a
+multiple of 16 elements and 16-byte aligned bases (16-byte copies), the gradient wanted (without it the
+table's kernel reads each row once anyway), and per_sm row buffers fitting one SM's shared memory.
+Otherwise cross_entropy's LAUNCH_TABLE falls through to the Triton kernel's row for that V. There is no
+CPU interpreter for Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_cross_entropy.py),
+the gpu tests check its numbers.
 """
 
 from __future__ import annotations
@@ -81,16 +89,16 @@ if gluon is not None:
                                   "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _claim_next_row(counter_ptr, slot_ptr, n_prog):
-        # Thread 0 of CTA 0 of the cluster claims the next row for all: *slot = n_prog + counter++
-        # (published by the _cluster_sync that follows). Inline PTX: Gluon's atomic would broadcast its
-        # result to every thread of the cluster, with two more cluster barriers per row.
+    def _claim_row(counter_ptr, slot_ptr):
+        # Thread 0 of CTA 0 of the cluster claims a row for all: *slot = counter++ (published by the
+        # _cluster_sync that follows). Inline PTX: Gluon's atomic would broadcast its result to every
+        # thread of the cluster, with two more cluster barriers.
         gl.inline_asm_elementwise(
             "{\n\t.reg .pred lead;\n\t.reg .b32 who, got;\n\tmov.u32 who, %cluster_ctarank;\n\t"
             "mov.u32 got, %tid.x;\n\tor.b32 who, who, got;\n\tsetp.eq.u32 lead, who, 0;\n\t"
-            "@lead atom.global.add.u32 got, [$1], 1;\n\t@lead add.u32 got, got, $3;\n\t"
-            "@lead st.global.u32 [$2], got;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,l,r", [counter_ptr, slot_ptr, n_prog], dtype=gl.int32, is_pure=False, pack=1)
+            "@lead atom.global.add.u32 got, [$1], 1;\n\t@lead st.global.u32 [$2], got;\n\t"
+            "mov.u32 $0, 0;\n\t}",
+            "=r,l,l", [counter_ptr, slot_ptr], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _ce_smem_kernel(
@@ -126,14 +134,22 @@ if gluon is not None:
         if HAS_SCALE:
             coef_all = coef_all * logit_scale  # ∂z/∂x = s (times the softcap factor)
 
-        first = x_ptr + pid.to(gl.int64) * x_stride  # the grid never exceeds the rows
+        if CTAS == 1:
+            r = pid  # rows pid, pid + P, ...: the grid is what fits the GPU at once
+        else:
+            # Clusters claim every row from the counter (next_ptr[row] holds the row claimed after row;
+            # next_ptr[n_rows + pid] the cluster's first): a cluster the GPU cannot hold at first runs
+            # when others finish and finds the rows taken, instead of holding one back.
+            _claim_row(counter_ptr, next_ptr + n_rows + pid)
+            _cluster_sync()
+            r = gl.load(next_ptr + n_rows + pid, cache_modifier=".cg")
+        first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
         for i in range(NFULL):
             _async_load(buf.index(i), first + i * CHUNK + offs)
         if TAIL:
             _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
         async_copy.commit_group()
 
-        r = pid
         while r < n_rows:
             row = r.to(gl.int64)
             y = gl.load(tgt_ptr + row).to(gl.int64)
@@ -175,7 +191,7 @@ if gluon is not None:
                 gl.store(slot + CTAS + ranks, s_cta)
                 if HAS_LS:
                     gl.store(slot + 2 * CTAS + ranks, z_cta)
-                _claim_next_row(counter_ptr, next_ptr + row, n_prog)
+                _claim_row(counter_ptr, next_ptr + row)
                 _cluster_sync()
                 m_row = gl.load(slot, cache_modifier=".cg")
                 for k in gl.static_range(1, CTAS):
@@ -322,7 +338,7 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
     if ctas > 1:  # the exchange slots of the row partials, the claimed next rows and the claim counter
         partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)
-        next_rows = torch.empty(n, dtype=torch.int32, device=x.device)
+        next_rows = torch.empty(n + per_sm * sm_count // ctas, dtype=torch.int32, device=x.device)
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     else:  # never touched
         partials, next_rows, counter = coef, flag, flag

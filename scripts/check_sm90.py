@@ -158,8 +158,9 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
 
 
 def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
-    """The Gluon kernel (row in shared memory) with SMEM_TABLE's shape for each V it covers, with and
-    without the optional terms; per_sm is the CTAs per SM the table expects to fit."""
+    """The Gluon kernel (row in shared memory) with each SMEM_TABLE shape for each V it covers (a split
+    row, and the unsplit one a GPU without clusters takes), with and without the optional terms; per_sm
+    is the CTAs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
     sig = {}
@@ -170,14 +171,13 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
             sig[k] = t
     aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]  # what eligible() demands
     for v in vocabs:
-        cfg = next((c for b, c in ce.SMEM_TABLE if v <= b), None)
-        if cfg is None:
-            continue
-        for extras in (False, True):
+        bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
+        for cfg, extras in ((c, e) for b, c in ce.SMEM_TABLE if b == bound for e in (False, True)):
             flags = dict(smem.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
                                                 has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
-            yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, int(cfg.per_sm)
+            # split rows are claimed from a counter: CTAs beyond what fits only wait, and find the rows taken
+            yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, int(cfg.per_sm) if cfg.ctas == 1 else 0
 
 
 def main() -> None:
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "all"),
                     default="all")
     ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
-    ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,262144",
+    ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,151936,262144",
                     help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
