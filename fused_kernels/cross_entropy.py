@@ -121,6 +121,11 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
 # (one read already; the shared-memory kernel was measured from V = 16384 up).
 SMEM_FROM = 8193
+# A split row's cluster pays off over many rows only: at fused_linear_cross_entropy's 640-768-row chunks
+# (7-10 rows per cluster, the first row's load never overlapped) it was slower than the Triton kernel
+# (benchmarks/session9/exp_ce_chunk_spread.txt: 640 x 151936 0.169 vs 0.153 ms median, 768 x 128256
+# 0.162 vs 0.151; at 8192 rows 1.506 vs 1.825). Split rows are used from this many rows per cluster.
+SPLIT_MIN_ROWS_PER_CLUSTER = 16
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
@@ -471,6 +476,15 @@ def _smem_failed(exc: Exception) -> None:
     _SMEM_MODULE[:] = [None]
 
 
+def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
+    """Whether SMEM_TABLE's shape cfg can run for logits x here (smem.fits) and, for a row split over a
+    cluster, whether x has enough rows for the clusters to pay off (SPLIT_MIN_ROWS_PER_CLUSTER)."""
+    n, v = x.shape
+    if cfg.ctas > 1 and n < SPLIT_MIN_ROWS_PER_CLUSTER * max(1, int(cfg.per_sm) * (_sm_count(x.device) or 1) // cfg.ctas):
+        return False
+    return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device)
+
+
 def launch_ce(
     x: torch.Tensor,
     target: torch.Tensor,
@@ -498,8 +512,7 @@ def launch_ce(
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
     smem = _smem_module()
     in_smem = smem is not None and smem.eligible(x, grad)
-    cfg = launch_config(v, (lambda c: smem.fits(v, c.warps, c.per_sm, c.ctas, x.element_size(), x.device))
-                        if in_smem else None)
+    cfg = launch_config(v, (lambda c: smem_shape_fits(smem, x, c)) if in_smem else None)
     if cfg.smem:
         if not in_smem:
             raise RuntimeError(

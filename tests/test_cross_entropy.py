@@ -607,6 +607,27 @@ def test_smem_table_rows_and_fallback():
         assert ce.launch_config(8193, lambda c: True).smem
 
 
+def test_split_rows_only_where_clusters_have_rows_to_loop_over():
+    """A row split over a cluster is taken only with >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (the
+    640-row chunks of fused_linear_cross_entropy go to the Triton kernel); unsplit rows at any count."""
+    class AlwaysFits:
+        def fits(self, v, warps, per_sm, ctas, element_size, device):
+            return True
+
+    split = ce.launch_config(128256, lambda c: True)
+    assert split.ctas == 4
+    clusters = int(split.per_sm) * 132 // split.ctas
+    with ce_config(sm_count=132):
+        many = torch.empty(ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters, 8)
+        few = torch.empty(ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters - 1, 8)
+        assert ce.smem_shape_fits(AlwaysFits(), many, split)
+        assert not ce.smem_shape_fits(AlwaysFits(), few, split)
+        assert ce.smem_shape_fits(AlwaysFits(), torch.empty(5, 8), ce.SMEM_TABLE[0][1])
+        chunk = torch.empty(768, 8)  # a fused_linear_cross_entropy chunk at V = 128256
+        for v in (128256, 151936, 262144):
+            assert ce.launch_config(v, lambda c: ce.smem_shape_fits(AlwaysFits(), chunk, c)) is ce.launch_config(v)
+
+
 def test_smem_shape_forced_where_it_cannot_run_says_why():
     logits = torch.randn(4, 64, requires_grad=True)
     target = torch.randint(0, 64, (4,))
@@ -719,7 +740,7 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     ls, zl, softcap, scale = (0.1, 1e-3, None, 1.0) if options == "smoothing_zloss" else (0.0, 0.0, None, 1.0)
     if options == "softcap_scale_rowscale":
         softcap, scale = 20.0, 0.7
-    n = 1100
+    n = 1100 if v <= 65536 else 1700  # split rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster
     gen = torch.Generator(device="cuda").manual_seed(v)
     x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(dtype)
     target = torch.randint(0, v, (n,), device="cuda", generator=gen)
