@@ -46,3 +46,26 @@ def check(case, label: str) -> None:
     ge = ((grad.double() - case.ref_grad).abs().max() / case.ref_grad.abs().max()).item()
     ok = le < 1e-5 and ge < 1e-2 and not (case.loss.isnan().any() or case.grad.isnan().any())
     print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+
+
+def check_and_time(case, runs, copy_ms: float, rounds: int) -> None:
+    """Each (label, fn) of runs: poisoned outputs, one run, the check against float64 (a run that raises
+    is reported and dropped); then `rounds` rounds of CUDA-event medians of the survivors, in turn, as
+    ms and fraction of a copy of the logits."""
+    from tune_cross_entropy import event_ms  # scripts/ on the path: the GPU harnesses' shared timer
+
+    good = []
+    for label, fn in runs:
+        poison(case)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
+            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            continue
+        check(case, label)
+        good.append((label, fn))
+    for rnd in range(rounds):
+        for label, fn in good:
+            ms = event_ms(fn, reps=15)
+            print(f"  V={case.v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)

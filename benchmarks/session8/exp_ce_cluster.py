@@ -177,7 +177,7 @@ def compile_only():
 
 
 def gpu_main(vocabs, configs, rounds):
-    from ce_case import ce_case, check, poison
+    from ce_case import ce_case, check_and_time
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -197,21 +197,7 @@ def gpu_main(vocabs, configs, rounds):
             clusters = per_sm * sms // ctas
             runs.append((f"cluster warps={warps} ctas={ctas} per_sm={per_sm}",
                          lambda w=warps, c=ctas, k=clusters: launch(x, t, grad, loss, coef, w, c, k)))
-        good = []
-        for label, fn in runs:
-            poison(case)
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-                continue
-            check(case, label)
-            good.append((label, fn))
-        for rnd in range(rounds):
-            for label, fn in good:
-                ms = event_ms(fn, reps=15)
-                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+        check_and_time(case, runs, copy_ms, rounds)
         del x, grad, copy_dst, case
 
 

@@ -210,7 +210,7 @@ def compile_only():
 
 
 def gpu_main(vocabs, configs, rounds):
-    from ce_case import ce_case, check, poison
+    from ce_case import ce_case, check_and_time
     from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -235,21 +235,7 @@ def gpu_main(vocabs, configs, rounds):
                          f"{'dynamic' if dynamic else 'strided'}",
                          lambda w=warps, c=ctas, k=clusters, d=dynamic: launch(x, t, grad, loss, coef, scratch, nxt,
                                                                                w, c, k, d)))
-        good = []
-        for label, fn in runs:
-            poison(case)
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-                continue
-            check(case, label)
-            good.append((label, fn))
-        for rnd in range(rounds):
-            for label, fn in good:
-                ms = event_ms(fn, reps=15)
-                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+        check_and_time(case, runs, copy_ms, rounds)
         del x, grad, copy_dst, case
 
 

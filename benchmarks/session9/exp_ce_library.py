@@ -29,7 +29,7 @@ EXTRA = {65536: [(8, 3, 2), (16, 1, 2)], 100000: [(8, 3, 4)], 151936: [(8, 4, 8)
 
 
 def main(vocabs, rounds):
-    from ce_case import ce_case, check, poison
+    from ce_case import ce_case, check_and_time
     from tune_cross_entropy import event_ms
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
@@ -40,31 +40,18 @@ def main(vocabs, rounds):
         shapes = [("library", None), ("table", ce.launch_config(v))]
         shapes += [(f"smem warps={w} per_sm={p} ctas={c}", ce.LaunchConfig(block=256 * w, warps=w, per_sm=p, smem=True,
                                                                             ctas=c)) for w, p, c in EXTRA.get(v, [])]
-        good = []
+        runs = []
         for label, force in shapes:
-            def run(force=force):
+            def run(force=force, case=case):
                 ce._CONFIG["force"] = force
                 try:
                     ce.launch_ce(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, ignore_index=-100,
                                  label_smoothing=0.0, z_loss=0.0, softcap=None)
                 finally:
                     ce._CONFIG["force"] = None
-            if label == "library":
-                label = f"library {ce.launch_config(v, lambda c: True)}"
-            poison(case)
-            try:
-                run()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            check(case, label)
-            good.append((label, run))
-        for rnd in range(rounds):
-            for label, fn in good:
-                ms = event_ms(fn, reps=15)
-                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
-        del case, copy_dst
+            runs.append((f"library {ce.launch_config(v, lambda c: True)}" if force is None else label, run))
+        check_and_time(case, runs, copy_ms, rounds)
+        del case, copy_dst, runs
 
 
 if __name__ == "__main__":
