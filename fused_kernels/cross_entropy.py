@@ -445,6 +445,7 @@ def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
 
 _SMEM_MODULE: list = []
 _SMEM_LAUNCHED: set = set()  # (V, dtype, options) the shared-memory kernel has compiled and run for
+_SPLIT_FAILED: list = []  # non-empty once a row split over a cluster failed to build: split rows are off
 
 
 def _smem_module():
@@ -460,29 +461,69 @@ def _smem_module():
     return _SMEM_MODULE[0]
 
 
-def _smem_failed(exc: Exception) -> None:
+def _smem_failed(exc: Exception, cfg: LaunchConfig) -> None:
     """Gluon is an experimental API that changes between Triton releases: when the kernel does not build
-    with this Triton, say so once and use the Triton kernel from then on (same numbers, ~20 % slower at
-    V <= 65536) instead of failing the user's loss."""
+    with this Triton, say so once and stop using what failed instead of failing the user's loss. A row
+    split over a cluster that fails turns split rows off (the unsplit shared-memory rows stay); an
+    unsplit one turns the shared-memory kernel off (the Triton kernel then serves every V: same numbers,
+    ~20 % slower)."""
     import warnings
 
+    split = cfg.ctas > 1
     warnings.warn(
         f"fused_kernels.cross_entropy: the shared-memory kernel (cross_entropy_smem.py) did not build or launch "
-        f"with triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); using the Triton kernel "
-        f"for every vocabulary size from now on",
+        f"{'rows split over a cluster of CTAs ' if split else ''}with triton {triton.__version__} "
+        f"({type(exc).__name__}: {str(exc)[:300]}); "
+        f"{'not splitting rows' if split else 'using the Triton kernel for every vocabulary size'} from now on",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
-    _SMEM_MODULE[:] = [None]
+    if split:
+        _SPLIT_FAILED.append(cfg)
+    else:
+        _SMEM_MODULE[:] = [None]
 
 
 def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
     """Whether SMEM_TABLE's shape cfg can run for logits x here (smem.fits) and, for a row split over a
     cluster, whether x has enough rows for the clusters to pay off (SPLIT_MIN_ROWS_PER_CLUSTER)."""
     n, v = x.shape
-    if cfg.ctas > 1 and n < SPLIT_MIN_ROWS_PER_CLUSTER * max(1, int(cfg.per_sm) * (_sm_count(x.device) or 1) // cfg.ctas):
+    if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * max(
+            1, int(cfg.per_sm) * (_sm_count(x.device) or 1) // cfg.ctas)):
         return False
     return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device)
+
+
+def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -> bool:
+    """Run the shared-memory kernel if SMEM_TABLE has a shape for x here (True), else leave it to the
+    Triton kernel (False). A first build that fails is forgiven once per kind (_smem_failed) and the
+    dispatch retried; a shape that has run before and then fails, or a forced one, raises."""
+    n, v = x.shape
+    while True:
+        smem = _smem_module()
+        in_smem = smem is not None and smem.eligible(x, grad)
+        cfg = launch_config(v, (lambda c: smem_shape_fits(smem, x, c)) if in_smem else None)
+        if not cfg.smem:
+            return False
+        if not in_smem:
+            raise RuntimeError(
+                f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
+                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
+                f"strides a multiple of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
+            )
+        key = (v, x.dtype, cfg, row_scale is not None, options["softcap"] is not None,
+               options["logit_scale"] != 1.0, options["label_smoothing"] > 0)
+        try:
+            with _device_guard(x):
+                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
+                                    per_sm=int(cfg.per_sm), ctas=cfg.ctas, sm_count=_sm_count(x.device), **options)
+        except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
+            if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
+                raise
+            _smem_failed(exc, cfg)
+            continue
+        _SMEM_LAUNCHED.add(key)
+        return True
 
 
 def launch_ce(
@@ -510,32 +551,10 @@ def launch_ce(
     if n == 0:
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
-    smem = _smem_module()
-    in_smem = smem is not None and smem.eligible(x, grad)
-    cfg = launch_config(v, (lambda c: smem_shape_fits(smem, x, c)) if in_smem else None)
-    if cfg.smem:
-        if not in_smem:
-            raise RuntimeError(
-                f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
-                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
-                f"strides a multiple of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
-            )
-        key = (v, x.dtype, cfg, row_scale is not None, softcap is not None, logit_scale != 1.0, label_smoothing > 0)
-        try:
-            with _device_guard(x):
-                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    per_sm=int(cfg.per_sm), ctas=cfg.ctas, sm_count=_sm_count(x.device),
-                                    ignore_index=ignore_index,
-                                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                                    logit_scale=logit_scale)
-        except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
-            if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
-                raise
-            _smem_failed(exc)
-            cfg = launch_config(v)
-        else:
-            _SMEM_LAUNCHED.add(key)
-            return
+    if _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, ignore_index=ignore_index,
+                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale):
+        return
+    cfg = launch_config(v)
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),

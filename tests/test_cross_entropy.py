@@ -684,6 +684,39 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
         fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)
 
 
+class _SplitFailingSmem(_FailingSmem):
+    """Stands in for cross_entropy_smem on a Triton that builds the unsplit kernel but not a cluster."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctas = []
+
+    def launch_ce_smem(self, *args, **kwargs):
+        self.ctas.append(kwargs["ctas"])
+        if kwargs["ctas"] > 1:
+            raise RuntimeError("cluster launch failed")
+
+
+def test_split_row_build_failure_turns_off_split_rows_only(monkeypatch):
+    """A row split over a cluster that does not build warns once and turns split rows off; the same call
+    then takes the unsplit shared-memory row (V = 65536), and later calls go straight to it."""
+    fake = _SplitFailingSmem()
+    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
+    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
+    monkeypatch.setattr(ce, "_SPLIT_FAILED", [])
+    n, v = 128, 65536  # >= SPLIT_MIN_ROWS_PER_CLUSTER rows for each of the 6 clusters of 4 SMs
+    x = torch.empty(n, v)
+    args = (x, torch.zeros(n, dtype=torch.long), x, torch.empty(n), torch.ones(1), None,
+            torch.zeros(1, dtype=torch.int32))
+    kwargs = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+    with ce_config(sm_count=4, force=None):
+        with pytest.warns(RuntimeWarning, match="split over a cluster.*not splitting rows"):
+            ce.launch_ce(*args, **kwargs)
+        assert fake.ctas == [2, 1] and ce._SMEM_MODULE == [fake] and ce._SPLIT_FAILED
+        ce.launch_ce(*args, **kwargs)
+        assert fake.ctas == [2, 1, 1]
+
+
 def test_smem_kernel_compiles_for_sm90():
     """The Gluon kernel compiles for sm_90a with this Triton (the CPU suite cannot run it): every
     SMEM_TABLE shape, with and without the optional terms, without spills, and each program's shared
