@@ -81,6 +81,17 @@ if gluon is not None:
         return m_new, s, sumz
 
     @gluon.jit
+    def slice_offsets(CTAS: gl.constexpr, T: gl.constexpr, REG: gl.constexpr):
+        """[CTAS, T, 8] offsets within a chunk of CTAS·T·8 classes (columns) in layout REG: CTA k's slice
+        is k·T·8 onwards, thread t's 8 consecutive ones t·8 onwards within it."""
+        per_thread: gl.constexpr = gl.SliceLayout(2, REG)
+        ranks = gl.arange(0, CTAS, layout=gl.SliceLayout(1, per_thread))
+        threads = gl.arange(0, T, layout=gl.SliceLayout(0, per_thread))
+        lanes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, REG)))
+        return gl.expand_dims(gl.expand_dims(ranks, 1), 2) * (T * 8) + \
+            gl.expand_dims(gl.expand_dims(threads, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(lanes, 0), 1)
+
+    @gluon.jit
     def _cluster_sync():
         # barrier.cluster with release / acquire semantics: each CTA's global stores before it are seen
         # by every CTA of the cluster after it. Inline PTX: Triton 3.6's Gluon has no cluster barrier.
@@ -124,10 +135,7 @@ if gluon is not None:
         pid = gl.program_id(0)  # the cluster's index when CTAS > 1
         n_prog = gl.num_programs(0)
         ranks = gl.arange(0, CTAS, layout=per_cta)
-        threads = gl.arange(0, T, layout=gl.SliceLayout(0, per_thread))
-        lanes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, REG)))
-        offs = gl.expand_dims(gl.expand_dims(ranks, 1), 2) * (T * 8) + \
-            gl.expand_dims(gl.expand_dims(threads, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(lanes, 0), 1)
+        offs = slice_offsets(CTAS, T, REG)
         tail = offs < V - NFULL * CHUNK
         inv_v = 1.0 / V
         coef_all = gl.load(coef_ptr)

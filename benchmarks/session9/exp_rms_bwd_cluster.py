@@ -64,10 +64,7 @@ def _rms_bwd_cluster_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr,
 
     pid = gl.program_id(0)
     ranks = gl.arange(0, CTAS, layout=per_cta)
-    threads = gl.arange(0, T, layout=gl.SliceLayout(0, per_thread))
-    lanes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, REG)))
-    offs = gl.expand_dims(gl.expand_dims(ranks, 1), 2) * (T * 8) + \
-        gl.expand_dims(gl.expand_dims(threads, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(lanes, 0), 1)
+    offs = smem_ce.slice_offsets(CTAS, T, REG)
 
     # w once; the dw accumulator zeroed (each thread only ever touches its own 8 columns per chunk)
     for i in range(NCHUNK):
