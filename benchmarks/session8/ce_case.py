@@ -69,3 +69,19 @@ def check_and_time(case, runs, copy_ms: float, rounds: int) -> None:
         for label, fn in good:
             ms = event_ms(fn, reps=15)
             print(f"  V={case.v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+
+
+def copy_ms(x: torch.Tensor, reps: int = 15) -> float:
+    """CUDA-event median of a copy of x (x read once, written once): the yardstick of a one-read kernel."""
+    from tune_cross_entropy import event_ms
+
+    dst = torch.empty_like(x)
+    return event_ms(lambda: dst.copy_(x), reps=reps)
+
+
+def table_launch(case) -> None:
+    """The library's cross-entropy launch on the case (plain options): its table's kernel for V."""
+    from fused_kernels.cross_entropy import launch_ce
+
+    launch_ce(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, ignore_index=-100,
+              label_smoothing=0.0, z_loss=0.0, softcap=None)

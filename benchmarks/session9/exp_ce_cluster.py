@@ -210,33 +210,26 @@ def compile_only():
 
 
 def gpu_main(vocabs, configs, rounds):
-    from ce_case import ce_case, check_and_time
-    from fused_kernels.cross_entropy import launch_ce
-    from tune_cross_entropy import event_ms
+    from ce_case import ce_case, check_and_time, copy_ms, table_launch
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
         # float64 of all rows would need 34 GB at V = 262144; no ignored rows, as in scripts/bench.py
         case = ce_case(v, ref_rows=512, ignored=False)
-        x, t, grad, loss, coef, flag = case.x, case.t, case.grad, case.loss, case.coef, case.flag
+        x, t, grad, loss, coef = case.x, case.t, case.grad, case.loss, case.coef
         scratch = torch.empty(x.shape[0] * 16, device="cuda")
         nxt = torch.empty(x.shape[0], dtype=torch.int32, device="cuda")
-        copy_dst = torch.empty_like(x)
-        copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=15)
-        print(f"V={v}: copy {copy_ms:.3f} ms")
-
-        def table():
-            launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                      softcap=None)
-        runs = [("table", table)]
+        copy = copy_ms(x)
+        print(f"V={v}: copy {copy:.3f} ms")
+        runs = [("table", lambda case=case: table_launch(case))]
         for warps, ctas, per_sm, n_clusters, dynamic in configs:
             clusters = n_clusters or per_sm * sms // ctas
             runs.append((f"cluster warps={warps} ctas={ctas} per_sm={per_sm} clusters={clusters} "
                          f"{'dynamic' if dynamic else 'strided'}",
                          lambda w=warps, c=ctas, k=clusters, d=dynamic: launch(x, t, grad, loss, coef, scratch, nxt,
                                                                                w, c, k, d)))
-        check_and_time(case, runs, copy_ms, rounds)
-        del x, grad, copy_dst, case
+        check_and_time(case, runs, copy, rounds)
+        del x, grad, case
 
 
 def parse_config(text: str) -> tuple:

@@ -29,14 +29,12 @@ EXTRA = {65536: [(8, 3, 2), (16, 1, 2)], 100000: [(8, 3, 4)], 151936: [(8, 4, 8)
 
 
 def main(vocabs, rounds):
-    from ce_case import ce_case, check_and_time
-    from tune_cross_entropy import event_ms
+    from ce_case import ce_case, check_and_time, copy_ms
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
         case = ce_case(v, ref_rows=256, ignored=False)
-        copy_dst = torch.empty_like(case.x)
-        copy_ms = event_ms(lambda: copy_dst.copy_(case.x), reps=15)
-        print(f"V={v}: copy {copy_ms:.3f} ms", flush=True)
+        copy = copy_ms(case.x)
+        print(f"V={v}: copy {copy:.3f} ms", flush=True)
         shapes = [("library", None), ("table", ce.launch_config(v))]
         shapes += [(f"smem warps={w} per_sm={p} ctas={c}", ce.LaunchConfig(block=256 * w, warps=w, per_sm=p, smem=True,
                                                                             ctas=c)) for w, p, c in EXTRA.get(v, [])]
@@ -50,8 +48,8 @@ def main(vocabs, rounds):
                 finally:
                     ce._CONFIG["force"] = None
             runs.append((f"library {ce.launch_config(v, lambda c: True)}" if force is None else label, run))
-        check_and_time(case, runs, copy_ms, rounds)
-        del case, copy_dst, runs
+        check_and_time(case, runs, copy, rounds)
+        del case, runs
 
 
 if __name__ == "__main__":
