@@ -498,7 +498,7 @@ def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -
     """Run the shared-memory kernel if SMEM_TABLE has a shape for x here (True), else leave it to the
     Triton kernel (False). A first build that fails is forgiven once per kind (_smem_failed) and the
     dispatch retried; a shape that has run before and then fails, or a forced one, raises."""
-    n, v = x.shape
+    v = x.shape[1]
     while True:
         smem = _smem_module()
         in_smem = smem is not None and smem.eligible(x, grad)

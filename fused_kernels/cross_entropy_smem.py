@@ -344,14 +344,15 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     split over a cluster of `ctas` of them."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
-    if ctas > 1:  # the exchange slots of the row partials, the claimed next rows and the claim counter
+    grid = min(n, max(1, per_sm * sm_count // ctas))  # programs, or clusters when ctas > 1
+    if ctas > 1:  # the exchange slots of the row partials, the claimed rows (then each cluster's first), the counter
         partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)
-        next_rows = torch.empty(n + per_sm * sm_count // ctas, dtype=torch.int32, device=x.device)
+        next_rows = torch.empty(n + grid, dtype=torch.int32, device=x.device)
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     else:  # never touched
         partials, next_rows, counter = coef, flag, flag
     launch(
-        _ce_smem_kernel, (min(n, per_sm * sm_count // ctas),),
+        _ce_smem_kernel, (grid,),
         (x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag, partials, next_rows, counter, n,
          ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing),
          float(z_loss)),
