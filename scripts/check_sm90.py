@@ -177,7 +177,8 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
                                                 has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
             # split rows are claimed from a counter: CTAs beyond what fits only wait, and find the rows taken
-            yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, int(cfg.per_sm) if cfg.ctas == 1 else 0
+            per_sm = int(cfg.per_sm) if cfg.ctas == 1 else 0
+            yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, per_sm
 
 
 def main() -> None:
