@@ -436,11 +436,12 @@ def launch_config(v: int, smem_fits=None) -> LaunchConfig:
 
 
 def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
-    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows)."""
+    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows); a
+    cluster of cfg.ctas CTAs (a split row) counts as one program."""
     sms = _sm_count(device)
     if cfg.per_sm <= 0 or sms is None:
         return n_rows
-    return max(1, min(n_rows, int(round(cfg.per_sm * sms))))
+    return max(1, min(n_rows, int(round(cfg.per_sm * sms)) // cfg.ctas))
 
 
 _SMEM_MODULE: list = []
@@ -488,8 +489,7 @@ def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
     """Whether SMEM_TABLE's shape cfg can run for logits x here (smem.fits) and, for a row split over a
     cluster, whether x has enough rows for the clusters to pay off (SPLIT_MIN_ROWS_PER_CLUSTER)."""
     n, v = x.shape
-    if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * max(
-            1, int(cfg.per_sm) * (_sm_count(x.device) or 1) // cfg.ctas)):
+    if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * grid_programs(cfg, n, x.device)):
         return False
     return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device)
 
@@ -516,7 +516,7 @@ def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -
         try:
             with _device_guard(x):
                 smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    per_sm=int(cfg.per_sm), ctas=cfg.ctas, sm_count=_sm_count(x.device), **options)
+                                    ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device), **options)
         except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
             if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
                 raise

@@ -337,14 +337,12 @@ def eligible(x: torch.Tensor, grad) -> bool:
     )
 
 
-def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, per_sm: int, ctas: int,
-                   sm_count: int, ignore_index: int, label_smoothing: float, z_loss: float, softcap,
-                   logit_scale: float) -> None:
-    """cross_entropy.launch_ce's contract, on this kernel: per_sm CTAs of `warps` warps per SM, each row
-    split over a cluster of `ctas` of them."""
+def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, ctas: int, grid: int,
+                   ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float) -> None:
+    """cross_entropy.launch_ce's contract, on this kernel: `grid` programs of `warps` warps
+    (cross_entropy.grid_programs), each a cluster of `ctas` CTAs splitting a row when ctas > 1."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
-    grid = min(n, max(1, per_sm * sm_count // ctas))  # programs, or clusters when ctas > 1
     if ctas > 1:  # the exchange slots of the row partials, the claimed rows (then each cluster's first), the counter
         partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)
         next_rows = torch.empty(n + grid, dtype=torch.int32, device=x.device)

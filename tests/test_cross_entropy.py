@@ -751,7 +751,7 @@ def _smem_calls(monkeypatch):
     real = smem.launch_ce_smem
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["per_sm"])
+        calls.append(kwargs["grid"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(smem, "launch_ce_smem", counted)
