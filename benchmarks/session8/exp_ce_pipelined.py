@@ -94,28 +94,21 @@ def main():
 
 
 def gpu_main():
-    from ce_case import ce_case, poison
+    from ce_case import ce_case, copy_ms, poison, table_launch
     from ce_case import check as ce_check
-    from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     case = ce_case(32000)
     n, v = case.n, case.v
-    x, t, grad, loss, coef, flag = case.x, case.t, case.grad, case.loss, case.coef, case.flag
+    x, t, grad, loss, coef = case.x, case.t, case.grad, case.loss, case.coef
 
     def check(label):
         ce_check(case, label)
 
-    copy_dst = torch.empty_like(x)
-    copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
+    copy = copy_ms(x, reps=31)
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
-    print(f"copy of the logits {copy_ms:.3f} ms (read once, write once)")
-
-    def table():
-        launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  softcap=None)
-
-    runs = [("table (two sweeps)", table, False)]
+    print(f"copy of the logits {copy:.3f} ms (read once, write once)")
+    runs = [("table (two sweeps)", lambda: table_launch(case), False)]
     for warps, stages, per_sm, evict in [(32, 2, 1, "evict_first"), (32, 3, 1, "evict_first"), (32, 3, 1, ""),
                                          (16, 2, 1, "evict_first"), (16, 3, 1, "evict_first"),
                                          (32, 1, 1, "evict_first")]:
@@ -135,7 +128,7 @@ def gpu_main():
     for rnd in range(3):
         for label, fn, _ in runs:
             ms = event_ms(fn, reps=31)
-            print(f"  round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
+            print(f"  round {rnd}: {ms:.3f} ms  {copy / ms:5.1%} of copy  {label}", flush=True)
 
 
 if __name__ == "__main__":

@@ -309,28 +309,21 @@ def ncu_main(spec: str):
 
 
 def gpu_main(rounds: int, vocabs, configs):
-    from ce_case import ce_case, poison
+    from ce_case import ce_case, copy_ms, poison, table_launch
     from ce_case import check as ce_check
-    from fused_kernels.cross_entropy import launch_ce
     from tune_cross_entropy import event_ms
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
         case = ce_case(v)
-        x, t, grad, loss, coef, flag = case.x, case.t, case.grad, case.loss, case.coef, case.flag
+        x, t, grad, loss, coef = case.x, case.t, case.grad, case.loss, case.coef
 
         def check(label):
             ce_check(case, label)
 
-        copy_dst = torch.empty_like(x)
-        copy_ms = event_ms(lambda: copy_dst.copy_(x), reps=31)
-        print(f"V={v}: copy of the logits {copy_ms:.3f} ms (read once, write once)")
-
-        def table():
-            launch_ce(x, t, grad, loss, coef, None, flag, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                      softcap=None)
-
-        runs = [("table", table, False)]
+        copy = copy_ms(x, reps=31)
+        print(f"V={v}: copy of the logits {copy:.3f} ms (read once, write once)")
+        runs = [("table", lambda case=case: table_launch(case), False)]
         fit = (232448 - 2048) // (v * 2 + 1024)  # programs whose row buffer fits in an SM's shared memory
         for warps, per_sm, prefetch, fold, *fine in configs:
             if per_sm > fit:
@@ -357,8 +350,8 @@ def gpu_main(rounds: int, vocabs, configs):
         for rnd in range(rounds):
             for label, fn in good:
                 ms = event_ms(fn, reps=31)
-                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
-        del x, grad, copy_dst, case
+                print(f"  V={v} round {rnd}: {ms:.3f} ms  {copy / ms:5.1%} of copy  {label}", flush=True)
+        del x, grad, case
 
 
 if __name__ == "__main__":
