@@ -238,9 +238,9 @@ def train(args) -> int:
             json.dump(result, f, indent=1)
         print(f"[{args.parallel}] {len(losses)} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"wrote {args.out}", flush=True)
-    # Every rank waits for rank 0's file before any tears its group down: a rank that closed its gloo
-    # connections while rank 0 was still writing made rank 0's gloo thread abort the process ("terminate
-    # called without an active exception", ~1 run in 10 on the CPU suite's two gloo ranks).
+    # Every rank waits for rank 0's report before any tears its group down. This was meant to stop a gloo
+    # rank aborting at exit ("terminate called without an active exception", ~1 run in 10 of the CPU
+    # suite's two-rank launcher test); it does not: rank 1 aborted once with it in place (session 9).
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(math.isfinite(x) for x in losses) else 1
