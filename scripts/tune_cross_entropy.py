@@ -80,6 +80,24 @@ def event_ms(fn, reps: int = 7) -> float:
     return statistics.median(times)
 
 
+def queued_ms(fn, reps: int = 7, sleep_cycles: int = 2_000_000) -> float:
+    """Like event_ms, but the GPU first spins ~1 ms (torch.cuda._sleep) so that fn's launches queue up
+    behind it: the events then bracket GPU work only, not the host's launch gaps, which event_ms counts
+    and which dominate kernels of ~0.1-0.3 ms launched from Python (several launches per call)."""
+    if SMOKE:
+        return event_ms(fn, reps)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(sleep_cycles)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def bench(fn, reps: int = 20) -> float:
     return event_ms(fn, reps=2) if SMOKE else do_bench(fn, warmup=10, rep=60)
 

@@ -48,10 +48,10 @@ def check(case, label: str) -> None:
     print(f"  {label}: loss err {le:.1e}, grad err {ge:.1e} {'ok' if ok else 'WRONG'}", flush=True)
 
 
-def check_and_time(case, runs, copy_ms: float, rounds: int) -> None:
+def check_and_time(case, runs, copy_ms: float, rounds: int, timer=None) -> None:
     """Each (label, fn) of runs: poisoned outputs, one run, the check against float64 (a run that raises
     is reported and dropped); then `rounds` rounds of CUDA-event medians of the survivors, in turn, as
-    ms and fraction of a copy of the logits."""
+    ms and fraction of a copy of the logits. timer: tune_cross_entropy.event_ms (default) or queued_ms."""
     from tune_cross_entropy import event_ms  # scripts/ on the path: the GPU harnesses' shared timer
 
     good = []
@@ -67,16 +67,17 @@ def check_and_time(case, runs, copy_ms: float, rounds: int) -> None:
         good.append((label, fn))
     for rnd in range(rounds):
         for label, fn in good:
-            ms = event_ms(fn, reps=15)
+            ms = (timer or event_ms)(fn, reps=15)
             print(f"  V={case.v} round {rnd}: {ms:.3f} ms  {copy_ms / ms:5.1%} of copy  {label}", flush=True)
 
 
-def copy_ms(x: torch.Tensor, reps: int = 15) -> float:
-    """CUDA-event median of a copy of x (x read once, written once): the yardstick of a one-read kernel."""
+def copy_ms(x: torch.Tensor, reps: int = 15, timer=None) -> float:
+    """CUDA-event median of a copy of x (x read once, written once): the yardstick of a one-read kernel.
+    timer: tune_cross_entropy.event_ms (default) or queued_ms."""
     from tune_cross_entropy import event_ms
 
     dst = torch.empty_like(x)
-    return event_ms(lambda: dst.copy_(x), reps=reps)
+    return (timer or event_ms)(lambda: dst.copy_(x), reps=reps)
 
 
 def table_launch(case) -> None:

@@ -28,12 +28,14 @@ EXTRA = {65536: [(8, 3, 2), (16, 1, 2)], 100000: [(8, 3, 4)], 151936: [(8, 4, 8)
          128256: [(4, 6, 8)], 262144: [(4, 3, 8)]}
 
 
-def main(vocabs, rounds):
+def main(vocabs, rounds, queued=False):
     from ce_case import ce_case, check_and_time, copy_ms
+    from tune_cross_entropy import event_ms, queued_ms
+    timer = queued_ms if queued else event_ms  # session 10: queued (GPU time only; event_ms adds launch gaps)
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
         case = ce_case(v, ref_rows=256, ignored=False)
-        copy = copy_ms(case.x)
+        copy = copy_ms(case.x, timer=timer)
         print(f"V={v}: copy {copy:.3f} ms", flush=True)
         shapes = [("library", None), ("table", ce.launch_config(v))]
         shapes += [(f"smem warps={w} per_sm={p} ctas={c}", ce.LaunchConfig(block=256 * w, warps=w, per_sm=p, smem=True,
@@ -48,7 +50,7 @@ def main(vocabs, rounds):
                 finally:
                     ce._CONFIG["force"] = None
             runs.append((f"library {ce.launch_config(v, lambda c: True)}" if force is None else label, run))
-        check_and_time(case, runs, copy, rounds)
+        check_and_time(case, runs, copy, rounds, timer)
         del case, runs
 
 
@@ -56,5 +58,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocabs", default="16384,32000,50304,65536,100000,128256,151936,262144")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--queued", action="store_true", help="time GPU work only (tune_cross_entropy.queued_ms)")
     a = ap.parse_args()
-    main([int(v) for v in a.vocabs.split(",")], a.rounds)
+    main([int(v) for v in a.vocabs.split(",")], a.rounds, a.queued)

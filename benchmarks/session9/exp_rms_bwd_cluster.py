@@ -178,9 +178,10 @@ CONFIGS_BY_N_FLAT = [(n, w, c) for n, cfgs in CONFIGS.items() for w, c, _ in cfg
 ROWS = {65536: 1024, 32768: 2048, 16384: 4096}
 
 
-def gpu_main(lengths, rounds):
+def gpu_main(lengths, rounds, queued=False):
     from ce_case import copy_ms
-    from tune_cross_entropy import event_ms
+    from tune_cross_entropy import event_ms, queued_ms
+    timer = queued_ms if queued else event_ms  # session 10: queued (GPU time only; event_ms adds launch gaps)
     rms = importlib.import_module("fused_kernels.rms_norm")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
@@ -197,7 +198,7 @@ def gpu_main(lengths, rounds):
         dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / n
         dw_ref = (dy64 * x64 * r64).sum(0)
         del x64, dy64, g64
-        copy = copy_ms(x)  # read + write of one tensor
+        copy = copy_ms(x, timer=timer)  # read + write of one tensor
         print(f"N={n} rows={rows}: copy {copy:.3f} ms; one-read backward moves 1.5 copies: "
               f"{1.5 * copy:.3f} ms", flush=True)
         runs = [("library split backward", lambda: rms._backward_impl(dy, x, w, rstd, 0.0, "llama", True))]
@@ -219,7 +220,7 @@ def gpu_main(lengths, rounds):
             good.append((label, fn))
         for rnd in range(rounds):
             for label, fn in good:
-                ms = event_ms(fn, reps=15)
+                ms = timer(fn, reps=15)
                 print(f"  N={n} round {rnd}: {ms:.3f} ms  {1.5 * copy / ms:5.1%} of the one-read floor  {label}",
                       flush=True)
         del x, dy, dx_ref, dw_ref
@@ -230,8 +231,9 @@ if __name__ == "__main__":
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--lengths", default="65536,32768,16384")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--queued", action="store_true", help="time GPU work only (tune_cross_entropy.queued_ms)")
     a = ap.parse_args()
     if a.compile_only:
         compile_only()
     else:
-        gpu_main([int(v) for v in a.lengths.split(",")], a.rounds)
+        gpu_main([int(v) for v in a.lengths.split(",")], a.rounds, a.queued)
