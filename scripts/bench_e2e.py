@@ -179,6 +179,7 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(steps)]
         timed_losses = []
         host_ms = []
+        alloc_before = _allocator_counts(torch)
         for i in range(steps):
             c0 = time.process_time()
             starts[i].record()
@@ -187,6 +188,10 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
             host_ms.append((time.process_time() - c0) * 1e3)
         torch.cuda.synchronize()
         step_ms = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        # The caching allocator's cudaMalloc / cudaFree calls and out-of-memory retries (each retry frees
+        # the cache and synchronises) during the timed steps: nonzero marks a step slowed by the allocator.
+        alloc_after = _allocator_counts(torch)
+        res["allocator_during_timed"] = {k: alloc_after[k] - alloc_before[k] for k in alloc_after}
         # CPU time of the whole process (the autograd engine runs the backward in its own thread) while
         # each step was being issued: close to step_ms means the step waits on Python's launches, not on
         # the GPU (a full launch queue also blocks the host, so this is an upper bound on the host work).
@@ -210,6 +215,12 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
     res["finite"] = all(x == x and abs(x) != float("inf") for x in losses)
     res["wall_s"] = time.perf_counter() - t_start
     return res
+
+
+def _allocator_counts(torch) -> dict:
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                               "num_sync_all_streams")}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,6 +299,9 @@ def run_e2e(args, deadline, on_done=None) -> list[dict]:
             print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
                   f"step {res['step_ms_median']:.1f} ms (host CPU {res.get('host_cpu_ms_median', float('nan')):.1f} ms), "
                   f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f}, {res['process_wall_s']:.0f} s", flush=True)
+            if res.get("step_ms"):
+                print(f"      steps {min(res['step_ms']):.1f}-{max(res['step_ms']):.1f} ms; allocator during them: "
+                      f"{res.get('allocator_during_timed', '-')}", flush=True)
         else:
             print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
         _ratios(results)  # after every run: a run cut short by the time limit still has its ratios
