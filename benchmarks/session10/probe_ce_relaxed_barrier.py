@@ -12,7 +12,21 @@ that copy against the library on the same inputs, with queued launches. The diff
 fence-free exchange could save, e.g. st.async into the peer CTAs' shared memory completing on an
 mbarrier, which orders only its own bytes.
 
+A second, correct, variant ("tagged", prepared on the CPU; compiled for sm_90a, never run) drops the
+per-row cluster barrier altogether:
+- Each CTA publishes each partial as one 64-bit word, (row + 1) << 32 | fp32 bits, with
+  st.relaxed.gpu from one thread.
+- Thread 0 of CTA 0 publishes the claimed next row the same way.
+- Every CTA spins with ld.relaxed.gpu on the words it needs until their tag is the row's.
+- A word's tag and value arrive together (single-copy atomicity of an aligned 64-bit access), so no
+  fence is needed, and nothing waits for the previous row's gradient stores.
+- The exchange buffer is zeroed per launch, so a tag is never stale from an earlier launch.
+
+Both variants are generated from the library's source (text replacements checked to apply exactly
+once), so they stay the library's kernel in everything else.
+
     PYTHONPATH=$PWD:$PWD/scripts python3 benchmarks/session10/probe_ce_relaxed_barrier.py
+    .venv/bin/python benchmarks/session10/probe_ce_relaxed_barrier.py --compile-only   (CPU: sm_90a builds)
 """
 
 from __future__ import annotations
@@ -38,22 +52,115 @@ RELEASE = "barrier.cluster.arrive.release.aligned;"
 RELAXED = "barrier.cluster.arrive.relaxed.aligned;"
 
 
-def relaxed_module():
-    src = open(smem.__file__).read()
-    assert src.count(RELEASE) == 1, "the kernel's cluster barrier changed; update the probe"
-    path = os.path.join(tempfile.mkdtemp(), "ce_smem_relaxed_probe.py")  # a real file: triton reads the source
+# The tagged exchange: the library's per-row block (partials to global memory, claim, cluster barrier,
+# read back) and its buffer, replaced.
+EXCHANGE_OLD = """                slot = partials_ptr + row * (3 * CTAS)
+                gl.store(slot + ranks, m_cta)
+                gl.store(slot + CTAS + ranks, s_cta)
+                if HAS_LS:
+                    gl.store(slot + 2 * CTAS + ranks, z_cta)
+                _claim_row(counter_ptr, next_ptr + row)
+                _cluster_sync()
+                m_row = gl.load(slot, cache_modifier=".cg")
+                for k in gl.static_range(1, CTAS):
+                    m_row = gl.maximum(m_row, gl.load(slot + k, cache_modifier=".cg"))
+                s_row = 0.0
+                z_row = 0.0
+                for k in gl.static_range(CTAS):
+                    s_row += gl.load(slot + CTAS + k, cache_modifier=".cg") * \\
+                        gl.exp2(gl.load(slot + k, cache_modifier=".cg") - m_row)
+                    if HAS_LS:
+                        z_row += gl.load(slot + 2 * CTAS + k, cache_modifier=".cg")
+                nxt = gl.load(next_ptr + row, cache_modifier=".cg")
+"""
+EXCHANGE_NEW = """                slot = partials_ptr + row * (3 * CTAS + 1)  # int64 words: m, s, z per CTA, then the next row
+                tag = r + 1
+                _publish(slot + ranks, tag, m_cta)
+                _publish(slot + CTAS + ranks, tag, s_cta)
+                if HAS_LS:
+                    _publish(slot + 2 * CTAS + ranks, tag, z_cta)
+                _claim_row_tagged(counter_ptr, slot + 3 * CTAS, tag)
+                m_row = _collect(slot, tag).to(gl.float32, bitcast=True)
+                for k in gl.static_range(1, CTAS):
+                    m_row = gl.maximum(m_row, _collect(slot + k, tag).to(gl.float32, bitcast=True))
+                s_row = 0.0
+                z_row = 0.0
+                for k in gl.static_range(CTAS):
+                    s_row += _collect(slot + CTAS + k, tag).to(gl.float32, bitcast=True) * \\
+                        gl.exp2(_collect(slot + k, tag).to(gl.float32, bitcast=True) - m_row)
+                    if HAS_LS:
+                        z_row += _collect(slot + 2 * CTAS + k, tag).to(gl.float32, bitcast=True)
+                nxt = _collect(slot + 3 * CTAS, tag).to(gl.int32, bitcast=True)
+"""
+HELPERS_AFTER = "    @gluon.jit\n    def _ce_smem_kernel("
+HELPERS = """    @gluon.jit
+    def _publish(word_ptr, tag, value):
+        # One thread per CTA stores (tag << 32 | bits of value) with one relaxed 64-bit store: no fence.
+        bits = value.to(gl.uint32, bitcast=True).to(gl.uint64) | (tag.to(gl.uint64) << 32)
+        gl.inline_asm_elementwise(
+            "{\\n\\t.reg .pred lead;\\n\\t.reg .b32 t;\\n\\tmov.u32 t, %tid.x;\\n\\tsetp.eq.u32 lead, t, 0;\\n\\t"
+            "@lead st.relaxed.gpu.global.b64 [$1], $2;\\n\\tmov.u32 $0, 0;\\n\\t}",
+            "=r,l,l", [word_ptr, bits], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _claim_row_tagged(counter_ptr, word_ptr, tag):
+        # Thread 0 of CTA 0 claims the next row and publishes it tagged (no cluster barrier after it).
+        gl.inline_asm_elementwise(
+            "{\\n\\t.reg .pred lead;\\n\\t.reg .b32 who, got;\\n\\t.reg .b64 w;\\n\\tmov.u32 who, %cluster_ctarank;\\n\\t"
+            "mov.u32 got, %tid.x;\\n\\tor.b32 who, who, got;\\n\\tsetp.eq.u32 lead, who, 0;\\n\\t"
+            "@lead atom.global.add.u32 got, [$1], 1;\\n\\tmov.b64 w, {got, $2};\\n\\t"
+            "@lead st.relaxed.gpu.global.b64 [$3], w;\\n\\tmov.u32 $0, 0;\\n\\t}",
+            "=r,l,r,l", [counter_ptr, tag, word_ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _load_word(word_ptr):
+        return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", [word_ptr],
+                                         dtype=gl.uint64, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _collect(word_ptr, tag):
+        # Spin until the word carries this row's tag; its low 32 bits are the value.
+        w = _load_word(word_ptr)
+        while (w >> 32).to(gl.int32) != tag:
+            w = _load_word(word_ptr)
+        return (w & 0xFFFFFFFF).to(gl.uint32)
+
+"""
+BUFFER_OLD = "partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)"
+BUFFER_NEW = "partials = torch.zeros(n * (3 * ctas + 1), dtype=torch.int64, device=x.device)"
+
+
+def _module_from(name: str, src: str):
+    path = os.path.join(tempfile.mkdtemp(), f"{name}.py")  # a real file: triton reads the source
     with open(path, "w") as f:
-        f.write(src.replace(RELEASE, RELAXED))
-    spec = importlib.util.spec_from_file_location("ce_smem_relaxed_probe", path)
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def _replace_once(src: str, old: str, new: str) -> str:
+    assert src.count(old) == 1, f"the library's kernel changed; update the probe ({old[:60]!r})"
+    return src.replace(old, new)
+
+
+def relaxed_module():
+    return _module_from("ce_smem_relaxed_probe", _replace_once(open(smem.__file__).read(), RELEASE, RELAXED))
+
+
+def tagged_module():
+    src = open(smem.__file__).read()
+    src = _replace_once(src, EXCHANGE_OLD, EXCHANGE_NEW)
+    src = _replace_once(src, HELPERS_AFTER, HELPERS + HELPERS_AFTER)
+    src = _replace_once(src, BUFFER_OLD, BUFFER_NEW)
+    return _module_from("ce_smem_tagged_probe", src)
+
+
 def main():
     from ce_case import ce_case, check_and_time, copy_ms
     from tune_cross_entropy import queued_ms
-    relaxed = relaxed_module()
+    relaxed, tagged = relaxed_module(), tagged_module()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for v in (128256, 262144):
         case = ce_case(v, ref_rows=256, ignored=False)
@@ -68,10 +175,36 @@ def main():
                                   softcap=None, logit_scale=1.0)
 
         check_and_time(case, [("library (release arrive)", lambda: run(smem)),
-                              ("PROBE relaxed arrive (results may be wrong)", lambda: run(relaxed))],
+                              ("PROBE relaxed arrive (results may be wrong)", lambda: run(relaxed)),
+                              ("tagged exchange, no per-row barrier", lambda: run(tagged))],
                        copy, rounds=3, timer=queued_ms)
         del case
 
 
+def compile_only():
+    """Both variants' kernels for sm_90a at the split-row SMEM_TABLE shapes, with and without the optional
+    terms (registers, spills, shared memory), as scripts/check_sm90.py does for the library's."""
+    import check_sm90
+    sig = {}
+    for k, t in check_sm90._ce_signature("bf16").items():
+        if k == "n_rows":
+            sig.update(partials_ptr="*fp32", next_ptr="*i32", counter_ptr="*i32")
+        if k != "V":
+            sig[k] = t
+    aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]
+    for name, module, partials in (("relaxed", relaxed_module(), "*fp32"), ("tagged", tagged_module(), "*i64")):
+        for v in (128256, 262144):
+            cfg = ce.launch_config(v, lambda c: True)
+            for extras in (False, True):
+                flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
+                                                      has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
+                res = check_sm90.compile_sm90(module._ce_smem_kernel, dict(sig, partials_ptr=partials), flags, aligned,
+                                              cfg.warps, 1)
+                print(f"{name} V={v} options {extras} {cfg}: {res}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--compile-only" in sys.argv:
+        compile_only()
+    else:
+        main()
