@@ -169,7 +169,7 @@ def main():
         grid = ce.grid_programs(cfg, case.n, case.x.device)
         print(f"V={v}: copy {copy:.3f} ms; {cfg}, grid {grid}", flush=True)
 
-        def run(module):
+        def run(module, case=case):
             module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
                                   ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                                   softcap=None, logit_scale=1.0)
