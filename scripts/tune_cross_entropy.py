@@ -62,8 +62,10 @@ if SMOKE:  # tiny stand-ins: the script's steps, not its numbers
     NEAR_TABLE = [LaunchConfig(128, 4, 0, 1, True), LaunchConfig(256, 4, 0.5, 2, True)]
 
 
-def event_ms(fn, reps: int = 7) -> float:
-    """Median GPU time of fn() over `reps` calls, each bracketed by CUDA events (fn already warm)."""
+def event_ms(fn, reps: int = 7, sleep_cycles: int = 0) -> float:
+    """Median GPU time of fn() over `reps` calls, each bracketed by CUDA events (fn already warm).
+    sleep_cycles > 0: the GPU first spins that long (torch.cuda._sleep) so that fn's launches queue up
+    behind it, and the events bracket GPU work only (see queued_ms)."""
     times = []
     for _ in range(reps):
         if SMOKE:
@@ -72,6 +74,8 @@ def event_ms(fn, reps: int = 7) -> float:
             times.append((time.perf_counter() - start) * 1e3)
             continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)
         start.record()
         fn()
         end.record()
@@ -80,22 +84,10 @@ def event_ms(fn, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def queued_ms(fn, reps: int = 7, sleep_cycles: int = 2_000_000) -> float:
-    """Like event_ms, but the GPU first spins ~1 ms (torch.cuda._sleep) so that fn's launches queue up
-    behind it: the events then bracket GPU work only, not the host's launch gaps, which event_ms counts
-    and which dominate kernels of ~0.1-0.3 ms launched from Python (several launches per call)."""
-    if SMOKE:
-        return event_ms(fn, reps)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(sleep_cycles)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def queued_ms(fn, reps: int = 7) -> float:
+    """event_ms behind a ~1 ms GPU spin: without it the events also time the host's launch gaps, which
+    dominate kernels of ~0.1-0.3 ms launched from Python (several launches per call)."""
+    return event_ms(fn, reps, sleep_cycles=2_000_000)
 
 
 def bench(fn, reps: int = 20) -> float:

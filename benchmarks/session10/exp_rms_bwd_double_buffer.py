@@ -28,7 +28,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8"),
+                os.path.join(ROOT, "benchmarks", "session9")]  # ce_case; exp_rms_bwd_cluster's harness
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -147,41 +148,17 @@ def compile_only(n: int):
 
 def gpu_main(n: int, rows: int, rounds: int):
     from ce_case import copy_ms
+    from exp_rms_bwd_cluster import check_and_time, rms_case
     from tune_cross_entropy import queued_ms
     rms = importlib.import_module("fused_kernels.rms_norm")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
-    g = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
-    dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
-    w = (1.0 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
-    x64, dy64, w64, r64 = x.double(), dy.double(), w.double(), rstd.double()[:, None]
-    g64 = dy64 * w64
-    dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / n
-    dw_ref = (dy64 * x64 * r64).sum(0)
-    del x64, dy64, g64
+    x, dy, w, rstd, dx_ref, dw_ref = rms_case(n, rows)
     copy = copy_ms(x, timer=queued_ms)
     print(f"N={n} rows={rows}: copy {copy:.3f} ms; one-read backward moves 1.5 copies: {1.5 * copy:.3f} ms", flush=True)
     runs = [("library backward", lambda: rms._backward_impl(dy, x, w, rstd, 0.0, "llama", True))]
     runs += [(f"double-buffered smem warps={wp}", lambda wp=wp: launch(dy, x, w, rstd, wp, sms)) for wp in WARPS]
-    good = []
-    for label, fn in runs:
-        try:
-            dx, dw = fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ex = ((dx.double() - dx_ref).abs().max() / dx_ref.abs().max()).item()
-        ew = ((dw.double() - dw_ref).abs().max() / dw_ref.abs().max()).item()
-        ok = ex < 1e-2 and ew < 1e-2 and not (dx.isnan().any() or dw.isnan().any())
-        print(f"  {label}: dx err {ex:.1e}, dw err {ew:.1e} {'ok' if ok else 'WRONG'}", flush=True)
-        good.append((label, fn))
-    for rnd in range(rounds):
-        for label, fn in good:
-            ms = queued_ms(fn, reps=15)
-            print(f"  N={n} round {rnd}: {ms:.3f} ms  {1.5 * copy / ms:5.1%} of the one-read floor  {label}", flush=True)
+    check_and_time(n, runs, dx_ref, dw_ref, 1.5 * copy, rounds, queued_ms)
 
 
 if __name__ == "__main__":

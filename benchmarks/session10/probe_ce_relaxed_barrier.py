@@ -52,27 +52,10 @@ RELEASE = "barrier.cluster.arrive.release.aligned;"
 RELAXED = "barrier.cluster.arrive.relaxed.aligned;"
 
 
-# The tagged exchange: the library's per-row block (partials to global memory, claim, cluster barrier,
-# read back) and its buffer, replaced.
-EXCHANGE_OLD = """                slot = partials_ptr + row * (3 * CTAS)
-                gl.store(slot + ranks, m_cta)
-                gl.store(slot + CTAS + ranks, s_cta)
-                if HAS_LS:
-                    gl.store(slot + 2 * CTAS + ranks, z_cta)
-                _claim_row(counter_ptr, next_ptr + row)
-                _cluster_sync()
-                m_row = gl.load(slot, cache_modifier=".cg")
-                for k in gl.static_range(1, CTAS):
-                    m_row = gl.maximum(m_row, gl.load(slot + k, cache_modifier=".cg"))
-                s_row = 0.0
-                z_row = 0.0
-                for k in gl.static_range(CTAS):
-                    s_row += gl.load(slot + CTAS + k, cache_modifier=".cg") * \\
-                        gl.exp2(gl.load(slot + k, cache_modifier=".cg") - m_row)
-                    if HAS_LS:
-                        z_row += gl.load(slot + 2 * CTAS + k, cache_modifier=".cg")
-                nxt = gl.load(next_ptr + row, cache_modifier=".cg")
-"""
+# The tagged exchange replaces the library's per-row block, from its first line to its last (each checked
+# to occur once): partials to global memory, the claim, the cluster barrier, the reads back.
+EXCHANGE_FIRST = "                slot = partials_ptr + row * (3 * CTAS)\n"
+EXCHANGE_LAST = "                nxt = gl.load(next_ptr + row, cache_modifier=\".cg\")\n"
 EXCHANGE_NEW = """                slot = partials_ptr + row * (3 * CTAS + 1)  # int64 words: m, s, z per CTA, then the next row
                 tag = r + 1
                 _publish(slot + ranks, tag, m_cta)
@@ -140,9 +123,14 @@ def _module_from(name: str, src: str):
     return mod
 
 
+def _index_once(src: str, text: str) -> int:
+    assert src.count(text) == 1, f"the library's kernel changed; update the probe ({text[:60]!r})"
+    return src.index(text)
+
+
 def _replace_once(src: str, old: str, new: str) -> str:
-    assert src.count(old) == 1, f"the library's kernel changed; update the probe ({old[:60]!r})"
-    return src.replace(old, new)
+    i = _index_once(src, old)
+    return src[:i] + new + src[i + len(old):]
 
 
 def relaxed_module():
@@ -151,7 +139,7 @@ def relaxed_module():
 
 def tagged_module():
     src = open(smem.__file__).read()
-    src = _replace_once(src, EXCHANGE_OLD, EXCHANGE_NEW)
+    src = src[:_index_once(src, EXCHANGE_FIRST)] + EXCHANGE_NEW + src[_index_once(src, EXCHANGE_LAST) + len(EXCHANGE_LAST):]
     src = _replace_once(src, HELPERS_AFTER, HELPERS + HELPERS_AFTER)
     src = _replace_once(src, BUFFER_OLD, BUFFER_NEW)
     return _module_from("ce_smem_tagged_probe", src)

@@ -178,6 +178,44 @@ CONFIGS_BY_N_FLAT = [(n, w, c) for n, cfgs in CONFIGS.items() for w, c, _ in cfg
 ROWS = {65536: 1024, 32768: 2048, 16384: 4096}
 
 
+def rms_case(n: int, rows: int):
+    """(x, dy, w, rstd, dx_ref, dw_ref): a bf16 backward case of rows x n and its float64 reference
+    (llama casting, offset 0)."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1.0 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    x64, dy64, w64 = x.double(), dy.double(), w.double()
+    r64 = rstd.double()[:, None]
+    g64 = dy64 * w64
+    dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / n
+    dw_ref = (dy64 * x64 * r64).sum(0)
+    return x, dy, w, rstd, dx_ref, dw_ref
+
+
+def check_and_time(n: int, runs, dx_ref, dw_ref, floor_ms: float, rounds: int, timer) -> None:
+    """Each (label, fn) of runs, fn() -> (dx, dw): one run checked against float64 (a run that raises is
+    reported and dropped), then `rounds` rounds of timer medians of the survivors, in turn."""
+    good = []
+    for label, fn in runs:
+        try:
+            dx, dw = fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
+            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        ex = ((dx.double() - dx_ref).abs().max() / dx_ref.abs().max()).item()
+        ew = ((dw.double() - dw_ref).abs().max() / dw_ref.abs().max()).item()
+        ok = ex < 1e-2 and ew < 1e-2 and not (dx.isnan().any() or dw.isnan().any())
+        print(f"  {label}: dx err {ex:.1e}, dw err {ew:.1e} {'ok' if ok else 'WRONG'}", flush=True)
+        good.append((label, fn))
+    for rnd in range(rounds):
+        for label, fn in good:
+            ms = timer(fn, reps=15)
+            print(f"  N={n} round {rnd}: {ms:.3f} ms  {floor_ms / ms:5.1%} of the one-read floor  {label}", flush=True)
+
+
 def gpu_main(lengths, rounds, queued=False):
     from ce_case import copy_ms
     from tune_cross_entropy import event_ms, queued_ms
@@ -187,17 +225,7 @@ def gpu_main(lengths, rounds, queued=False):
     print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}")
     for n in lengths:
         rows = ROWS[n]
-        g = torch.Generator(device="cuda").manual_seed(n)
-        x = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
-        dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
-        w = (1.0 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
-        x64, dy64, w64 = x.double(), dy.double(), w.double()
-        r64 = rstd.double()[:, None]
-        g64 = dy64 * w64
-        dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / n
-        dw_ref = (dy64 * x64 * r64).sum(0)
-        del x64, dy64, g64
+        x, dy, w, rstd, dx_ref, dw_ref = rms_case(n, rows)
         copy = copy_ms(x, timer=timer)  # read + write of one tensor
         print(f"N={n} rows={rows}: copy {copy:.3f} ms; one-read backward moves 1.5 copies: "
               f"{1.5 * copy:.3f} ms", flush=True)
@@ -205,25 +233,7 @@ def gpu_main(lengths, rounds, queued=False):
         for warps, ctas, per_sm in CONFIGS[n]:
             runs.append((f"cluster warps={warps} ctas={ctas} per_sm={per_sm}",
                          lambda w_=warps, c=ctas, p=per_sm: launch(dy, x, w, rstd, w_, c, p, sms)))
-        good = []
-        for label, fn in runs:
-            try:
-                dx, dw = fn()
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            ex = ((dx.double() - dx_ref).abs().max() / dx_ref.abs().max()).item()
-            ew = ((dw.double() - dw_ref).abs().max() / dw_ref.abs().max()).item()
-            ok = ex < 1e-2 and ew < 1e-2 and not (dx.isnan().any() or dw.isnan().any())
-            print(f"  {label}: dx err {ex:.1e}, dw err {ew:.1e} {'ok' if ok else 'WRONG'}", flush=True)
-            good.append((label, fn))
-        for rnd in range(rounds):
-            for label, fn in good:
-                ms = timer(fn, reps=15)
-                print(f"  N={n} round {rnd}: {ms:.3f} ms  {1.5 * copy / ms:5.1%} of the one-read floor  {label}",
-                      flush=True)
-        del x, dy, dx_ref, dw_ref
+        check_and_time(n, runs, dx_ref, dw_ref, 1.5 * copy, rounds, timer)
 
 
 if __name__ == "__main__":
