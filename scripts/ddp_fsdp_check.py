@@ -238,9 +238,8 @@ def train(args) -> int:
             json.dump(result, f, indent=1)
         print(f"[{args.parallel}] {len(losses)} steps in {elapsed:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"wrote {args.out}", flush=True)
-    # Every rank waits for rank 0's report before any tears its group down. This was meant to stop a gloo
-    # rank aborting at exit ("terminate called without an active exception", ~1 run in 10 of the CPU
-    # suite's two-rank launcher test); it does not: rank 1 aborted once with it in place (session 9).
+    # Every rank waits for rank 0's report before any tears its group down (the exit abort is handled by
+    # exit_without_finalization, not by this barrier).
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(math.isfinite(x) for x in losses) else 1
@@ -322,5 +321,29 @@ def main(argv=None) -> int:
     return train(args)
 
 
+def exit_without_finalization(code: int) -> None:
+    """End a training rank without interpreter finalization.
+
+    destroy_process_group() does not end the gloo group's worker threads here (checked on torch 2.13:
+    the pt_gloo_runloop threads still run after it, also after del of the model and gc.collect(); FSDP2's
+    DeviceMesh (_pg_registry) and other module-level objects still hold the ProcessGroup). So they are
+    alive while the interpreter finalizes, which is where a rank aborted ("terminate called without an
+    active exception", ~1 run in 10 of the CPU launcher test, after its work and report were done): a C++
+    thread that needs the GIL during finalization is made to exit and aborts the process (the mechanism
+    of pytorch/pytorch#179291 and #190489). The rank runs its exit handlers (autopatch's report),
+    flushes its streams and ends with os._exit: no finalization."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    if parse_args().compare:
+        sys.exit(main())
+    exit_without_finalization(main())  # a training rank
