@@ -335,11 +335,8 @@ def exit_without_finalization(code: int) -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 
