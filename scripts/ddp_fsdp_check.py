@@ -313,12 +313,14 @@ def compare(plain_path: str, patched_path: str, rtol=None, atol=None) -> dict:
 
 
 def main(argv=None) -> int:
+    """--compare: the comparison's exit status. Otherwise a training rank, which never returns: it ends
+    through exit_without_finalization."""
     args = parse_args(argv)
     if args.compare:
         summary = compare(*args.compare, rtol=args.rtol, atol=args.atol)
         print(json.dumps(summary, indent=1))
         return 0 if summary["ok"] else 1
-    return train(args)
+    exit_without_finalization(train(args))
 
 
 def exit_without_finalization(code: int) -> None:
@@ -341,6 +343,4 @@ def exit_without_finalization(code: int) -> None:
 
 
 if __name__ == "__main__":
-    if parse_args().compare:
-        sys.exit(main())
-    exit_without_finalization(main())  # a training rank
+    sys.exit(main())
