@@ -157,19 +157,25 @@ def cross_entropy_cases(vocabs: list[int], dtype: str):
             yield label, ce._ce_kernel, sig, flags, aligned, cfg.warps, 3, 0
 
 
+def ce_smem_signature(dtype: str, partials: str = "*fp32") -> tuple[dict, list[str]]:
+    """The Gluon kernel's runtime arguments (the Triton kernel's without V, plus the cluster exchange
+    buffers; `partials`: their type) and those that are 16-divisible (what eligible() demands)."""
+    sig = {}
+    for k, t in _ce_signature(dtype).items():
+        if k == "n_rows":  # the cluster exchange buffers come before the scalars
+            sig.update(partials_ptr=partials, next_ptr="*i32", counter_ptr="*i32")
+        if k != "V":
+            sig[k] = t
+    return sig, [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]
+
+
 def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     """The Gluon kernel (row in shared memory) with each SMEM_TABLE shape for each V it covers (a split
     row, and the unsplit one a GPU without clusters takes), with and without the optional terms; per_sm
     is the CTAs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    sig = {}
-    for k, t in _ce_signature(dtype).items():
-        if k == "n_rows":  # the cluster exchange buffers come before the scalars
-            sig.update(partials_ptr="*fp32", next_ptr="*i32", counter_ptr="*i32")
-        if k != "V":
-            sig[k] = t
-    aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]  # what eligible() demands
+    sig, aligned = ce_smem_signature(dtype)
     for v in vocabs:
         bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
         for cfg, extras in ((c, e) for b, c in ce.SMEM_TABLE if b == bound for e in (False, True)):

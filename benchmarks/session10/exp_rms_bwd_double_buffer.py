@@ -124,26 +124,13 @@ WARPS = (8, 16)
 
 
 def compile_only(n: int):
-    import re
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _rms_bwd_db_kernel
+    from check_sm90 import compile_sm90
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
-           "dw_part_ptr": "*fp32", "n_rows": "i32", "stride": "i32", "offset": "fp32", "N": "constexpr",
-           "WARPS": "constexpr", "REG": "constexpr", "SMEM": "constexpr"}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a == "stride"}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+           "dw_part_ptr": "*fp32", "n_rows": "i32", "stride": "i32", "offset": "fp32"}
+    aligned = [a for a in sig if a.endswith("_ptr") or a == "stride"]
     for warps in WARPS:
-        k = triton.compile(GluonASTSource(fn, sig, meta(n, warps), attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-        print(f"N={n} warps={warps}: shared {k.metadata.shared} B, regs {m[1]}, local {m[4]}", flush=True)
+        res = compile_sm90(_rms_bwd_db_kernel, sig, meta(n, warps), aligned, warps, 1)
+        print(f"N={n} warps={warps}: shared {res['shared']} B, regs {res['regs']}, local {res['local']}", flush=True)
 
 
 def gpu_main(n: int, rows: int, rounds: int):

@@ -173,21 +173,14 @@ def compile_only():
     """Both variants' kernels for sm_90a at the split-row SMEM_TABLE shapes, with and without the optional
     terms (registers, spills, shared memory), as scripts/check_sm90.py does for the library's."""
     import check_sm90
-    sig = {}
-    for k, t in check_sm90._ce_signature("bf16").items():
-        if k == "n_rows":
-            sig.update(partials_ptr="*fp32", next_ptr="*i32", counter_ptr="*i32")
-        if k != "V":
-            sig[k] = t
-    aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]
     for name, module, partials in (("relaxed", relaxed_module(), "*fp32"), ("tagged", tagged_module(), "*i64")):
+        sig, aligned = check_sm90.ce_smem_signature("bf16", partials)
         for v in (128256, 262144):
             cfg = ce.launch_config(v, lambda c: True)
             for extras in (False, True):
                 flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
                                                       has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
-                res = check_sm90.compile_sm90(module._ce_smem_kernel, dict(sig, partials_ptr=partials), flags, aligned,
-                                              cfg.warps, 1)
+                res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1)
                 print(f"{name} V={v} options {extras} {cfg}: {res}", flush=True)
 
 

@@ -145,30 +145,16 @@ def launch(dy, x, w, rstd, warps, ctas, per_sm, sms):
 
 
 def compile_only():
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    fn = _rms_bwd_cluster_kernel
+    from check_sm90 import compile_sm90
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
            "dw_part_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32",
-           "n_rows": "i32", "stride": "i32", "offset": "fp32", "N": "constexpr", "WARPS": "constexpr",
-           "CTAS": "constexpr", "REG": "constexpr", "SMEM": "constexpr"}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a.endswith("_ptr") or a == "stride"}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+           "n_rows": "i32", "stride": "i32", "offset": "fp32"}
+    aligned = [a for a in sig if a.endswith("_ptr") or a == "stride"]
     for n, warps, ctas in CONFIGS_BY_N_FLAT:
-        k = triton.compile(GluonASTSource(fn, sig, meta(n, warps, ctas), attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": warps, "num_ctas": ctas})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-        fit = min(65536 // (-(-int(m[1]) // 8) * 8 * 32 * warps), 233472 // (k.metadata.shared + 1024))
-        print(f"N={n} warps={warps} ctas={ctas}: shared {k.metadata.shared} B per CTA, regs {m[1]}, "
-              f"local {m[4]}, {fit} CTAs fit per SM", flush=True)
+        res = compile_sm90(_rms_bwd_cluster_kernel, sig, dict(meta(n, warps, ctas), num_ctas=ctas), aligned, warps, 1)
+        fit = min(65536 // (-(-res["regs"] // 8) * 8 * 32 * warps), 233472 // (res["shared"] + 1024))
+        print(f"N={n} warps={warps} ctas={ctas}: shared {res['shared']} B per CTA, regs {res['regs']}, "
+              f"local {res['local']}, {fit} CTAs fit per SM", flush=True)
 
 
 # (N, warps, ctas, per_sm) tried per row length
