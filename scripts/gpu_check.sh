@@ -44,14 +44,7 @@ PARTS=${BENCH_PARTS-kernels,e2e}  # set but empty: tests only
 since() { echo $((SECONDS - START)); }
 
 echo "== (a) wheels"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || echo "WARNING: wheel install failed; pydantic-settings / liger / cut-ce may be missing"
-else
-  echo "WARNING: no .whl/ carried; autopatch needs pydantic-settings, and the Liger / Cut-CE peers will be skipped"
-fi
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-export TRITON_INTERPRET=0
+source scripts/device_env.sh
 
 echo "== (b) machine and stack"
 nvidia-smi 2>&1 | tee "$OUT/env.txt"

@@ -7,7 +7,7 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 export OUT
 GPU_TEST_K=cross_entropy TEST_BUDGET_S=150 BENCH_PARTS= bash scripts/gpu_check.sh > "$OUT/call1_tests.log" 2>&1
 tail -n 4 "$OUT/call1_tests.log"
-export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts TRITON_INTERPRET=0
+source scripts/device_env.sh
 timeout 100 python3 benchmarks/session9/exp_rms_bwd_cluster.py 2>&1 | tee "$OUT/exp_rms_bwd_cluster.txt" | tail -n 30
 timeout 60 python3 scripts/host_overhead.py --peers ours,liger 2>&1 | tee "$OUT/host_overhead.txt" | tail -n 30
 mv "$OUT/bench.json" "$OUT/tests_bench.json" 2>/dev/null

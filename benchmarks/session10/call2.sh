@@ -4,7 +4,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts TRITON_INTERPRET=0
+source scripts/device_env.sh
 timeout 150 python3 benchmarks/session9/exp_rms_bwd_cluster.py --queued 2>&1 | tee "$OUT/exp_rms_bwd_cluster_queued.txt"
 timeout 200 python3 benchmarks/session9/exp_ce_library.py --queued --vocabs ${VOCABS:-32000,128256,262144} 2>&1 | tee "$OUT/exp_ce_library_queued.txt"

@@ -4,8 +4,8 @@
 # 8-CTA 4-warp shape), to see what holds the split rows at ~80 % of a copy. Output under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+source scripts/device_env.sh
+export PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: $NCU"
 timeout ${NCU_S:-150} "$NCU" --clock-control none -k regex:"_ce_smem_kernel" -c 3 \
