@@ -27,7 +27,7 @@ memory is freed (per decoder layer, two hidden-sized activations).
 
 Bytes moved (rows × N elements of B bytes): forward reads x, writes y (2·rows·N·B, plus rows·4 for
 r); backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of dw per persistent
-program (programs × N × 4 bytes, written once, then summed by torch). 16384×4096 bf16: 256 MiB
+program (programs × N × 4 bytes, written once, then summed and cast by _dw_sum_kernel). 16384×4096 bf16: 256 MiB
 forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the table's last entry are
 held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
 second sweep reading from L2. The backward of rows longer than 16 K is split across programs instead
@@ -608,6 +608,47 @@ def _rms_norm_bwd_split_kernel(
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
+# dw's last step: the sum over the backward's fp32 partial rows, cast to the weight's dtype, one column
+# block per program. One launch where torch took two (a reduce, then the cast): 4.8-5.5 µs where torch
+# took 8.4-12.7 on the H200 (queued GPU time, benchmarks/session11/exp_rms_dw_sum.txt). Rows: (largest
+# n_cols, columns per program, partial rows per load, num_warps); narrow blocks give enough programs.
+_DW_SUM_TABLE = (
+    (16384, 32, 16, 8),
+    (None, 128, 16, 2),
+)
+
+
+def dw_sum_config(n_cols: int) -> tuple[int, int, int]:
+    """(columns per program, partial rows per load, num_warps) of _dw_sum_kernel for a row length."""
+    for max_cols, block_n, parts, num_warps in _DW_SUM_TABLE:
+        if max_cols is None or n_cols <= max_cols:
+            return block_n, parts, num_warps
+    raise AssertionError("the table's last row takes every width")
+
+
+@triton.jit
+def _dw_sum_kernel(PARTIAL, DW, n_parts, n_cols, BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    # DW[cols] = Σ_p PARTIAL[p, cols] in fp32 (PARTS rows per load, summed across at the end), then cast.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([PARTS, BLOCK_N], tl.float32)
+    for first in range(0, n_parts, PARTS):
+        parts = first + tl.arange(0, PARTS)
+        acc += tl.load(PARTIAL + parts.to(tl.int64)[:, None] * n_cols + cols[None, :],
+                       mask=(parts[:, None] < n_parts) & col_mask[None, :], other=0.0)
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+
+
+def _sum_partial_rows(partial: torch.Tensor, n_parts: int, weight: torch.Tensor) -> torch.Tensor:
+    """dw (weight's shape and dtype) from the first n_parts fp32 partial rows."""
+    n_cols = partial.shape[1]
+    dw = _new_output(weight.shape, weight.dtype, weight.device)
+    block_n, parts, num_warps = dw_sum_config(n_cols)
+    launch(_dw_sum_kernel, (_cdiv(n_cols, block_n),), (partial, dw, n_parts, n_cols),
+           dict(BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))
+    return dw
+
+
 # ----------------------------------------------------------------------------------------------
 # Autotuned launchers (GPU). The kernels write only their outputs (y, rstd; dx and the dw partial
 # rows, each stored before it is read back), so the autotuner's benchmark runs cannot corrupt them:
@@ -742,8 +783,7 @@ def _backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
     False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward), plus
-    torch's sum over the dw partial rows (and a cast when weight is not fp32); nothing else touches
-    full-size tensors. from_output: `x` is the forward's output y (of x's dtype), from which the
+    _dw_sum_kernel's sum over the dw partial rows; nothing else touches full-size tensors. from_output: `x` is the forward's output y (of x's dtype), from which the
     kernels recover xhat = y / (offset + weight)."""
     compute_dw = compute_dw and weight is not None
     device = x.device
@@ -763,8 +803,7 @@ def _backward_impl(
         partial, programs = _one_kernel_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw,
                                                  from_output, sm_count)
     if compute_dw:
-        dw = partial[:programs].sum(dim=0)
-        return dx, dw if dw.dtype == weight.dtype else dw.to(weight.dtype)
+        return dx, _sum_partial_rows(partial, programs, weight)
     return dx, partial.new_empty(0)
 
 

@@ -494,6 +494,20 @@ def test_autotuned_path_every_candidate_is_correct(hidden):
     assert_close(dw, w64.grad, torch.bfloat16, "dw")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", (300, 16385))  # both rows of _DW_SUM_TABLE, neither a whole block
+@pytest.mark.parametrize("n_parts", (1, 37))  # 37: the last load of 16 partial rows is part-masked
+def test_dw_sum_kernel_sums_the_first_partial_rows(dtype, n_cols, n_parts):
+    partial = torch.full((n_parts + 3, n_cols), float("nan"))  # rows past n_parts are never read
+    partial[:n_parts] = randn(n_parts, n_cols, dtype=torch.float32) * 4
+    weight = randn(n_cols, dtype=dtype)
+    with poisoned_outputs():
+        dw = rms_norm_module._sum_partial_rows(partial, n_parts, weight)
+    assert dw.dtype == dtype and dw.shape == weight.shape
+    expected = partial[:n_parts].double().sum(0)
+    assert_close(dw, expected, dtype, "dw")
+
+
 def test_zero_rows():
     for shape in ((0, 64), (2, 0, 7)):
         x = randn(*shape, requires_grad=True)

@@ -93,7 +93,8 @@ HELPERS = """    @gluon.jit
             "mov.u32 got, %tid.x;\\n\\tor.b32 who, who, got;\\n\\tsetp.eq.u32 lead, who, 0;\\n\\t"
             "@lead atom.global.add.u32 got, [$1], 1;\\n\\tmov.b64 w, {got, $2};\\n\\t"
             "@lead st.relaxed.gpu.global.b64 [$3], w;\\n\\tmov.u32 $0, 0;\\n\\t}",
-            "=r,l,r,l", [counter_ptr, tag, word_ptr], dtype=gl.int32, is_pure=False, pack=1)
+            "=r,l,r,l", [counter_ptr.to(gl.int64), tag, word_ptr.to(gl.int64)], dtype=gl.int32, is_pure=False,
+            pack=1)  # addresses as integers: triton 3.6 cannot broadcast two pointers of different types
 
     @gluon.jit
     def _load_word(word_ptr):
