@@ -1,0 +1,124 @@
+"""Probe (session 11): does the CE shared-memory kernel lose time waiting for a whole row before pass 1?
+
+The library commits all of a row's cp.async loads as one group (issued chunk by chunk during the
+previous row's pass 2) and waits for all of them (`wait_group(0)`) before pass 1 starts. Until the last
+chunk lands the CTA neither computes nor issues loads. This variant commits one group per chunk and
+pass 1 waits only for the chunk it reads next (`wait_group(NCHUNK - 1 - i)`, unrolled), so pass 1 runs
+while the row's last chunks are still arriving. Correct by the same argument as the library's (each
+thread reads only the 16 bytes it copied itself); the probe checks the numbers against float64.
+
+Generated from the library's source by text replacements (each checked to apply once), timed against
+the library on the same inputs with queued launches (GPU time only), at V = 32000 (one CTA per row),
+128256 (4-CTA clusters) and 262144 (8).
+
+    PYTHONPATH=$PWD:$PWD/scripts python3 benchmarks/session11/probe_ce_chunk_waits.py
+    .venv/bin/python benchmarks/session11/probe_ce_chunk_waits.py --compile-only   (CPU: sm_90a builds)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8"),
+                os.path.join(ROOT, "benchmarks", "session10")]
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from probe_ce_relaxed_barrier import _module_from, _replace_once  # noqa: E402
+
+ce = importlib.import_module("fused_kernels.cross_entropy")
+smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+
+REPLACEMENTS = (
+    # the first row's prefetch: one group per chunk
+    ("""        for i in range(NFULL):
+            _async_load(buf.index(i), first + i * CHUNK + offs)
+        if TAIL:
+            _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
+        async_copy.commit_group()
+""", """        for i in range(NFULL):
+            _async_load(buf.index(i), first + i * CHUNK + offs)
+            async_copy.commit_group()
+        if TAIL:
+            _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
+            async_copy.commit_group()
+"""),
+    # pass 1: wait for each chunk just before reading it
+    ("""            async_copy.wait_group(0)
+            m2 = gl.full""", """            m2 = gl.full"""),
+    ("""            for i in range(NFULL):
+                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if TAIL:
+                z = _capped""", """            for i in gl.static_range(NFULL):
+                async_copy.wait_group(NCHUNK - 1 - i)
+                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if TAIL:
+                async_copy.wait_group(0)
+                z = _capped"""),
+    # pass 2: the next row's chunk i is its own group (empty when there is no next row)
+    ("""                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
+            async_copy.commit_group()
+            r = nxt
+""", """                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
+                async_copy.commit_group()
+            r = nxt
+"""),
+)
+
+
+def chunk_waits_module():
+    src = open(smem.__file__).read()
+    for old, new in REPLACEMENTS:
+        src = _replace_once(src, old, new)
+    return _module_from("ce_smem_chunk_waits_probe", src)
+
+
+def main():
+    from ce_case import ce_case, check_and_time, copy_ms
+    from tune_cross_entropy import queued_ms
+    waits = chunk_waits_module()
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    for v in (32000, 128256, 262144):
+        case = ce_case(v, ref_rows=256, ignored=False)
+        copy = copy_ms(case.x, timer=queued_ms)
+        cfg = ce.launch_config(v, lambda c: True)
+        grid = ce.grid_programs(cfg, case.n, case.x.device)
+        print(f"V={v}: copy {copy:.3f} ms; {cfg}, grid {grid}", flush=True)
+
+        def run(module, case=case):
+            module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
+                                  ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                                  softcap=None, logit_scale=1.0)
+
+        check_and_time(case, [("library (one wait per row)", lambda: run(smem)),
+                              ("a wait per chunk in pass 1", lambda: run(waits))],
+                       copy, rounds=3, timer=queued_ms)
+        del case
+
+
+def compile_only():
+    import check_sm90
+    module = chunk_waits_module()
+    sig, aligned = check_sm90.ce_smem_signature("bf16", "*fp32")
+    for v in (32000, 128256, 262144):
+        cfg = ce.launch_config(v, lambda c: True)
+        for extras in (False, True):
+            flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
+                                                  has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
+            res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1)
+            print(f"chunk waits V={v} options {extras} {cfg}: {res}", flush=True)
+
+
+if __name__ == "__main__":
+    if "--compile-only" in sys.argv:
+        compile_only()
+    else:
+        main()
