@@ -146,43 +146,53 @@ def tagged_module():
     return _module_from("ce_smem_tagged_probe", src)
 
 
-def main():
+def time_variants(variants, vocabs=(128256, 262144)) -> None:
+    """Each (label, module) of variants (the library's own module among them) on the same 8192-row case
+    per V: its numbers against float64, then queued GPU times as fractions of a copy of the logits."""
     from ce_case import ce_case, check_and_time, copy_ms
     from tune_cross_entropy import queued_ms
-    relaxed, tagged = relaxed_module(), tagged_module()
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    for v in (128256, 262144):
+    for v in vocabs:
         case = ce_case(v, ref_rows=256, ignored=False)
         copy = copy_ms(case.x, timer=queued_ms)
         cfg = ce.launch_config(v, lambda c: True)
         grid = ce.grid_programs(cfg, case.n, case.x.device)
         print(f"V={v}: copy {copy:.3f} ms; {cfg}, grid {grid}", flush=True)
 
-        def run(module, case=case):
+        def run(module, case=case, cfg=cfg, grid=grid):
             module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
                                   ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                                   softcap=None, logit_scale=1.0)
 
-        check_and_time(case, [("library (release arrive)", lambda: run(smem)),
-                              ("PROBE relaxed arrive (results may be wrong)", lambda: run(relaxed)),
-                              ("tagged exchange, no per-row barrier", lambda: run(tagged))],
+        check_and_time(case, [(label, lambda m=module: run(m)) for label, module in variants],
                        copy, rounds=3, timer=queued_ms)
         del case
 
 
-def compile_only():
-    """Both variants' kernels for sm_90a at the split-row SMEM_TABLE shapes, with and without the optional
+def main():
+    time_variants([("library (release arrive)", smem),
+                   ("PROBE relaxed arrive (results may be wrong)", relaxed_module()),
+                   ("tagged exchange, no per-row barrier", tagged_module())])
+
+
+def compile_report(name: str, module, partials: str, vocabs=(128256, 262144)) -> None:
+    """A variant's kernels for sm_90a at the SMEM_TABLE shapes of `vocabs`, with and without the optional
     terms (registers, spills, shared memory), as scripts/check_sm90.py does for the library's."""
     import check_sm90
-    for name, module, partials in (("relaxed", relaxed_module(), "*fp32"), ("tagged", tagged_module(), "*i64")):
-        sig, aligned = check_sm90.ce_smem_signature("bf16", partials)
-        for v in (128256, 262144):
-            cfg = ce.launch_config(v, lambda c: True)
-            for extras in (False, True):
-                flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
-                                                      has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
-                res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1)
-                print(f"{name} V={v} options {extras} {cfg}: {res}", flush=True)
+    sig, aligned = check_sm90.ce_smem_signature("bf16", partials)
+    for v in vocabs:
+        cfg = ce.launch_config(v, lambda c: True)
+        for extras in (False, True):
+            flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
+                                                  has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
+            res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1)
+            print(f"{name} V={v} options {extras} {cfg}: {res}", flush=True)
+
+
+def compile_only():
+    """Both variants' kernels for sm_90a at the split-row shapes."""
+    compile_report("relaxed", relaxed_module(), "*fp32")
+    compile_report("tagged", tagged_module(), "*i64")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ torch (`partial[:P].sum(0)`, a reduce kernel) and casts to the weight's dtype (a
 of the 203 µs fwd+bwd at 4096×16384 (profile_rms_long.txt), where the target is 200. Is one Triton kernel
 (sum over the P rows of a column block, cast, store) faster?
 
+The run in exp_rms_dw_sum.txt timed this file's own copy of the kernel; the library adopted it unchanged
+as rms_norm._dw_sum_kernel, which the sweep below now forces through each (block, rows, warps).
+
 Times (queued, GPU only) the library's tail against the Triton kernel over block sizes, on the partial rows
 the library's own backward wrote (still in L2, as in the real call), and checks the sums.
 
@@ -22,21 +25,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 rms = importlib.import_module("fused_kernels.rms_norm")
-
-
-@triton.jit
-def _sum_rows_cast(P, OUT, n_parts, n_cols, BLOCK: tl.constexpr, PARTS: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    acc = tl.zeros([PARTS, BLOCK], tl.float32)
-    for p in range(0, n_parts, PARTS):
-        rows = p + tl.arange(0, PARTS)
-        acc += tl.load(P + rows[:, None].to(tl.int64) * n_cols + cols[None, :],
-                       mask=(rows[:, None] < n_parts) & col_ok[None, :], other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
 
 
 def main():
@@ -70,7 +60,7 @@ def main():
                     grid = (triton.cdiv(cols, block),)
 
                     def fn(block=block, parts=parts, warps=warps, grid=grid):
-                        _sum_rows_cast[grid](partial, out, n_parts, cols, BLOCK=block, PARTS=parts, num_warps=warps)
+                        rms._dw_sum_kernel[grid](partial, out, n_parts, cols, BLOCK_N=block, PARTS=parts, num_warps=warps)
                     out.fill_(float("nan"))
                     fn()
                     torch.cuda.synchronize()
@@ -79,7 +69,7 @@ def main():
                     t = min(queued_ms(fn, reps=21) for _ in range(3))
                     print(f"   block {block:4d} parts {parts:3d} warps {warps}: {t * 1e3:6.1f} us "
                           f"({t / lib_ms:.2f} of library) {'ok' if ok else f'WRONG {err:.1e}'}", flush=True)
-        del x, dy, dx, partial
+        del x, dy, dx  # partial: rebound by the next shape (the closures above hold it)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchma
                 os.path.join(ROOT, "benchmarks", "session10")]
 os.environ["TRITON_INTERPRET"] = "0"
 
-import torch  # noqa: E402
-import triton  # noqa: E402
 
-from probe_ce_relaxed_barrier import _module_from, _replace_once  # noqa: E402
+from probe_ce_relaxed_barrier import _module_from, _replace_once, compile_report, time_variants  # noqa: E402
 
 ce = importlib.import_module("fused_kernels.cross_entropy")
 smem = importlib.import_module("fused_kernels.cross_entropy_smem")
@@ -82,39 +80,12 @@ def chunk_waits_module():
 
 
 def main():
-    from ce_case import ce_case, check_and_time, copy_ms
-    from tune_cross_entropy import queued_ms
-    waits = chunk_waits_module()
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    for v in (32000, 128256, 262144):
-        case = ce_case(v, ref_rows=256, ignored=False)
-        copy = copy_ms(case.x, timer=queued_ms)
-        cfg = ce.launch_config(v, lambda c: True)
-        grid = ce.grid_programs(cfg, case.n, case.x.device)
-        print(f"V={v}: copy {copy:.3f} ms; {cfg}, grid {grid}", flush=True)
-
-        def run(module, case=case):
-            module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
-                                  ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                                  softcap=None, logit_scale=1.0)
-
-        check_and_time(case, [("library (one wait per row)", lambda: run(smem)),
-                              ("a wait per chunk in pass 1", lambda: run(waits))],
-                       copy, rounds=3, timer=queued_ms)
-        del case
+    time_variants([("library (one wait per row)", smem), ("a wait per chunk in pass 1", chunk_waits_module())],
+                  vocabs=(32000, 128256, 262144))
 
 
 def compile_only():
-    import check_sm90
-    module = chunk_waits_module()
-    sig, aligned = check_sm90.ce_smem_signature("bf16", "*fp32")
-    for v in (32000, 128256, 262144):
-        cfg = ce.launch_config(v, lambda c: True)
-        for extras in (False, True):
-            flags = dict(module.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
-                                                  has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
-            res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1)
-            print(f"chunk waits V={v} options {extras} {cfg}: {res}", flush=True)
+    compile_report("chunk waits", chunk_waits_module(), "*fp32", vocabs=(32000, 128256, 262144))
 
 
 if __name__ == "__main__":
