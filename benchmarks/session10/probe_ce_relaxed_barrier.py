@@ -39,7 +39,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8"), HERE]
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -76,40 +76,8 @@ EXCHANGE_NEW = """                slot = partials_ptr + row * (3 * CTAS + 1)  # 
                 nxt = _collect(slot + 3 * CTAS, tag).to(gl.int32, bitcast=True)
 """
 HELPERS_AFTER = "    @gluon.jit\n    def _ce_smem_kernel("
-HELPERS = """    @gluon.jit
-    def _publish(word_ptr, tag, value):
-        # One thread per CTA stores (tag << 32 | bits of value) with one relaxed 64-bit store: no fence.
-        bits = value.to(gl.uint32, bitcast=True).to(gl.uint64) | (tag.to(gl.uint64) << 32)
-        gl.inline_asm_elementwise(
-            "{\\n\\t.reg .pred lead;\\n\\t.reg .b32 t;\\n\\tmov.u32 t, %tid.x;\\n\\tsetp.eq.u32 lead, t, 0;\\n\\t"
-            "@lead st.relaxed.gpu.global.b64 [$1], $2;\\n\\tmov.u32 $0, 0;\\n\\t}",
-            "=r,l,l", [word_ptr, bits], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _claim_row_tagged(counter_ptr, word_ptr, tag):
-        # Thread 0 of CTA 0 claims the next row and publishes it tagged (no cluster barrier after it).
-        gl.inline_asm_elementwise(
-            "{\\n\\t.reg .pred lead;\\n\\t.reg .b32 who, got;\\n\\t.reg .b64 w;\\n\\tmov.u32 who, %cluster_ctarank;\\n\\t"
-            "mov.u32 got, %tid.x;\\n\\tor.b32 who, who, got;\\n\\tsetp.eq.u32 lead, who, 0;\\n\\t"
-            "@lead atom.global.add.u32 got, [$1], 1;\\n\\tmov.b64 w, {got, $2};\\n\\t"
-            "@lead st.relaxed.gpu.global.b64 [$3], w;\\n\\tmov.u32 $0, 0;\\n\\t}",
-            "=r,l,r,l", [counter_ptr.to(gl.int64), tag, word_ptr.to(gl.int64)], dtype=gl.int32, is_pure=False,
-            pack=1)  # addresses as integers: triton 3.6 cannot broadcast two pointers of different types
-
-    @gluon.jit
-    def _load_word(word_ptr):
-        return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", [word_ptr],
-                                         dtype=gl.uint64, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _collect(word_ptr, tag):
-        # Spin until the word carries this row's tag; its low 32 bits are the value.
-        w = _load_word(word_ptr)
-        while (w >> 32).to(gl.int32) != tag:
-            w = _load_word(word_ptr)
-        return (w & 0xFFFFFFFF).to(gl.uint32)
-
-"""
+# The tagged exchange's Gluon helpers (ce_tagged_words.py, next to this file) in the generated module.
+HELPERS = "    from ce_tagged_words import _claim_row_tagged, _collect, _publish  # noqa: F401\n\n"
 BUFFER_OLD = "partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)"
 BUFFER_NEW = "partials = torch.zeros(n * (3 * ctas + 1), dtype=torch.int64, device=x.device)"
 
@@ -146,33 +114,39 @@ def tagged_module():
     return _module_from("ce_smem_tagged_probe", src)
 
 
-def time_variants(variants, vocabs=(128256, 262144)) -> None:
-    """Each (label, module) of variants (the library's own module among them) on the same 8192-row case
-    per V: its numbers against float64, then queued GPU times as fractions of a copy of the logits."""
+def smem_launch(module, grid=None):
+    """A launch of `module`'s launch_ce_smem (the library's module or a variant built from its source) on
+    a case, with the library's launch config and grid, or `grid` programs instead."""
+    def launch(case, cfg, library_grid):
+        module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
+                              ctas=cfg.ctas, grid=grid or library_grid, ignore_index=-100, label_smoothing=0.0,
+                              z_loss=0.0, softcap=None, logit_scale=1.0)
+    return launch
+
+
+def time_variants(variants, vocabs=(128256, 262144), n: int = 8192) -> None:
+    """Each (label, launch) of variants, launch(case, cfg, library_grid) (e.g. smem_launch(...)), on the
+    same n-row case per V: its numbers against float64, then queued GPU times as fractions of a copy of
+    the logits."""
     from ce_case import ce_case, check_and_time, copy_ms
     from tune_cross_entropy import queued_ms
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     for v in vocabs:
-        case = ce_case(v, ref_rows=256, ignored=False)
+        case = ce_case(v, n=n, ref_rows=256, ignored=False)
         copy = copy_ms(case.x, timer=queued_ms)
         cfg = ce.launch_config(v, lambda c: True)
         grid = ce.grid_programs(cfg, case.n, case.x.device)
-        print(f"V={v}: copy {copy:.3f} ms; {cfg}, grid {grid}", flush=True)
-
-        def run(module, case=case, cfg=cfg, grid=grid):
-            module.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
-                                  ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                                  softcap=None, logit_scale=1.0)
-
-        check_and_time(case, [(label, lambda m=module: run(m)) for label, module in variants],
+        print(f"V={v}, {n} rows: copy {copy:.3f} ms; library {cfg}, grid {grid}", flush=True)
+        check_and_time(case, [(label, lambda launch=launch, case=case, cfg=cfg, grid=grid: launch(case, cfg, grid))
+                              for label, launch in variants],
                        copy, rounds=3, timer=queued_ms)
         del case
 
 
 def main():
-    time_variants([("library (release arrive)", smem),
-                   ("PROBE relaxed arrive (results may be wrong)", relaxed_module()),
-                   ("tagged exchange, no per-row barrier", tagged_module())])
+    time_variants([("library (release arrive)", smem_launch(smem)),
+                   ("PROBE relaxed arrive (results may be wrong)", smem_launch(relaxed_module())),
+                   ("tagged exchange, no per-row barrier", smem_launch(tagged_module()))])
 
 
 def compile_report(name: str, module, partials: str, vocabs=(128256, 262144)) -> None:

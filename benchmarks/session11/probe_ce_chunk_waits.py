@@ -17,21 +17,13 @@ the library on the same inputs with queued launches (GPU time only), at V = 3200
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8"),
-                os.path.join(ROOT, "benchmarks", "session10")]
-os.environ["TRITON_INTERPRET"] = "0"
-
-
-from probe_ce_relaxed_barrier import _module_from, _replace_once, compile_report, time_variants  # noqa: E402
-
-ce = importlib.import_module("fused_kernels.cross_entropy")
-smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session10"))
+# (it puts the repository, scripts/ and session8/ on sys.path and sets TRITON_INTERPRET=0)
+from probe_ce_relaxed_barrier import (  # noqa: E402
+    _module_from, _replace_once, compile_report, smem, smem_launch, time_variants)
 
 REPLACEMENTS = (
     # the first row's prefetch: one group per chunk
@@ -80,8 +72,8 @@ def chunk_waits_module():
 
 
 def main():
-    time_variants([("library (one wait per row)", smem), ("a wait per chunk in pass 1", chunk_waits_module())],
-                  vocabs=(32000, 128256, 262144))
+    time_variants([("library (one wait per row)", smem_launch(smem)),
+                   ("a wait per chunk in pass 1", smem_launch(chunk_waits_module()))], vocabs=(32000, 128256, 262144))
 
 
 def compile_only():

@@ -34,17 +34,15 @@ benchmark's case.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8")]
-os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session10"))
+# (it puts the repository, scripts/ and session8/ on sys.path and sets TRITON_INTERPRET=0)
+from probe_ce_relaxed_barrier import smem, smem_launch, time_variants  # noqa: E402
+from ce_tagged_words import _load_word, _publish  # noqa: E402
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
@@ -52,20 +50,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 from fused_kernels.cross_entropy import _dlogits, _row_loss  # noqa: E402
 from fused_kernels.cross_entropy_smem import LOG2E, _async_load, _stats_chunk, layouts, slice_offsets  # noqa: E402
 
-ce = importlib.import_module("fused_kernels.cross_entropy")
-smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # triton 3.6 / 3.9 names
-
-
-@gluon.jit
-def _publish(word_ptr, tag, value):
-    # Thread 0 stores (tag << 32 | bits of value) with one relaxed 64-bit store: no fence.
-    bits = value.to(gl.uint32, bitcast=True).to(gl.uint64) | (tag.to(gl.uint64) << 32)
-    gl.inline_asm_elementwise(
-        "{\n\t.reg .pred lead;\n\t.reg .b32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 lead, t, 0;\n\t"
-        "@lead st.relaxed.gpu.global.b64 [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,l", [word_ptr, bits], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -77,12 +62,6 @@ def _claim(counter_ptr, slot_ptr):
         "@lead atom.relaxed.gpu.global.add.u32 got, [$1], 1;\n\t@lead st.global.u32 [$2], got;\n\t"
         "mov.u32 $0, 0;\n\t}",
         "=r,l,l", [counter_ptr, slot_ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _load_words(word_ptrs):
-    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b64 $0, [$1];", "=l,l", [word_ptrs],
-                                     dtype=gl.uint64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -161,11 +140,11 @@ def _ce_lanes_kernel(
         _publish(slot + at_lane, tag, m_lane)
         _publish(slot + S + at_lane, tag, s_lane)
         _claim(counters_ptr + lane, slot_ptr)
-        wm = _load_words(slot + lanes)
-        ws = _load_words(slot + S + lanes)
+        wm = _load_word(slot + lanes)
+        ws = _load_word(slot + S + lanes)
         while _all_tagged(wm, tag) * _all_tagged(ws, tag) == 0:
-            wm = _load_words(slot + lanes)
-            ws = _load_words(slot + S + lanes)
+            wm = _load_word(slot + lanes)
+            ws = _load_word(slot + S + lanes)
         _cta_barrier()  # thread 0's claim, stored before it, is visible to every thread after it
         nxt = gl.load(slot_ptr, cache_modifier=".cg")
         m_all = _values(wm)
@@ -222,35 +201,19 @@ def launch_ce_lanes(x, target, grad, loss_rows, coef, flag, *, warps: int, lanes
 SHAPES = ((128256, 4, 8, 3), (128256, 8, 8, 5), (262144, 8, 8, 3))
 
 
+def lanes_launch(lanes: int, warps: int, per_sm: int):
+    """A launch of the lanes kernel on a case (time_variants' contract), per_sm CTAs per SM."""
+    def launch(case, cfg, library_grid):
+        grid = per_sm * torch.cuda.get_device_properties(case.x.device).multi_processor_count // lanes * lanes
+        launch_ce_lanes(case.x, case.t, case.grad, case.loss, case.coef, case.flag, warps=warps, lanes=lanes, grid=grid)
+    return launch
+
+
 def main():
-    from ce_case import ce_case, check_and_time, copy_ms
-    from tune_cross_entropy import queued_ms
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for v in sorted({s[0] for s in SHAPES}):
-        case = ce_case(v, ref_rows=256, ignored=False)
-        copy = copy_ms(case.x, timer=queued_ms)
-        cfg = ce.launch_config(v, lambda c: True)
-        grid = ce.grid_programs(cfg, case.n, case.x.device)
-        print(f"V={v}: copy {copy:.3f} ms; library {cfg}, grid {grid}", flush=True)
-
-        def library(case=case, cfg=cfg, grid=grid):
-            smem.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
-                                ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                                softcap=None, logit_scale=1.0)
-
-        runs = [("library (cluster)", library)]
-        for vv, lanes, warps, per_sm in SHAPES:
-            if vv != v:
-                continue
-            lane_grid = per_sm * sms // lanes * lanes
-
-            def lanes_run(case=case, lanes=lanes, warps=warps, lane_grid=lane_grid):
-                launch_ce_lanes(case.x, case.t, case.grad, case.loss, case.coef, case.flag, warps=warps, lanes=lanes,
-                                grid=lane_grid)
-            runs.append((f"lanes {lanes} x {warps} warps, {per_sm}/SM, grid {lane_grid}", lanes_run))
-        check_and_time(case, runs, copy, rounds=3, timer=queued_ms)
-        del case
+    for v in sorted({shape[0] for shape in SHAPES}):
+        time_variants([("library (cluster)", smem_launch(smem))] +
+                      [(f"lanes {lanes} x {warps} warps, {per_sm} CTAs per SM", lanes_launch(lanes, warps, per_sm))
+                       for vv, lanes, warps, per_sm in SHAPES if vv == v], vocabs=(v,))
 
 
 def compile_only():

@@ -17,41 +17,16 @@ the lead. If it stays at ~88 %, the cost is in the exchange.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8")]
-os.environ["TRITON_INTERPRET"] = "0"
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-ce = importlib.import_module("fused_kernels.cross_entropy")
-smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session10"))
+from probe_ce_relaxed_barrier import smem, smem_launch, time_variants  # noqa: E402
 
 
 def main():
-    from ce_case import ce_case, check_and_time, copy_ms
-    from tune_cross_entropy import queued_ms
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
-    for v, n, grids in ((32000, 36432, (396, 368, 330)), (128256, 8192, (99, 92, 80))):
-        case = ce_case(v, n=n, ref_rows=256, ignored=False)
-        copy = copy_ms(case.x, timer=queued_ms)
-        cfg = ce.launch_config(v, lambda c: True)
-        library_grid = ce.grid_programs(cfg, case.n, case.x.device)
-        print(f"V={v}, {n} rows: copy {copy:.3f} ms; {cfg}, library grid {library_grid}", flush=True)
-
-        def run(grid, case=case, cfg=cfg):
-            smem.launch_ce_smem(case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=cfg.warps,
-                                ctas=cfg.ctas, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                                softcap=None, logit_scale=1.0)
-
-        check_and_time(case, [(f"grid {g} ({g * cfg.ctas} CTAs)", lambda g=g: run(g)) for g in grids],
-                       copy, rounds=3, timer=queued_ms)
-        del case
+    time_variants([(f"grid {g} CTAs", smem_launch(smem, g)) for g in (396, 368, 330)], vocabs=(32000,), n=36432)
+    time_variants([(f"grid {g} clusters", smem_launch(smem, g)) for g in (99, 92, 80)], vocabs=(128256,))
 
 
 if __name__ == "__main__":
