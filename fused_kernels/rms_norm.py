@@ -25,9 +25,9 @@ up to one rounding of y (2^-8 relative in bf16, 2^-23 in fp32) — the same info
 dx an error of the order of the output's own rounding. A Linear after the norm saves y anyway, so x's
 memory is freed (per decoder layer, two hidden-sized activations).
 
-Bytes moved (rows × N elements of B bytes): forward reads x, writes y (2·rows·N·B, plus rows·4 for
-r); backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of dw per persistent
-program (programs × N × 4 bytes, written once, then summed and cast by _dw_sum_kernel). 16384×4096 bf16: 256 MiB
+Bytes moved (rows × N elements of B bytes): forward reads x, writes y (2·rows·N·B, plus rows·4 for r);
+backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of dw per persistent program
+(programs × N × 4 bytes, written once, then summed and cast by _dw_sum_kernel). 16384×4096 bf16: 256 MiB
 forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the table's last entry are
 held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
 second sweep reading from L2. The backward of rows longer than 16 K is split across programs instead
@@ -783,8 +783,9 @@ def _backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
     False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward), plus
-    _dw_sum_kernel's sum over the dw partial rows; nothing else touches full-size tensors. from_output: `x` is the forward's output y (of x's dtype), from which the
-    kernels recover xhat = y / (offset + weight)."""
+    _dw_sum_kernel's sum over the dw partial rows; nothing else touches full-size tensors.
+    from_output: `x` is the forward's output y (of x's dtype), from which the kernels recover
+    xhat = y / (offset + weight)."""
     compute_dw = compute_dw and weight is not None
     device = x.device
     dx = _new_output(x.shape, x.dtype, device)
