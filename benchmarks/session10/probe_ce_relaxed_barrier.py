@@ -102,13 +102,21 @@ def _replace_once(src: str, old: str, new: str) -> str:
     return src[:i] + new + src[i + len(old):]
 
 
+def _replace_block(src: str, first: str, last: str, new: str) -> str:
+    """src with the block from its line `first` to its line `last` (each found once) replaced by new."""
+    start = _index_once(src, first)
+    end = _index_once(src, last) + len(last)
+    assert start < end, "the block's last line comes before its first"
+    return src[:start] + new + src[end:]
+
+
 def relaxed_module():
     return _module_from("ce_smem_relaxed_probe", _replace_once(open(smem.__file__).read(), RELEASE, RELAXED))
 
 
 def tagged_module():
     src = open(smem.__file__).read()
-    src = src[:_index_once(src, EXCHANGE_FIRST)] + EXCHANGE_NEW + src[_index_once(src, EXCHANGE_LAST) + len(EXCHANGE_LAST):]
+    src = _replace_block(src, EXCHANGE_FIRST, EXCHANGE_LAST, EXCHANGE_NEW)
     src = _replace_once(src, HELPERS_AFTER, HELPERS + HELPERS_AFTER)
     src = _replace_once(src, BUFFER_OLD, BUFFER_NEW)
     return _module_from("ce_smem_tagged_probe", src)

@@ -24,9 +24,10 @@ publish (it waits only on rows not lower), or not yet, and then that lane's CTAs
 which nobody waits on, so they finish and claim it. It needs one resident CTA per lane (S <= 8), not
 co-scheduling of the whole grid.
 
-Features: plain cross entropy (ignore_index, out-of-range flag, mean coefficient), no logit scale,
-softcap, label smoothing, z-loss or row scale: enough to time the design against the library on the
-benchmark's case.
+Generated from the library's source (text replacements checked to apply once, as the other CE
+probes): the kernel is the library's with CTAS = 1 (one CTA's layouts) and LANES slices per chunk, its
+cluster claim and exchange replaced; every optional term (scale, softcap, label smoothing with a third
+word per lane, z-loss, row scale) stays. The helpers are ce_tagged_words.py's.
 
     PYTHONPATH=$PWD:$PWD/scripts python3 benchmarks/session11/probe_ce_lanes.py
     .venv/bin/python benchmarks/session11/probe_ce_lanes.py --compile-only   (CPU: sm_90a builds)
@@ -38,162 +39,96 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "session10"))
-# (it puts the repository, scripts/ and session8/ on sys.path and sets TRITON_INTERPRET=0)
-from probe_ce_relaxed_barrier import smem, smem_launch, time_variants  # noqa: E402
-from ce_tagged_words import _load_word, _publish  # noqa: E402
+# (it puts the repository, scripts/, session8/ and session10/ on sys.path and sets TRITON_INTERPRET=0)
+from probe_ce_relaxed_barrier import (  # noqa: E402
+    _module_from, _replace_block, _replace_once, smem, smem_launch, time_variants)
 
 import torch  # noqa: E402
-from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon import language as gl  # noqa: E402
-from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
-from fused_kernels.cross_entropy import _dlogits, _row_loss  # noqa: E402
-from fused_kernels.cross_entropy_smem import LOG2E, _async_load, _stats_chunk, layouts, slice_offsets  # noqa: E402
-
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # triton 3.6 / 3.9 names
-
-
-@gluon.jit
-def _claim(counter_ptr, slot_ptr):
-    # Thread 0: *slot = counter++ (relaxed: the claim orders nothing). The other threads read the slot
-    # after the next CTA barrier.
-    gl.inline_asm_elementwise(
-        "{\n\t.reg .pred lead;\n\t.reg .b32 t, got;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 lead, t, 0;\n\t"
-        "@lead atom.relaxed.gpu.global.add.u32 got, [$1], 1;\n\t@lead st.global.u32 [$2], got;\n\t"
-        "mov.u32 $0, 0;\n\t}",
-        "=r,l,l", [counter_ptr, slot_ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _all_tagged(words, tag):
-    return gl.min(((words >> 32).to(gl.int32) == tag).to(gl.int32), 0)
-
-
-@gluon.jit
-def _values(words):
-    return (words & 0xFFFFFFFF).to(gl.uint32).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _ce_lanes_kernel(
-    x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, flag_ptr,
-    words_ptr, counters_ptr, slots_ptr, n_rows, ignore_index,
-    V: gl.constexpr, WARPS: gl.constexpr, S: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-    VEC_S: gl.constexpr,
-):
-    T: gl.constexpr = 32 * WARPS
-    CHUNK: gl.constexpr = S * T * 8  # classes per chunk; this CTA holds T·8 of them (its lane's slice)
-    NFULL: gl.constexpr = V // CHUNK
-    TAIL: gl.constexpr = V % CHUNK != 0
-    NCHUNK: gl.constexpr = NFULL + TAIL
-    per_thread: gl.constexpr = gl.SliceLayout(2, REG)  # [1, T]
-    one: gl.constexpr = gl.SliceLayout(1, per_thread)  # [1]
-    buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, 1, T, 8], SMEM)
-
-    pid = gl.program_id(0)
-    lane = pid % S
-    offs = slice_offsets(1, T, REG) + lane * (T * 8)
-    tail = offs < V - NFULL * CHUNK
-    at_lane = gl.arange(0, 1, layout=one) + lane
-    lanes = gl.arange(0, S, layout=VEC_S)
-    coef_all = gl.load(coef_ptr)
-    slot_ptr = slots_ptr + pid
-
-    _claim(counters_ptr + lane, slot_ptr)
-    _cta_barrier()
-    r = gl.load(slot_ptr, cache_modifier=".cg")
-    first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
-    for i in range(NFULL):
-        _async_load(buf.index(i), first + i * CHUNK + offs)
-    if TAIL:
-        _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
-    async_copy.commit_group()
-
-    while r < n_rows:
-        row = r.to(gl.int64)
-        y = gl.load(tgt_ptr + row).to(gl.int64)
-        kept = y != ignore_index
-        in_range = (y >= 0) & (y < V)
-        gl.store(flag_ptr, 1, mask=kept & (~in_range))
-        use = kept & in_range
-        yc = gl.where(use, y, 0).to(gl.int32)
-        zy = gl.load(x_ptr + row * x_stride + yc).to(gl.float32)
-        c = gl.where(use, coef_all, 0.0)
-
-        # Pass 1: this lane's share of the row's max and Σ exp2 (log2 units).
-        async_copy.wait_group(0)
-        m2 = gl.full([1, T], float("-inf"), gl.float32, per_thread)
-        s = gl.full([1, T], 0.0, gl.float32, per_thread)
-        sumz = gl.full([1, T], 0.0, gl.float32, per_thread)
-        for i in range(NFULL):
-            z = buf.index(i).load(REG).to(gl.float32)
-            m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, False)
-        if TAIL:
-            z = buf.index(NFULL).load(REG).to(gl.float32)
-            m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz, False)
-        m_lane = gl.max(m2, 1)
-        s_lane = gl.sum(s * gl.exp2(m2 - gl.expand_dims(m_lane, 1)), 1)
-
-        # Exchange: publish, claim the lane's next row, then wait for the row's S shares.
-        tag = r + 1
-        slot = words_ptr + row * (2 * S)
-        _publish(slot + at_lane, tag, m_lane)
-        _publish(slot + S + at_lane, tag, s_lane)
-        _claim(counters_ptr + lane, slot_ptr)
-        wm = _load_word(slot + lanes)
-        ws = _load_word(slot + S + lanes)
-        while _all_tagged(wm, tag) * _all_tagged(ws, tag) == 0:
+REPLACEMENTS = (
+    # LANES slices per chunk, each CTA holding its lane's slice (CTAS = 1: one CTA's layouts)
+    ("""        SMEM: gl.constexpr,
+    ):""", """        SMEM: gl.constexpr, LANES: gl.constexpr, VEC_S: gl.constexpr,
+    ):"""),
+    ("CHUNK: gl.constexpr = CTAS * T * 8", "CHUNK: gl.constexpr = LANES * T * 8"),
+    ("""        offs = slice_offsets(CTAS, T, REG)
+""", """        lane = pid % LANES
+        offs = slice_offsets(CTAS, T, REG) + lane * (T * 8)
+        at_lane = ranks + lane
+        lanes = gl.arange(0, LANES, layout=VEC_S)
+        slot_ptr = next_ptr + pid  # the CTA's claimed row (partials_ptr: the words, counter_ptr: a counter per lane)
+"""),
+)
+# The first row: claimed from the lane's counter (replaces the block from its first line to its last).
+FIRST_ROW = ("        if CTAS == 1:\n            r = pid", """            r = gl.load(next_ptr + n_rows + pid, cache_modifier=".cg")
+""", """        _claim_to_slot(counter_ptr + lane, slot_ptr)
+        _cta_barrier()
+        r = gl.load(slot_ptr, cache_modifier=".cg")
+""")
+# The exchange: publish, claim the lane's next row, wait for the row's words (replaces both branches).
+EXCHANGE = ("            if CTAS == 1:\n                m_row = gl.max(m_cta, 0)", """                nxt = gl.load(next_ptr + row, cache_modifier=".cg")
+""", """            slot = partials_ptr + row * (3 * LANES)
+            tag = r + 1
+            _publish(slot + at_lane, tag, m_cta)
+            _publish(slot + LANES + at_lane, tag, s_cta)
+            if HAS_LS:
+                _publish(slot + 2 * LANES + at_lane, tag, z_cta)
+            _claim_to_slot(counter_ptr + lane, slot_ptr)
             wm = _load_word(slot + lanes)
-            ws = _load_word(slot + S + lanes)
-        _cta_barrier()  # thread 0's claim, stored before it, is visible to every thread after it
-        nxt = gl.load(slot_ptr, cache_modifier=".cg")
-        m_all = _values(wm)
-        m_row = gl.max(m_all, 0)
-        s_row = gl.sum(_values(ws) * gl.exp2(m_all - m_row), 0)
-        lse2 = m_row + gl.log2(s_row)
-        lse = lse2 / LOG2E
-        gl.store(loss_ptr + row, gl.where(use, _row_loss(lse, zy, 0.0, 0.0, 0.0, 0.0, False), 0.0))
-
-        # Pass 2: the gradient, chunk by chunk; each consumed slot takes the lane's next row's chunk.
-        y_chunk = gl.where(use, yc // CHUNK, -1)
-        nxt_row = x_ptr + nxt.to(gl.int64) * x_stride
-        g_row = grad_ptr + row * grad_stride
-        for i in range(NCHUNK):
-            z = buf.index(i).load(REG).to(gl.float32)
-            p = gl.exp2(z * LOG2E - lse2)
-            if i == y_chunk:
-                d = _dlogits(p, z, offs, yc - i * CHUNK, c, 0.0, c, 1.0, False)
-            else:
-                d = _dlogits(p, z, offs, -1, c, 0.0, c, 1.0, False, False)
-            d = d.to(grad_ptr.dtype.element_ty)
-            if i < NFULL:
-                gl.store(g_row + i * CHUNK + offs, d)
-                if nxt < n_rows:
-                    _async_load(buf.index(i), nxt_row + i * CHUNK + offs)
-            else:
-                gl.store(g_row + i * CHUNK + offs, d, mask=tail)
-                if nxt < n_rows:
-                    _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
-        async_copy.commit_group()
-        r = nxt
-    async_copy.wait_group(0)
+            ws = _load_word(slot + LANES + lanes)
+            wz = wm
+            if HAS_LS:
+                wz = _load_word(slot + 2 * LANES + lanes)
+            while _all_tagged(wm, tag) * _all_tagged(ws, tag) * _all_tagged(wz, tag) == 0:
+                wm = _load_word(slot + lanes)
+                ws = _load_word(slot + LANES + lanes)
+                if HAS_LS:
+                    wz = _load_word(slot + 2 * LANES + lanes)
+            _cta_barrier()  # thread 0's claim, stored before it, is visible to every thread after it
+            nxt = gl.load(slot_ptr, cache_modifier=".cg")
+            m_all = _values(wm)
+            m_row = gl.max(m_all, 0)
+            s_row = gl.sum(_values(ws) * gl.exp2(m_all - m_row), 0)
+            z_row = gl.sum(_values(wz), 0)  # used with HAS_LS only
+""")
+HELPERS_AFTER = "    @gluon.jit\n    def _ce_smem_kernel("
+HELPERS = ("    from ce_tagged_words import (  # noqa: F401\n"
+           "        _all_tagged, _claim_to_slot, _cta_barrier, _load_word, _publish, _values)\n\n")
 
 
-def constexprs(v: int, warps: int, lanes: int) -> dict:
-    reg, smem_layout = layouts(warps, 1)
-    return dict(V=v, WARPS=warps, S=lanes, REG=reg, SMEM=smem_layout,
+def lanes_module():
+    src = open(smem.__file__).read()
+    for old, new in REPLACEMENTS:
+        src = _replace_once(src, old, new)
+    src = _replace_block(src, *FIRST_ROW)
+    src = _replace_block(src, *EXCHANGE)
+    src = _replace_once(src, HELPERS_AFTER, HELPERS + HELPERS_AFTER)
+    return _module_from("ce_smem_lanes_probe", src)
+
+
+def lanes_constexprs(module, v: int, warps: int, lanes: int, **options) -> dict:
+    from triton.experimental.gluon import language as gl
+    return dict(module.kernel_constexprs(v, warps, 1, **options), LANES=lanes,
                 VEC_S=gl.BlockedLayout([1], [32], [warps], [0]))
 
 
-def launch_ce_lanes(x, target, grad, loss_rows, coef, flag, *, warps: int, lanes: int, grid: int) -> None:
+def launch_ce_lanes(module, x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, lanes: int, grid: int,
+                    ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float) -> None:
+    """launch_ce_smem's contract on the lanes kernel: `grid` CTAs (a multiple of lanes)."""
     n, v = x.shape
     assert grid % lanes == 0, "every lane needs the same number of CTAs"
     assert v >= lanes * 256 * warps, "every lane's slice needs one whole chunk (a finite max)"
-    words = torch.zeros(n * 2 * lanes, dtype=torch.int64, device=x.device)
-    counters = torch.zeros(lanes, dtype=torch.int32, device=x.device)
+    words = torch.zeros(n * 3 * lanes, dtype=torch.int64, device=x.device)  # zeroed: no stale tag
     slots = torch.empty(grid, dtype=torch.int32, device=x.device)
-    _ce_lanes_kernel[(grid,)](x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, flag, words, counters,
-                              slots, n, -100, **constexprs(v, warps, lanes), num_warps=warps)
+    counters = torch.zeros(lanes, dtype=torch.int32, device=x.device)
+    rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
+    module._ce_smem_kernel[(grid,)](
+        x, x.stride(0), target, grad, grad.stride(0), loss_rows, coef, rs, flag, words, slots, counters, n,
+        ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing),
+        float(z_loss),
+        **lanes_constexprs(module, v, warps, lanes, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
+                           has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None),
+        num_warps=warps)
 
 
 # (V, lanes, warps, CTAs per SM): the library's split shapes (64 KB per CTA), and 8 lanes at 128256
@@ -201,30 +136,36 @@ def launch_ce_lanes(x, target, grad, loss_rows, coef, flag, *, warps: int, lanes
 SHAPES = ((128256, 4, 8, 3), (128256, 8, 8, 5), (262144, 8, 8, 3))
 
 
-def lanes_launch(lanes: int, warps: int, per_sm: int):
+def lanes_launch(module, lanes: int, warps: int, per_sm: int):
     """A launch of the lanes kernel on a case (time_variants' contract), per_sm CTAs per SM."""
     def launch(case, cfg, library_grid):
         grid = per_sm * torch.cuda.get_device_properties(case.x.device).multi_processor_count // lanes * lanes
-        launch_ce_lanes(case.x, case.t, case.grad, case.loss, case.coef, case.flag, warps=warps, lanes=lanes, grid=grid)
+        launch_ce_lanes(module, case.x, case.t, case.grad, case.loss, case.coef, None, case.flag, warps=warps,
+                        lanes=lanes, grid=grid, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None,
+                        logit_scale=1.0)
     return launch
 
 
 def main():
+    module = lanes_module()
     for v in sorted({shape[0] for shape in SHAPES}):
         time_variants([("library (cluster)", smem_launch(smem))] +
-                      [(f"lanes {lanes} x {warps} warps, {per_sm} CTAs per SM", lanes_launch(lanes, warps, per_sm))
+                      [(f"lanes {lanes} x {warps} warps, {per_sm} CTAs per SM",
+                        lanes_launch(module, lanes, warps, per_sm))
                        for vv, lanes, warps, per_sm in SHAPES if vv == v], vocabs=(v,))
 
 
 def compile_only():
+    """The lanes kernel for sm_90a at SHAPES, with and without the optional terms."""
     import check_sm90
-    sig = {"x_ptr": "*bf16", "x_stride": "i32", "tgt_ptr": "*i64", "grad_ptr": "*bf16", "grad_stride": "i32",
-           "loss_ptr": "*fp32", "coef_ptr": "*fp32", "flag_ptr": "*i32", "words_ptr": "*i64", "counters_ptr": "*i32",
-           "slots_ptr": "*i32", "n_rows": "i32", "ignore_index": "i32"}
-    aligned = [k for k in sig if k.endswith("_ptr")] + ["x_stride", "grad_stride"]
+    module = lanes_module()
+    sig, aligned = check_sm90.ce_smem_signature("bf16", "*i64")
     for v, lanes, warps, per_sm in SHAPES:
-        res = check_sm90.compile_sm90(_ce_lanes_kernel, sig, constexprs(v, warps, lanes), aligned, warps, 1)
-        print(f"lanes V={v} S={lanes} warps={warps} ({per_sm}/SM): {res}", flush=True)
+        for extras in (False, True):
+            flags = lanes_constexprs(module, v, warps, lanes, has_scale=extras, has_softcap=extras, has_ls=extras,
+                                     has_row_scale=extras)
+            res = check_sm90.compile_sm90(module._ce_smem_kernel, sig, flags, aligned, warps, 1)
+            print(f"lanes V={v} S={lanes} warps={warps} ({per_sm}/SM) options {extras}: {res}", flush=True)
 
 
 if __name__ == "__main__":
