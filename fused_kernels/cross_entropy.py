@@ -121,7 +121,7 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
 # (one read already; the shared-memory kernel was measured from V = 16384 up).
 SMEM_FROM = 8193
-# A split row's cluster pays off over many rows only: at fused_linear_cross_entropy's 640-768-row chunks
+# A split row's cluster pays off over many rows only: at fused_linear_cross_entropy's 640-1024-row chunks
 # (7-10 rows per cluster, the first row's load never overlapped) it was slower than the Triton kernel
 # (benchmarks/session9/exp_ce_chunk_spread.txt: 640 x 151936 0.169 vs 0.153 ms median, 768 x 128256
 # 0.162 vs 0.151; at 8192 rows 1.506 vs 1.825). Split rows are used from this many rows per cluster.

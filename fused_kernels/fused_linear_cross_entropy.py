@@ -28,9 +28,13 @@ losses only (one GEMM), and the backward recomputes every chunk's logits with th
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
 Chunk rows: C = budget / (V · element size), rounded down to a multiple of 128 (64 when smaller;
-at least 1, at most N), then shrunk to split N into equal chunks of that many: the default budget of
-192 MiB gives C = 768 at V = 128256 bf16 (8192 tokens → 11 chunks). FUSED_KERNELS_FLCE_CHUNK_MB
-sets the budget; `_CONFIG["chunk_rows"]` forces C (tests use it to run several chunks).
+at least 1, at most N), then shrunk to split N into equal chunks of that many. The default budget,
+252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values and
+the rounding take the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks) and 384 at
+262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per chunk:
+at 8192 × 4096 → 128256 on an H200, 1024 rows took 38.9–39.4 ms of GPU time where 768 (192 MiB) took
+40.2–40.5 (benchmarks/session12). FUSED_KERNELS_FLCE_CHUNK_MB sets the budget;
+`_CONFIG["chunk_rows"]` forces C (tests use it to run several chunks).
 
 Memory beyond inputs and their gradients: the C × V logits buffer, N + V fp32 values, and cuBLAS'
 workspace. Time: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N × V (read + write);
@@ -55,7 +59,7 @@ _ce = importlib.import_module("fused_kernels.cross_entropy")
 __all__ = ["fused_linear_cross_entropy"]
 
 _CONFIG = {
-    "budget_bytes": int(float(os.environ.get("FUSED_KERNELS_FLCE_CHUNK_MB", "192")) * 2**20),
+    "budget_bytes": int(float(os.environ.get("FUSED_KERNELS_FLCE_CHUNK_MB", "252")) * 2**20),
     "chunk_rows": None,  # force the chunk size (tests)
 }
 

@@ -88,6 +88,7 @@ def _module_from(name: str, src: str):
         f.write(src)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses (rms_norm's configs) look their module up there
     spec.loader.exec_module(mod)
     return mod
 

@@ -74,16 +74,22 @@ EXCHANGE = ("            if CTAS == 1:\n                m_row = gl.max(m_cta, 0)
             if HAS_LS:
                 _publish(slot + 2 * LANES + at_lane, tag, z_cta)
             _claim_to_slot(counter_ptr + lane, slot_ptr)
+            # (every word re-read and re-checked per spin: a check of a word read once outside the loop,
+            # as a first version did for the absent label-smoothing words, never turns true)
             wm = _load_word(slot + lanes)
             ws = _load_word(slot + LANES + lanes)
+            ready = _all_tagged(wm, tag) * _all_tagged(ws, tag)
             wz = wm
             if HAS_LS:
                 wz = _load_word(slot + 2 * LANES + lanes)
-            while _all_tagged(wm, tag) * _all_tagged(ws, tag) * _all_tagged(wz, tag) == 0:
+                ready = ready * _all_tagged(wz, tag)
+            while ready == 0:
                 wm = _load_word(slot + lanes)
                 ws = _load_word(slot + LANES + lanes)
+                ready = _all_tagged(wm, tag) * _all_tagged(ws, tag)
                 if HAS_LS:
                     wz = _load_word(slot + 2 * LANES + lanes)
+                    ready = ready * _all_tagged(wz, tag)
             _cta_barrier()  # thread 0's claim, stored before it, is visible to every thread after it
             nxt = gl.load(slot_ptr, cache_modifier=".cg")
             m_all = _values(wm)
