@@ -58,8 +58,26 @@ _ce = importlib.import_module("fused_kernels.cross_entropy")
 
 __all__ = ["fused_linear_cross_entropy"]
 
+DEFAULT_CHUNK_MB = 252
+
+
+def budget_from_env() -> int:
+    """The logits chunk budget in bytes: FUSED_KERNELS_FLCE_CHUNK_MB (MiB, read at import), else the default."""
+    raw = os.environ.get("FUSED_KERNELS_FLCE_CHUNK_MB", "").strip()
+    if not raw:
+        return DEFAULT_CHUNK_MB * 2**20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = math.nan
+    if not (math.isfinite(mb) and mb > 0):
+        raise ValueError(f"FUSED_KERNELS_FLCE_CHUNK_MB={raw!r}: expected a positive number of MiB for the fused "
+                         f"linear cross entropy's logits chunk, e.g. 128 (default {DEFAULT_CHUNK_MB})")
+    return int(mb * 2**20)
+
+
 _CONFIG = {
-    "budget_bytes": int(float(os.environ.get("FUSED_KERNELS_FLCE_CHUNK_MB", "252")) * 2**20),
+    "budget_bytes": budget_from_env(),
     "chunk_rows": None,  # force the chunk size (tests)
 }
 

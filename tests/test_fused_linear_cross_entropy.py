@@ -198,10 +198,24 @@ def test_default_budget_keeps_the_op_within_256_mib():
     values beside the logits buffer under 256 MiB (issue 6's bound on memory beyond inputs and grads)."""
     if "FUSED_KERNELS_FLCE_CHUNK_MB" in os.environ:
         pytest.skip("FUSED_KERNELS_FLCE_CHUNK_MB overrides the default here")
-    assert flce._CONFIG["budget_bytes"] == 252 * 2**20
+    assert flce._CONFIG["budget_bytes"] == flce.DEFAULT_CHUNK_MB * 2**20 == 252 * 2**20
     for n, v in ((8192, 128256), (16384, 262144), (8192, 262144), (8192, 151936), (16384, 32000)):
         rows = flce.chunk_rows(n, v, 2)
         assert rows * v * 2 + (n + v) * 4 <= 256 * 2**20, (n, v, rows)
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf"])
+def test_bad_chunk_budget_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", raw)
+    with pytest.raises(ValueError, match=r"FUSED_KERNELS_FLCE_CHUNK_MB=.*positive number of MiB"):
+        flce.budget_from_env()
+
+
+def test_chunk_budget_from_env(monkeypatch):
+    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", " 64.5 ")
+    assert flce.budget_from_env() == int(64.5 * 2**20)
+    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", "")
+    assert flce.budget_from_env() == flce.DEFAULT_CHUNK_MB * 2**20
 
 
 def test_default_chunks_and_no_grad():
