@@ -37,9 +37,10 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int,
     """Registers, spill bytes and shared memory (bytes, static + what the pipeliner allocates) of
     `fn` compiled for sm_90a. `aligned`: the arguments Triton would see as 16-divisible (pointers of
     fresh tensors, sizes that are multiples of 16). A "num_ctas" among the constexprs is the launch
-    option (a thread-block cluster), not a kernel argument."""
+    option (a thread-block cluster), not a kernel argument; so is a "maxnreg" (a cap on registers per thread)."""
     constexprs = dict(constexprs)
     num_ctas = constexprs.pop("num_ctas", 1)
+    maxnreg = constexprs.pop("maxnreg", None)  # a launch option too: the registers ptxas may use per thread
     sig = dict(signature)
     sig.update({name: "constexpr" for name in constexprs})
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
@@ -47,7 +48,8 @@ def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int,
     if type(fn).__name__ == "GluonJITFunction":  # cross_entropy_smem's kernel
         from triton.experimental.gluon._runtime import GluonASTSource as source
     kernel = triton.compile(source(fn, sig, constexprs, attrs), target=_TARGET,
-                            options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas})
+                            options={"num_warps": num_warps, "num_stages": num_stages, "num_ctas": num_ctas,
+                                     **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
