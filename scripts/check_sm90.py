@@ -68,14 +68,19 @@ def _aligned(sig: dict, n_cols: int) -> list[str]:
     return aligned
 
 
+def rms_norm_signature(dtype: str, backward: bool) -> dict:
+    """The runtime arguments of rms_norm's forward or (one-kernel) backward kernel."""
+    if backward:
+        return {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DX": f"*{dtype}",
+                "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32",
+                "stride_dx": "i32", "offset": "fp32", "row_bucket": "i32"}
+    return {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{dtype}", "RSTD": "*fp32", "n_rows": "i32",
+            "n_cols": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32", "offset": "fp32",
+            "row_bucket": "i32"}
+
+
 def rms_norm_cases(cols: list[int], dtype: str):
     rms = importlib.import_module("fused_kernels.rms_norm")
-    fwd_sig = {"X": f"*{dtype}", "W": f"*{dtype}", "Y": f"*{dtype}", "RSTD": "*fp32", "n_rows": "i32",
-               "n_cols": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32", "offset": "fp32",
-               "row_bucket": "i32"}
-    bwd_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DX": f"*{dtype}",
-               "DW_PARTIAL": "*fp32", "n_rows": "i32", "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32",
-               "stride_dx": "i32", "offset": "fp32", "row_bucket": "i32"}
     for backward in (False, True):
         configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
                    for c in rms.candidate_configs(backward)]
@@ -86,7 +91,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
                     flags["COMPUTE_DW"] = True
                     flags["FROM_OUTPUT"] = False
                 kernel = rms._rms_norm_bwd_kernel if backward else rms._rms_norm_fwd_kernel
-                sig = bwd_sig if backward else fwd_sig
+                sig = rms_norm_signature(dtype, backward)
                 aligned = _aligned(sig, n)
                 label = f"rms_norm {'bwd' if backward else 'fwd'} n_cols={n} {cfg.kwargs} warps={cfg.num_warps}"
                 yield label, kernel, sig, flags, aligned, cfg.num_warps, cfg.num_stages, cfg.kwargs["PROGRAMS_PER_SM"]

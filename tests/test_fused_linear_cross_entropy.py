@@ -174,18 +174,19 @@ def test_eager_grads_are_the_forward_buffers(hidden_shape):
         assert_close(got, want, torch.float32, f"d {name}")
 
 
-def test_chunk_rule(monkeypatch):
-    budget = 252 * 2**20  # the default (FUSED_KERNELS_FLCE_CHUNK_MB may change it)
+@pytest.mark.parametrize("budget_mb", (252, 192))  # the default (FUSED_KERNELS_FLCE_CHUNK_MB changes it); the old
+def test_chunk_rule(monkeypatch, budget_mb):
+    budget = budget_mb * 2**20
     monkeypatch.setitem(flce._CONFIG, "budget_bytes", budget)
-    assert flce.chunk_rows(8192, 128256, 2) == 1024  # 8 chunks; 250.5 MiB of logits
-    assert flce.chunk_rows(8192, 262144, 2) == 384  # 504 fit, rounded down to the 128-row granule
-    assert flce.chunk_rows(16384, 262144, 2) == 384
-    assert flce.chunk_rows(100, 1000, 2) == 100
-    assert flce.chunk_rows(8192, 32000, 2) == 4096  # 4128 fit; 2 chunks
-    monkeypatch.setitem(flce._CONFIG, "budget_bytes", 192 * 2**20)
-    assert flce.chunk_rows(8192, 128256, 2) == 768  # 11 chunks of 768 (the last 512)
-    assert flce.chunk_rows(8192, 32000, 2) == 2816  # 3072 fit; 3 chunks of 2816 (the last 2560)
-    budget = 192 * 2**20
+    if budget_mb == 252:
+        assert flce.chunk_rows(8192, 128256, 2) == 1024  # 8 chunks; 250.5 MiB of logits
+        assert flce.chunk_rows(8192, 262144, 2) == 384  # 504 fit, rounded down to the 128-row granule
+        assert flce.chunk_rows(16384, 262144, 2) == 384
+        assert flce.chunk_rows(100, 1000, 2) == 100
+        assert flce.chunk_rows(8192, 32000, 2) == 4096  # 4128 fit; 2 chunks
+    else:
+        assert flce.chunk_rows(8192, 128256, 2) == 768  # 11 chunks of 768 (the last 512)
+        assert flce.chunk_rows(8192, 32000, 2) == 2816  # 3072 fit; 3 chunks of 2816 (the last 2560)
     for n, v, e in [(8192, 128256, 2), (8192, 128256, 4), (5000, 151936, 2), (300, 10**7, 2), (7, 10**9, 4)]:
         rows = flce.chunk_rows(n, v, e)
         assert 1 <= rows <= n

@@ -91,7 +91,8 @@ REPLACEMENTS = (
     # pass 2: each register chunk's gradient, then its load of the next row; then the smem chunks
     ("""            for i in range(NCHUNK):
                 z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)""",
-     """            nxt_c = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * x_stride  # the last row: a harmless re-read
+     """            # the last row: a harmless re-read
+            nxt_c = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * x_stride
             r0 = _register_chunk_grad(r0, 0, g_row, nxt_c, offs, CHUNK, lse2, y_chunk, yc, coef_p, coef_u, coef_y,
                                       logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             if NR > 1:
