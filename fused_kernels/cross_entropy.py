@@ -90,6 +90,7 @@ class LaunchConfig(NamedTuple):
     l2_hints: bool = False  # first-pass loads evict_last, second-pass loads and grad stores evict_first
     smem: bool = False  # the row held in shared memory (cross_entropy_smem; block: classes per chunk)
     ctas: int = 1  # smem: CTAs (SMs) a row is split over, a thread-block cluster when > 1; per_sm counts CTAs
+    in_registers: int = 0  # smem: chunks of each CTA's share held in registers (ptxas capped so per_sm fit)
 
 
 # (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
@@ -131,8 +132,11 @@ SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
     (65536, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=2)),
     (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
+    (131072, LaunchConfig(block=1024, warps=4, per_sm=8, smem=True, ctas=8, in_registers=4)),
     (131072, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=4)),
+    (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8, in_registers=3)),
     (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8)),
+    (262144, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8, in_registers=3)),
     (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )
 
@@ -447,6 +451,7 @@ def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
 _SMEM_MODULE: list = []
 _SMEM_LAUNCHED: set = set()  # (V, dtype, options) the shared-memory kernel has compiled and run for
 _SPLIT_FAILED: list = []  # non-empty once a row split over a cluster failed to build: split rows are off
+_REGISTERS_FAILED: list = []  # non-empty once a shape holding chunks in registers failed: those shapes are off
 
 
 def _smem_module():
@@ -470,17 +475,20 @@ def _smem_failed(exc: Exception, cfg: LaunchConfig) -> None:
     ~20 % slower)."""
     import warnings
 
-    split = cfg.ctas > 1
+    if cfg.in_registers:
+        what, instead, off = "with chunks of each row in registers ", "not holding chunks in registers", _REGISTERS_FAILED
+    elif cfg.ctas > 1:
+        what, instead, off = "rows split over a cluster of CTAs ", "not splitting rows", _SPLIT_FAILED
+    else:
+        what, instead, off = "", "using the Triton kernel for every vocabulary size", None
     warnings.warn(
         f"fused_kernels.cross_entropy: the shared-memory kernel (cross_entropy_smem.py) did not build or launch "
-        f"{'rows split over a cluster of CTAs ' if split else ''}with triton {triton.__version__} "
-        f"({type(exc).__name__}: {str(exc)[:300]}); "
-        f"{'not splitting rows' if split else 'using the Triton kernel for every vocabulary size'} from now on",
+        f"{what}with triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); {instead} from now on",
         RuntimeWarning,
         stacklevel=4,
     )
-    if split:
-        _SPLIT_FAILED.append(cfg)
+    if off is not None:
+        off.append(cfg)
     else:
         _SMEM_MODULE[:] = [None]
 
@@ -491,7 +499,9 @@ def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
     n, v = x.shape
     if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * grid_programs(cfg, n, x.device)):
         return False
-    return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device)
+    if cfg.in_registers and _REGISTERS_FAILED:
+        return False
+    return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device, cfg.in_registers)
 
 
 def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -> bool:
@@ -516,7 +526,8 @@ def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -
         try:
             with _device_guard(x):
                 smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device), **options)
+                                    ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device),
+                                    in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
         except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
             if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
                 raise

@@ -81,6 +81,19 @@ if gluon is not None:
         return m_new, s, sumz
 
     @gluon.jit
+    def _chunk_grad(x, i, CHUNK: gl.constexpr, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y, logit_scale, softcap,
+                    HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, grad_ptr):
+        """Pass 2 for chunk i of the row (x: its 16-bit logits in registers): ∂loss/∂x in the gradient's
+        dtype. The target's term only in the chunk that holds it (a uniform branch)."""
+        z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        p = gl.exp2(z * LOG2E - lse2)
+        if i == y_chunk:
+            d = _dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+        else:
+            d = _dlogits(p, z, offs, -1, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP, False)
+        return d.to(grad_ptr.dtype.element_ty)
+
+    @gluon.jit
     def slice_offsets(CTAS: gl.constexpr, T: gl.constexpr, REG: gl.constexpr):
         """[CTAS, T, 8] offsets within a chunk of CTAS·T·8 classes (columns) in layout REG: CTA k's slice
         is k·T·8 onwards, thread t's 8 consecutive ones t·8 onwards within it."""
@@ -118,11 +131,12 @@ if gluon is not None:
         n_rows, ignore_index, logit_scale, softcap, label_smoothing, z_loss,
         V: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, HAS_LS: gl.constexpr,
         HAS_ROW_SCALE: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
-        SMEM: gl.constexpr,
+        SMEM: gl.constexpr, IN_REGS: gl.constexpr,
     ):
         """Rows of a program (CTAS = 1) or of a cluster of CTAS CTAs: loss_i into loss_ptr[row],
         coef·row_scale_i·∂loss_i/∂x into the gradient row (see the module docstring). REG / SMEM:
-        `layouts(WARPS, CTAS)`."""
+        `layouts(WARPS, CTAS)`. IN_REGS (0-4, <= NFULL): the first chunks of every slice held in
+        registers (r0-r3) instead of shared memory."""
         T: gl.constexpr = 32 * WARPS  # threads of one CTA
         CHUNK: gl.constexpr = CTAS * T * 8  # classes per chunk: 8 per thread of the cluster
         NFULL: gl.constexpr = V // CHUNK  # unmasked chunks, then one masked tail chunk if V % CHUNK
@@ -130,7 +144,7 @@ if gluon is not None:
         NCHUNK: gl.constexpr = NFULL + TAIL
         per_thread: gl.constexpr = gl.SliceLayout(2, REG)  # [CTAS, T]
         per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)  # [CTAS]: one value per CTA
-        buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+        buf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK - IN_REGS, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster's index when CTAS > 1
         n_prog = gl.num_programs(0)
@@ -152,10 +166,21 @@ if gluon is not None:
             _cluster_sync()
             r = gl.load(next_ptr + n_rows + pid, cache_modifier=".cg")
         first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
-        for i in range(NFULL):
-            _async_load(buf.index(i), first + i * CHUNK + offs)
+        if IN_REGS > 0:  # the register chunks by plain loads (r1-r3 unused below IN_REGS = 4)
+            r0 = gl.load(first + offs)
+            r1 = r0
+            r2 = r0
+            r3 = r0
+            if IN_REGS > 1:
+                r1 = gl.load(first + CHUNK + offs)
+            if IN_REGS > 2:
+                r2 = gl.load(first + 2 * CHUNK + offs)
+            if IN_REGS > 3:
+                r3 = gl.load(first + 3 * CHUNK + offs)
+        for i in range(IN_REGS, NFULL):
+            _async_load(buf.index(i - IN_REGS), first + i * CHUNK + offs)
         if TAIL:
-            _async_load(buf.index(NFULL), first + NFULL * CHUNK + offs, mask=tail)
+            _async_load(buf.index(NFULL - IN_REGS), first + NFULL * CHUNK + offs, mask=tail)
         async_copy.commit_group()
 
         while r < n_rows:
@@ -176,11 +201,23 @@ if gluon is not None:
             m2 = gl.full([CTAS, T], float("-inf"), gl.float32, per_thread)
             s = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
             sumz = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
-            for i in range(NFULL):
-                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+            if IN_REGS > 0:
+                z = _capped(r0, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if IN_REGS > 1:
+                z = _capped(r1, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if IN_REGS > 2:
+                z = _capped(r2, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            if IN_REGS > 3:
+                z = _capped(r3, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+            for i in range(IN_REGS, NFULL):
+                z = _capped(buf.index(i - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
             if TAIL:
-                z = _capped(buf.index(NFULL).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                z = _capped(buf.index(NFULL - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz,
                                            HAS_LS)
             m_cta = gl.max(m2, 1)
@@ -217,29 +254,45 @@ if gluon is not None:
             loss = _row_loss(lse, zy, z_row, inv_v, label_smoothing, z_loss, HAS_LS)
             gl.store(loss_ptr + row, gl.where(use, loss, 0.0))
 
-            # Pass 2: the gradient, chunk by chunk; each consumed slot takes the next row's chunk.
+            # Pass 2: the gradient, chunk by chunk; each consumed chunk (registers or slot) takes the same
+            # chunk of the program's next row (the last row: a harmless re-read of a valid row).
             coef_p = c * (1.0 + 2.0 * z_loss * lse)
             coef_u = c * label_smoothing * inv_v
             coef_y = c * (1.0 - label_smoothing)
             y_chunk = gl.where(use, yc // CHUNK, -1)
             nxt_row = x_ptr + nxt.to(gl.int64) * x_stride
             g_row = grad_ptr + row * grad_stride
-            for i in range(NCHUNK):
-                z = _capped(buf.index(i).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                p = gl.exp2(z * LOG2E - lse2)
-                if i == y_chunk:
-                    d = _dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
-                else:
-                    d = _dlogits(p, z, offs, -1, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP, False)
-                d = d.to(grad_ptr.dtype.element_ty)
+            if IN_REGS > 0:
+                nxt_kept = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * x_stride
+                gl.store(g_row + offs, _chunk_grad(r0, 0, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                                   logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, grad_ptr))
+                r0 = gl.load(nxt_kept + offs)
+            if IN_REGS > 1:
+                gl.store(g_row + CHUNK + offs, _chunk_grad(r1, 1, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
+                                                           coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
+                                                           grad_ptr))
+                r1 = gl.load(nxt_kept + CHUNK + offs)
+            if IN_REGS > 2:
+                gl.store(g_row + 2 * CHUNK + offs, _chunk_grad(r2, 2, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
+                                                               coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
+                                                               grad_ptr))
+                r2 = gl.load(nxt_kept + 2 * CHUNK + offs)
+            if IN_REGS > 3:
+                gl.store(g_row + 3 * CHUNK + offs, _chunk_grad(r3, 3, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
+                                                               coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
+                                                               grad_ptr))
+                r3 = gl.load(nxt_kept + 3 * CHUNK + offs)
+            for i in range(IN_REGS, NCHUNK):
+                d = _chunk_grad(buf.index(i - IN_REGS).load(REG), i, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
+                                coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, grad_ptr)
                 if i < NFULL:
                     gl.store(g_row + i * CHUNK + offs, d)
                     if nxt < n_rows:
-                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs)
+                        _async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs)
                 else:
                     gl.store(g_row + i * CHUNK + offs, d, mask=tail)
                     if nxt < n_rows:
-                        _async_load(buf.index(i), nxt_row + i * CHUNK + offs, mask=tail)
+                        _async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs, mask=tail)
             async_copy.commit_group()
             r = nxt
         async_copy.wait_group(0)
@@ -255,9 +308,19 @@ def chunk_classes(warps: int, ctas: int = 1) -> int:
     return 32 * warps * VEC * ctas
 
 
-def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1) -> int:
-    """Shared memory of one CTA's row buffer: its share of V rounded up to whole chunks."""
-    return triton.cdiv(v, chunk_classes(warps, ctas)) * chunk_classes(warps) * element_size
+def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1, in_registers: int = 0) -> int:
+    """Shared memory of one CTA's row buffer: its share of V rounded up to whole chunks, less the
+    in_registers chunks held in registers."""
+    return (triton.cdiv(v, chunk_classes(warps, ctas)) - in_registers) * chunk_classes(warps) * element_size
+
+
+MAX_IN_REGISTERS = 4  # r0-r3 in the kernel
+
+
+def register_cap(warps: int, per_sm: float) -> int:
+    """Registers per thread that let per_sm CTAs of `warps` warps share an SM's 65536 (allocated in units
+    of 8; at most 255): the `maxnreg` a launch holding chunks in registers gives ptxas."""
+    return min(255, 65536 // (int(per_sm) * 32 * warps) // 8 * 8)
 
 
 def _cta_bases(ctas: int) -> list:
@@ -276,12 +339,15 @@ def layouts(warps: int, ctas: int):
 
 
 def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
-                      has_row_scale: bool) -> dict:
+                      has_row_scale: bool, in_registers: int = 0) -> dict:
     """_ce_smem_kernel's constexprs (launch_ce_smem, and scripts/check_sm90.py, which compiles the same
     kernels for sm_90a)."""
+    if not 0 <= in_registers <= min(MAX_IN_REGISTERS, v // chunk_classes(warps, ctas)):
+        raise ValueError(f"cross_entropy_smem: in_registers={in_registers} must lie in 0..{MAX_IN_REGISTERS} "
+                         f"and cover only full chunks of {chunk_classes(warps, ctas)} classes (V = {v})")
     reg, smem = layouts(warps, ctas)
     return dict(V=v, HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
-                WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem)
+                WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -297,19 +363,24 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1) -> int:
+def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1,
+                      in_registers: int = 0) -> int:
     """How many CTAs' row buffers one SM's shared memory holds."""
-    need = buffer_bytes(v, warps, element_size, ctas) + _SMEM_RESERVED + _SMEM_SLACK
+    need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _SMEM_RESERVED + _SMEM_SLACK
     return _smem_per_sm(_index(device)) // need
 
 
-def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device) -> bool:
-    """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, and a row split over a
+def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device,
+         in_registers: int = 0) -> bool:
+    """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, a row split over a
     cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
-    portable cluster size)."""
+    portable cluster size), and in_registers chunks are whole chunks of the row (at most
+    MAX_IN_REGISTERS)."""
     if ctas > 1 and (ctas > 8 or _capability(_index(device)) < (9, 0)):
         return False
-    return programs_that_fit(v, warps, element_size, device, ctas) >= per_sm
+    if in_registers > min(MAX_IN_REGISTERS, v // chunk_classes(warps, ctas)):
+        return False
+    return programs_that_fit(v, warps, element_size, device, ctas, in_registers) >= per_sm
 
 
 @functools.lru_cache(maxsize=None)
@@ -338,9 +409,12 @@ def eligible(x: torch.Tensor, grad) -> bool:
 
 
 def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, ctas: int, grid: int,
-                   ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float) -> None:
+                   ignore_index: int, label_smoothing: float, z_loss: float, softcap, logit_scale: float,
+                   in_registers: int = 0, per_sm: float = 1) -> None:
     """cross_entropy.launch_ce's contract, on this kernel: `grid` programs of `warps` warps
-    (cross_entropy.grid_programs), each a cluster of `ctas` CTAs splitting a row when ctas > 1."""
+    (cross_entropy.grid_programs), each a cluster of `ctas` CTAs splitting a row when ctas > 1; with
+    in_registers > 0 the first chunks of each slice live in registers, and ptxas is held to the
+    registers that let per_sm CTAs share an SM (register_cap)."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
     if ctas > 1:  # the exchange slots of the row partials, the claimed rows (then each cluster's first), the counter
@@ -355,6 +429,7 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
          ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0), float(label_smoothing),
          float(z_loss)),
         dict(kernel_constexprs(v, warps, ctas, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
-                               has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None),
-             num_warps=warps, num_ctas=ctas),
+                               has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
+                               in_registers=in_registers),
+             num_warps=warps, num_ctas=ctas, **({"maxnreg": register_cap(warps, per_sm)} if in_registers else {})),
     )

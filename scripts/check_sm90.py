@@ -187,7 +187,10 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
         bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
         for cfg, extras in ((c, e) for b, c in ce.SMEM_TABLE if b == bound for e in (False, True)):
             flags = dict(smem.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
-                                                has_ls=extras, has_row_scale=extras), num_ctas=cfg.ctas)
+                                                has_ls=extras, has_row_scale=extras, in_registers=cfg.in_registers),
+                         num_ctas=cfg.ctas)
+            if cfg.in_registers:  # the launch caps ptxas so that per_sm CTAs fit (launch_ce_smem)
+                flags["maxnreg"] = smem.register_cap(cfg.warps, cfg.per_sm)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
             # split rows are claimed from a counter: CTAs beyond what fits only wait, and find the rows taken
             per_sm = int(cfg.per_sm) if cfg.ctas == 1 else 0

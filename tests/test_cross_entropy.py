@@ -751,7 +751,7 @@ def _smem_calls(monkeypatch):
     real = smem.launch_ce_smem
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["grid"])
+        calls.append(kwargs)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(smem, "launch_ce_smem", counted)
@@ -759,13 +759,14 @@ def _smem_calls(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536, 100000, 151936])
+@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536, 100000, 128256, 151936, 262144])
 @pytest.mark.parametrize("options", ["plain", "smoothing_zloss", "softcap_scale_rowscale", "fp16"])
 def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     """The shared-memory kernel against float64 at several times its grid in rows (so each program loops
-    and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304, 100000, 151936), 3 / 2 / 1
-    programs per SM, rows split over clusters of 4 and 8 CTAs (V = 100000, 151936: partials exchanged,
-    rows claimed), every optional term; the gradient written in place over the logits (as
+    and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304, 100000, 128256, 151936),
+    3 / 2 / 1 programs per SM, rows split over clusters of 2 and 8 CTAs (V > 65536: partials exchanged,
+    rows claimed) with the first chunks of each slice in registers (4 of 8 CTAs x 4 warps at V <= 131072,
+    3 of 8 x 8 warps beyond), every optional term; the gradient written in place over the logits (as
     fused_linear_cross_entropy does) equals the separate buffer; an out-of-range target is flagged and
     its row treated as ignored."""
     calls = _smem_calls(monkeypatch)
@@ -773,7 +774,7 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     ls, zl, softcap, scale = (0.1, 1e-3, None, 1.0) if options == "smoothing_zloss" else (0.0, 0.0, None, 1.0)
     if options == "softcap_scale_rowscale":
         softcap, scale = 20.0, 0.7
-    n = 1100 if v <= 65536 else 1700  # split rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster
+    n = 1100 if v <= 65536 else 2200  # split rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (132 of 8 CTAs)
     gen = torch.Generator(device="cuda").manual_seed(v)
     x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(dtype)
     target = torch.randint(0, v, (n,), device="cuda", generator=gen)
@@ -788,7 +789,9 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     ce.launch_ce(x, target, grad, loss_rows, coef, row_scale, flag, **kwargs)
     torch.cuda.synchronize()
-    assert calls and calls[0] >= 1, "the shared-memory path was not taken"
+    assert calls and calls[0]["grid"] >= 1, "the shared-memory path was not taken"
+    if v > 65536 and torch.cuda.get_device_capability() >= (9, 0):
+        assert calls[0]["in_registers"] > 0, f"the row was not held partly in registers: {calls[0]}"
     assert flag.item() == 1
 
     valid = (target != -100) & (target >= 0) & (target < v)
