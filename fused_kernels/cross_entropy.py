@@ -128,11 +128,13 @@ SMEM_FROM = 8193
 # 0.162 vs 0.151; at 8192 rows 1.506 vs 1.825). Split rows are used from this many rows per cluster.
 SPLIT_MIN_ROWS_PER_CLUSTER = 16
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
+    (36864, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, in_registers=4)),
     (36864, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True)),
     (57344, LaunchConfig(block=2048, warps=8, per_sm=2, smem=True)),
+    (65536, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=2, in_registers=3)),
     (65536, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=2)),
     (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
-    (131072, LaunchConfig(block=1024, warps=4, per_sm=8, smem=True, ctas=8, in_registers=4)),
+    (131072, LaunchConfig(block=1024, warps=4, per_sm=8, smem=True, ctas=8, in_registers=3)),
     (131072, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=4)),
     (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8, in_registers=3)),
     (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8)),
@@ -155,12 +157,15 @@ _CONFIG = {
 @triton.jit
 def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """z = softcap · tanh(s·x / softcap) (or s·x) in fp32. tanh(a) = sign(a)·(1 − e)/(1 + e) with
-    e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp)."""
+    e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp).
+    Per class one exp and one division: the capped kernels are bound by the GPU's special-function
+    units (exp2, reciprocal), so x / softcap is a multiply by the scalar 1 / softcap (two units
+    per class instead of three; benchmarks/session13)."""
     z = x.to(tl.float32)
     if HAS_SCALE:
         z = z * logit_scale
     if HAS_SOFTCAP:
-        a = z / softcap
+        a = z * (1.0 / softcap)
         e = tl.exp(-2.0 * tl.abs(a))
         t = (1.0 - e) / (1.0 + e)
         z = softcap * tl.where(a < 0, -t, t)
@@ -177,7 +182,7 @@ def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.con
     if HAS_TARGET:
         d = tl.where(cols == y, d - coef_y, d)
     if HAS_SOFTCAP:
-        c = tl.minimum(tl.abs(z) / softcap, 1.0)  # |z| <= softcap; masked lanes (z = -inf) give 0, not NaN
+        c = tl.minimum(tl.abs(z) * (1.0 / softcap), 1.0)  # |z| <= softcap; masked lanes (z = -inf) give 0, not NaN
         d = d * (1.0 - c * c)
     return d
 

@@ -315,6 +315,17 @@ def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1, in_regist
 
 
 MAX_IN_REGISTERS = 4  # r0-r3 in the kernel
+# A shared buffer of one chunk ([1, CTAS, T, 8]) does not build on triton 3.6 (PassManager::run failed,
+# benchmarks/session13): chunks held in registers leave at least two in shared memory.
+MIN_SHARED_CHUNKS = 2
+
+
+def registers_allowed(v: int, warps: int, ctas: int, in_registers: int) -> bool:
+    """Whether in_registers chunks of each CTA's share may live in registers: whole chunks only (the
+    masked tail stays in shared memory), at most MAX_IN_REGISTERS, and MIN_SHARED_CHUNKS left."""
+    chunk = chunk_classes(warps, ctas)
+    return in_registers == 0 or (
+        in_registers <= min(MAX_IN_REGISTERS, v // chunk) and triton.cdiv(v, chunk) - in_registers >= MIN_SHARED_CHUNKS)
 
 
 def register_cap(warps: int, per_sm: float) -> int:
@@ -342,9 +353,10 @@ def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_sof
                       has_row_scale: bool, in_registers: int = 0) -> dict:
     """_ce_smem_kernel's constexprs (launch_ce_smem, and scripts/check_sm90.py, which compiles the same
     kernels for sm_90a)."""
-    if not 0 <= in_registers <= min(MAX_IN_REGISTERS, v // chunk_classes(warps, ctas)):
-        raise ValueError(f"cross_entropy_smem: in_registers={in_registers} must lie in 0..{MAX_IN_REGISTERS} "
-                         f"and cover only full chunks of {chunk_classes(warps, ctas)} classes (V = {v})")
+    if in_registers < 0 or not registers_allowed(v, warps, ctas, in_registers):
+        raise ValueError(f"cross_entropy_smem: in_registers={in_registers} must lie in 0..{MAX_IN_REGISTERS}, cover "
+                         f"only full chunks of {chunk_classes(warps, ctas)} classes and leave {MIN_SHARED_CHUNKS} "
+                         f"chunks in shared memory (V = {v}: {triton.cdiv(v, chunk_classes(warps, ctas))} chunks)")
     reg, smem = layouts(warps, ctas)
     return dict(V=v, HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
                 WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
@@ -374,11 +386,10 @@ def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: 
          in_registers: int = 0) -> bool:
     """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, a row split over a
     cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
-    portable cluster size), and in_registers chunks are whole chunks of the row (at most
-    MAX_IN_REGISTERS)."""
+    portable cluster size), and in_registers chunks may live in registers (registers_allowed)."""
     if ctas > 1 and (ctas > 8 or _capability(_index(device)) < (9, 0)):
         return False
-    if in_registers > min(MAX_IN_REGISTERS, v // chunk_classes(warps, ctas)):
+    if not registers_allowed(v, warps, ctas, in_registers):
         return False
     return programs_that_fit(v, warps, element_size, device, ctas, in_registers) >= per_sm
 

@@ -197,6 +197,13 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
             yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, per_sm
 
 
+# Spills allowed to a kernel whose launch caps its registers (maxnreg: cross_entropy_smem's shapes holding
+# chunks in registers). On triton 3.6 the options-on CE kernels spill 72-168 B per thread under the cap
+# and still run 7-12 % faster than the uncapped shapes they replace; triton 3.9 spills 32-40 B for plain
+# CE (benchmarks/session13/README.md). More than this is a regression to look at.
+CAPPED_SPILL_BYTES = 256
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "all"),
@@ -220,7 +227,9 @@ def main() -> None:
     if args.op in ("cross_entropy_smem", "all") and args.dtype != "fp32":
         cases += list(cross_entropy_smem_cases([int(v) for v in args.smem_vocab.split(",")], args.dtype))
     bad = 0
+    capped_spills = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:
+        capped = "maxnreg" in flags  # compile_sm90 takes it out of flags
         try:
             r = compile_sm90(kernel, sig, flags, aligned, num_warps, num_stages)
         except Exception as exc:  # report and go on: one bad candidate should not hide the others
@@ -230,13 +239,18 @@ def main() -> None:
         regs = -(-max(r["regs"], 1) // 8) * 8  # allocated in units of 8 per thread
         resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, (227 * 1024) // max(r["shared"], 1))
         note = ""
-        if r["local"] or r["stack"]:
-            note = "  SPILLS"
+        if capped and r["local"] + r["stack"] <= CAPPED_SPILL_BYTES:
+            # held to the registers that let per_sm CTAs share an SM: a few spilled bytes are the price
+            note = f"  capped, spills {r['local'] + r['stack']} B" if r["local"] or r["stack"] else "  capped"
+            capped_spills += bool(r["local"] or r["stack"])
+        elif r["local"] or r["stack"]:
+            note = f"  SPILLS {r['local'] + r['stack']} B"
             bad += 1
         if per_sm and resident < per_sm:
             note += f"  (grid sized for {per_sm}/SM, {resident} fit)"
         print(f"regs {r['regs']:3d} local {r['local']:4d} shared {r['shared']:6d} fit/SM {resident:2d}  {label}{note}")
-    print(f"{len(cases)} kernels compiled for sm_90a, {bad} with spills or failures")
+    print(f"{len(cases)} kernels compiled for sm_90a, {bad} with spills or failures "
+          f"({capped_spills} register-capped ones spill <= {CAPPED_SPILL_BYTES} B)")
 
 
 if __name__ == "__main__":

@@ -586,20 +586,29 @@ def test_smem_table_rows_and_fallback():
     bounds = [b for b, _ in ce.SMEM_TABLE]
     assert bounds == sorted(bounds) and all(c.smem and c.per_sm >= 1 for _, c in ce.SMEM_TABLE)
     assert not any(c.smem for _, c in ce.LAUNCH_TABLE)
+    unheld = lambda c: c.in_registers == 0  # noqa: E731 - the shapes without chunks in registers
     with ce_config(force=None):
         table_row = ce.launch_config(32000)
         assert not table_row.smem
-        assert ce.launch_config(32000, lambda c: True) is ce.SMEM_TABLE[0][1]
-        assert ce.launch_config(32000, lambda c: c.per_sm <= 2) is ce.SMEM_TABLE[1][1]  # e.g. an A100
+        assert ce.launch_config(32000, lambda c: True).in_registers == 4
+        assert ce.launch_config(32000, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True)
+        assert ce.launch_config(32000, lambda c: c.per_sm <= 2) == ce.LaunchConfig(2048, 8, 2, smem=True)  # A100
         assert ce.launch_config(32000, lambda c: False) is table_row
-        assert ce.launch_config(50304, lambda c: True) is ce.SMEM_TABLE[1][1]
+        assert ce.launch_config(50304, lambda c: True) == ce.LaunchConfig(2048, 8, 2, smem=True)
         # longer rows: split over a cluster of CTAs (Hopper), else unsplit or the Triton kernel
-        assert ce.launch_config(65536, lambda c: True).ctas == 2
-        assert ce.launch_config(65536, lambda c: c.ctas == 1).warps == 32
-        assert ce.launch_config(65537, lambda c: True).ctas == 4
-        assert ce.launch_config(151936, lambda c: True) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=8)
-        assert ce.launch_config(128256, lambda c: True).ctas == 4
-        assert ce.launch_config(262144, lambda c: True).ctas == 8
+        assert ce.launch_config(65536, lambda c: True) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=2,
+                                                                          in_registers=3)
+        assert ce.launch_config(65536, unheld).ctas == 2
+        assert ce.launch_config(65536, lambda c: c.ctas == 1 and not c.in_registers).warps == 32
+        for v in (65537, 128256, 131072):
+            assert ce.launch_config(v, lambda c: True) == ce.LaunchConfig(1024, 4, 8, smem=True, ctas=8,
+                                                                          in_registers=3)
+            assert ce.launch_config(v, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True, ctas=4)
+        for v in (131073, 151936, 262144):
+            assert ce.launch_config(v, lambda c: True) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=8,
+                                                                          in_registers=3)
+        assert ce.launch_config(151936, unheld) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=8)
+        assert ce.launch_config(262144, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True, ctas=8)
         assert ce.launch_config(128256, lambda c: c.ctas == 1) is ce.launch_config(128256)  # e.g. an A100
         assert not ce.launch_config(262145, lambda c: True).smem
         for v in (1, 1000, 4096, 8192):  # held whole in registers by the Triton kernel: one read already
@@ -607,15 +616,37 @@ def test_smem_table_rows_and_fallback():
         assert ce.launch_config(8193, lambda c: True).smem
 
 
+def test_chunks_in_registers_rules():
+    """Which chunks a CTA may hold in registers (whole chunks, at most MAX_IN_REGISTERS, two left in shared
+    memory: a one-chunk buffer does not build), the shared memory the rest takes, and the register cap
+    that lets per_sm CTAs share an SM's 65536 registers."""
+    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    assert smem.registers_allowed(65536, 8, 8, 2) and not smem.registers_allowed(65536, 8, 8, 3)  # 4 chunks
+    assert smem.registers_allowed(20000, 8, 1, 4) and not smem.registers_allowed(20000, 8, 1, 5)
+    assert not smem.registers_allowed(4000, 8, 1, 1)  # one full chunk and the tail: only one would stay
+    assert smem.registers_allowed(100, 8, 1, 0)
+    with pytest.raises(ValueError, match="in_registers=3.*leave 2 chunks in shared memory.*4 chunks"):
+        smem.kernel_constexprs(65536, 8, 8, has_scale=False, has_softcap=False, has_ls=False, has_row_scale=False,
+                               in_registers=3)
+    assert smem.buffer_bytes(128256, 4, 2, 8, 3) == (16 - 3) * 1024 * 2
+    assert smem.buffer_bytes(128256, 4, 2, 8) == 16 * 1024 * 2
+    assert smem.register_cap(4, 8) == 64 and smem.register_cap(8, 4) == 64 and smem.register_cap(8, 3) == 80
+    assert smem.register_cap(4, 1) == 255
+    for bound, cfg in ce.SMEM_TABLE:  # every register row: allowed at its bound, with 64+ registers a thread
+        if cfg.in_registers:
+            assert smem.register_cap(cfg.warps, cfg.per_sm) >= 64, cfg
+            assert smem.registers_allowed(bound, cfg.warps, cfg.ctas, cfg.in_registers), cfg
+
+
 def test_split_rows_only_where_clusters_have_rows_to_loop_over():
     """A row split over a cluster is taken only with >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (the
     640-row chunks of fused_linear_cross_entropy go to the Triton kernel); unsplit rows at any count."""
     class AlwaysFits:
-        def fits(self, v, warps, per_sm, ctas, element_size, device):
+        def fits(self, v, warps, per_sm, ctas, element_size, device, in_registers=0):
             return True
 
     split = ce.launch_config(128256, lambda c: True)
-    assert split.ctas == 4
+    assert split.ctas == 8
     clusters = int(split.per_sm) * 132 // split.ctas
     with ce_config(sm_count=132):
         many = torch.empty(ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters, 8)
@@ -645,8 +676,10 @@ class _FailingSmem:
     def eligible(self, x, grad):
         return grad is not None
 
-    def fits(self, v, warps, per_sm, ctas, element_size, device):
-        return True
+    def fits(self, v, warps, per_sm, ctas, element_size, device, in_registers=0):
+        # a GPU with room for every shape; chunks in registers only where the kernel allows them
+        return importlib.import_module("fused_kernels.cross_entropy_smem").registers_allowed(v, warps, ctas,
+                                                                                              in_registers)
 
     def launch_ce_smem(self, *args, **kwargs):
         self.launches += 1
@@ -678,7 +711,8 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
 
     fake = _FailingSmem()
     monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
-    cfg = ce.SMEM_TABLE[0][1]
+    cfg = ce.launch_config(v, lambda c: ce.smem_shape_fits(fake, logits, c))
+    assert cfg.smem
     monkeypatch.setattr(ce, "_SMEM_LAUNCHED", {(v, torch.float32, cfg, False, False, False, False)})
     with pytest.raises(RuntimeError, match="PassManager"):
         fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)
@@ -692,35 +726,73 @@ class _SplitFailingSmem(_FailingSmem):
         self.ctas = []
 
     def launch_ce_smem(self, *args, **kwargs):
-        self.ctas.append(kwargs["ctas"])
+        self.ctas.append((kwargs["ctas"], kwargs["in_registers"]))
         if kwargs["ctas"] > 1:
             raise RuntimeError("cluster launch failed")
 
 
+class _RegistersFailingSmem(_SplitFailingSmem):
+    """Stands in for cross_entropy_smem on a Triton that cannot cap registers (maxnreg) or build the
+    register chunks."""
+
+    def launch_ce_smem(self, *args, **kwargs):
+        self.ctas.append((kwargs["ctas"], kwargs["in_registers"]))
+        if kwargs["in_registers"]:
+            raise RuntimeError("maxnreg not understood")
+
+
+def _launch_args(n, v):
+    x = torch.empty(n, v)
+    return (x, torch.zeros(n, dtype=torch.long), x, torch.empty(n), torch.ones(1), None,
+            torch.zeros(1, dtype=torch.int32)), dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+
+
 def test_split_row_build_failure_turns_off_split_rows_only(monkeypatch):
     """A row split over a cluster that does not build warns once and turns split rows off; the same call
-    then takes the unsplit shared-memory row (V = 65536), and later calls go straight to it."""
+    then takes the unsplit shared-memory row (V = 65536), and later calls go straight to it. (The
+    first shape tried holds chunks in registers: its failure turns those shapes off first.)"""
     fake = _SplitFailingSmem()
     monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
     monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
     monkeypatch.setattr(ce, "_SPLIT_FAILED", [])
-    n, v = 128, 65536  # >= SPLIT_MIN_ROWS_PER_CLUSTER rows for each of the 6 clusters of 4 SMs
-    x = torch.empty(n, v)
-    args = (x, torch.zeros(n, dtype=torch.long), x, torch.empty(n), torch.ones(1), None,
-            torch.zeros(1, dtype=torch.int32))
-    kwargs = dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
+    monkeypatch.setattr(ce, "_REGISTERS_FAILED", [])
+    # 128 rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows for each of the 8 (6) clusters of 2 CTAs on 4 SMs
+    args, kwargs = _launch_args(128, 65536)
     with ce_config(sm_count=4, force=None):
-        with pytest.warns(RuntimeWarning, match="split over a cluster.*not splitting rows"):
+        with pytest.warns(RuntimeWarning) as warned:
             ce.launch_ce(*args, **kwargs)
-        assert fake.ctas == [2, 1] and ce._SMEM_MODULE == [fake] and ce._SPLIT_FAILED
+        messages = [str(w.message) for w in warned]
+        assert len(messages) == 2, messages
+        assert "chunks of each row in registers" in messages[0] and "not holding chunks in registers" in messages[0]
+        assert "split over a cluster" in messages[1] and "not splitting rows" in messages[1]
+        assert fake.ctas == [(2, 3), (2, 0), (1, 0)] and ce._SMEM_MODULE == [fake] and ce._SPLIT_FAILED
         ce.launch_ce(*args, **kwargs)
-        assert fake.ctas == [2, 1, 1]
+        assert fake.ctas[3:] == [(1, 0)]
+
+
+def test_register_row_build_failure_turns_off_register_rows_only(monkeypatch):
+    """A shape holding chunks in registers that does not build warns once and turns those shapes off;
+    the same call takes the split row without registers (V = 128256: 4 CTAs), and later calls go
+    straight to it."""
+    fake = _RegistersFailingSmem()
+    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
+    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
+    monkeypatch.setattr(ce, "_SPLIT_FAILED", [])
+    monkeypatch.setattr(ce, "_REGISTERS_FAILED", [])
+    args, kwargs = _launch_args(16 * 8, 128256)  # 8 clusters of 8 CTAs on 8 SMs (6 of 4 for the fallback)
+    with ce_config(sm_count=8, force=None):
+        with pytest.warns(RuntimeWarning, match="chunks of each row in registers.*not holding chunks in registers"):
+            ce.launch_ce(*args, **kwargs)
+        assert fake.ctas == [(8, 3), (4, 0)] and ce._REGISTERS_FAILED and not ce._SPLIT_FAILED
+        ce.launch_ce(*args, **kwargs)
+        assert fake.ctas[2:] == [(4, 0)]
 
 
 def test_smem_kernel_compiles_for_sm90():
     """The Gluon kernel compiles for sm_90a with this Triton (the CPU suite cannot run it): every
-    SMEM_TABLE shape, with and without the optional terms, without spills, and each program's shared
-    memory within what programs_that_fit assumes, so that per_sm of them fit an H100/H200 SM."""
+    SMEM_TABLE shape, with and without the optional terms, without spills (a few bytes allowed where the
+    launch caps registers so that per_sm CTAs fit), and each program's shared memory within what
+    programs_that_fit assumes, so that per_sm of them fit an H100/H200 SM."""
     import os
     import subprocess
     import sys
@@ -732,7 +804,8 @@ def test_smem_kernel_compiles_for_sm90():
                            "cross_entropy_smem"], capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "16 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    # spills: none, except <= check_sm90.CAPPED_SPILL_BYTES where the launch caps registers (in_registers)
+    assert "28 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
     assert "grid sized for" not in out, out
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
     for line in out.splitlines():
@@ -740,8 +813,10 @@ def test_smem_kernel_compiles_for_sm90():
             shared = int(line.split("shared")[1].split()[0])
             v = int(line.split("V=")[1].split()[0])
             warps = int(line.split("warps=")[1].split(",")[0])
-            ctas = int(line.split("ctas=")[1].split(")")[0])
-            assert shared <= smem.buffer_bytes(v, warps, 2, ctas) + smem._SMEM_SLACK, line
+            ctas = int(line.split("ctas=")[1].split(",")[0])
+            in_registers = int(line.split("in_registers=")[1].split(")")[0])
+            assert shared <= smem.buffer_bytes(v, warps, 2, ctas, in_registers) + smem._SMEM_SLACK, line
+            assert ("capped" in line) == (in_registers > 0), line
 
 
 def _smem_calls(monkeypatch):
@@ -758,15 +833,23 @@ def _smem_calls(monkeypatch):
     return calls
 
 
+# (V, rows, whether an H100/H200 holds chunks in registers): split rows need >= SPLIT_MIN_ROWS_PER_CLUSTER
+# rows per cluster (264 clusters of 2 CTAs at V = 65536, 132 of 8 beyond); 65536 x 1100 takes the
+# unsplit 32-warp row
+SMEM_CASES = [(32000, 1100, True), (20000, 1100, True), (50304, 1100, False), (65536, 1100, False),
+              (65536, 4300, True), (100000, 2200, True), (128256, 2200, True), (151936, 2200, True),
+              (262144, 2200, True)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [32000, 20000, 50304, 65536, 100000, 128256, 151936, 262144])
+@pytest.mark.parametrize("v,n,in_registers", SMEM_CASES)
 @pytest.mark.parametrize("options", ["plain", "smoothing_zloss", "softcap_scale_rowscale", "fp16"])
-def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
+def test_gpu_smem_path_matches_reference(monkeypatch, v, n, in_registers, options):
     """The shared-memory kernel against float64 at several times its grid in rows (so each program loops
     and prefetches), with ignored rows, a masked tail chunk (V = 20000, 50304, 100000, 128256, 151936),
-    3 / 2 / 1 programs per SM, rows split over clusters of 2 and 8 CTAs (V > 65536: partials exchanged,
-    rows claimed) with the first chunks of each slice in registers (4 of 8 CTAs x 4 warps at V <= 131072,
-    3 of 8 x 8 warps beyond), every optional term; the gradient written in place over the logits (as
+    4 / 3 / 2 / 1 programs per SM, rows split over clusters of 2 and 8 CTAs (partials exchanged, rows
+    claimed), the first chunks of each slice in registers (SMEM_TABLE's in_registers rows), every
+    optional term; the gradient written in place over the logits (as
     fused_linear_cross_entropy does) equals the separate buffer; an out-of-range target is flagged and
     its row treated as ignored."""
     calls = _smem_calls(monkeypatch)
@@ -774,7 +857,6 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     ls, zl, softcap, scale = (0.1, 1e-3, None, 1.0) if options == "smoothing_zloss" else (0.0, 0.0, None, 1.0)
     if options == "softcap_scale_rowscale":
         softcap, scale = 20.0, 0.7
-    n = 1100 if v <= 65536 else 2200  # split rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (132 of 8 CTAs)
     gen = torch.Generator(device="cuda").manual_seed(v)
     x = (torch.randn(n, v, device="cuda", generator=gen) * 3).to(dtype)
     target = torch.randint(0, v, (n,), device="cuda", generator=gen)
@@ -790,8 +872,8 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, options):
     ce.launch_ce(x, target, grad, loss_rows, coef, row_scale, flag, **kwargs)
     torch.cuda.synchronize()
     assert calls and calls[0]["grid"] >= 1, "the shared-memory path was not taken"
-    if v > 65536 and torch.cuda.get_device_capability() >= (9, 0):
-        assert calls[0]["in_registers"] > 0, f"the row was not held partly in registers: {calls[0]}"
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert (calls[0]["in_registers"] > 0) == in_registers, f"registers expected: {in_registers}; {calls[0]}"
     assert flag.item() == 1
 
     valid = (target != -100) & (target >= 0) & (target < v)

@@ -8,7 +8,10 @@ Then the optional terms (label smoothing 0.1 + softcap 30, the register rows' sp
 triton 3.6): each shape's loss and gradient against the previous shape's (the gpu tests check both
 against float64), and their times.
 
-    PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8 python3 benchmarks/session13/exp_ce_register_rows.py
+    PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8 python3 benchmarks/session13/exp_ce_register_rows.py [--part2]
+
+The first call's results: exp_ce_register_rows.txt (library 27f56b6, the register rows as first
+committed); --part2: exp_ce_register_rows_part2.txt.
 """
 
 from __future__ import annotations
@@ -45,10 +48,14 @@ SHAPES = {
     "8 CTAs x 8 warps, 4/SM (before)": LC(2048, 8, 4, smem=True, ctas=8),
     "8 CTAs x 8 warps, 3/SM (before)": LC(2048, 8, 3, smem=True, ctas=8),
     "8 CTAs x 8 warps, 3 in regs, 4/SM": LC(2048, 8, 4, smem=True, ctas=8, in_registers=3),
+    # part 2 (the second call): 50304's unsplit row, and 8 CTAs of 4 warps at 7 per SM for 151936
+    "1 CTA x 8 warps, 2/SM (before)": LC(2048, 8, 2, smem=True),
+    "8 CTAs x 4 warps, 4 in regs, 7/SM": LC(1024, 4, 7, smem=True, ctas=8, in_registers=4),
 }
 VOCABS = (32000, 65536, 100352, 128256, 131072, 151936, 201088, 256000, 262144)
 # the previous table's shape for V (what the new rows replace) and the optional-term comparison
-BEFORE = {32000: "1 CTA x 8 warps, 3/SM (before)", 65536: "2 CTAs x 8 warps, 3/SM (before)",
+BEFORE = {16384: "1 CTA x 8 warps, 3/SM (before)", 32768: "1 CTA x 8 warps, 3/SM (before)",
+          50304: "1 CTA x 8 warps, 2/SM (before)", 32000: "1 CTA x 8 warps, 3/SM (before)", 65536: "2 CTAs x 8 warps, 3/SM (before)",
           100352: "4 CTAs x 8 warps, 3/SM (before)", 128256: "4 CTAs x 8 warps, 3/SM (before)",
           131072: "4 CTAs x 8 warps, 3/SM (before)", 151936: "8 CTAs x 8 warps, 4/SM (before)",
           201088: "8 CTAs x 8 warps, 3/SM (before)", 256000: "8 CTAs x 8 warps, 3/SM (before)",
@@ -83,11 +90,10 @@ def plain(vocabs):
         torch.cuda.empty_cache()
 
 
-def with_options(vocabs):
+def with_options(vocabs, option_sets=(dict(label_smoothing=0.1, softcap=30.0),)):
     from ce_case import ce_case, copy_ms
     from tune_cross_entropy import queued_ms
-    opts = dict(label_smoothing=0.1, softcap=30.0)
-    for v in vocabs:
+    for v, opts in ((v, o) for v in vocabs for o in option_sets):
         case = ce_case(v, n=8192, ref_rows=256, ignored=True)
         copy = copy_ms(case.x, timer=queued_ms)
         before = SHAPES[BEFORE[v]]
@@ -100,17 +106,22 @@ def with_options(vocabs):
         dl = ((case.loss - loss0).abs().max() / loss0.abs().max()).item()
         dg = ((case.grad.float() - grad0.float()).abs().max() / grad0.float().abs().max()).item()
         nan = case.loss.isnan().any().item() or case.grad.isnan().any().item()
-        print(f"V={v} label smoothing 0.1 + softcap 30, 10 % ignored: {now} against {BEFORE[v]}: loss rel diff "
+        print(f"V={v} {opts}, 10 % ignored: {now} against {BEFORE[v]}: loss rel diff "
               f"{dl:.1e}, grad rel diff {dg:.1e} {'WRONG' if nan or dl > 1e-5 or dg > 1e-2 else 'ok'}", flush=True)
         for rnd in range(3):
             for label, cfg in (("before", before), ("now", now)):
                 ms = queued_ms(forced(case, cfg, **opts), reps=15)
-                print(f"  V={v} options round {rnd}: {ms:.3f} ms  {copy / ms:5.1%} of copy  {label} {cfg}", flush=True)
+                print(f"  V={v} {opts} round {rnd}: {ms:.3f} ms  {copy / ms:5.1%} of copy  {label} {cfg}", flush=True)
         case = loss0 = grad0 = None
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
-    plain(VOCABS)
-    with_options((128256, 151936, 262144))
+    if "--part2" in sys.argv:  # the second call: after softcap's x / softcap became a multiply
+        plain((16384, 32768, 50304, 65536, 151936))
+        with_options((128256, 262144), (dict(softcap=30.0), dict(label_smoothing=0.1),
+                                        dict(label_smoothing=0.1, softcap=30.0)))
+    else:
+        plain(VOCABS)
+        with_options((128256, 151936, 262144))
