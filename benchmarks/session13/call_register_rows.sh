@@ -8,4 +8,4 @@ source scripts/device_env.sh >/dev/null 2>&1
 export PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8:$PYTHONPATH
 [ "${TEST_S:-240}" = 0 ] || timeout ${TEST_S:-240} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_cross_entropy.py ${TEST_K:+-k "$TEST_K"} 2>&1 \
   | tail -n 25 | tee "$OUT/gpu_tests_ce.log"
-timeout ${EXP_S:-320} python3 benchmarks/session13/exp_ce_register_rows.py ${EXP_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/exp_ce_register_rows${EXP_ARGS:+_part2}.txt"
+timeout ${EXP_S:-320} python3 benchmarks/session13/exp_ce_register_rows.py ${EXP_ARGS:-} 2>&1 | grep -v Warn | tee "$OUT/exp_ce_register_rows${EXP_ARGS:+_${EXP_ARGS#--}}.txt"

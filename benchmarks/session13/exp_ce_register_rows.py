@@ -8,10 +8,10 @@ Then the optional terms (label smoothing 0.1 + softcap 30, the register rows' sp
 triton 3.6): each shape's loss and gradient against the previous shape's (the gpu tests check both
 against float64), and their times.
 
-    PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8 python3 benchmarks/session13/exp_ce_register_rows.py [--part2]
+    PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8 python3 benchmarks/session13/exp_ce_register_rows.py [--part2 | --part3]
 
 The first call's results: exp_ce_register_rows.txt (library 27f56b6, the register rows as first
-committed); --part2: exp_ce_register_rows_part2.txt.
+committed); --part2 / --part3: exp_ce_register_rows_part2.txt / _part3.txt.
 """
 
 from __future__ import annotations
@@ -51,7 +51,15 @@ SHAPES = {
     # part 2 (the second call): 50304's unsplit row, and 8 CTAs of 4 warps at 7 per SM for 151936
     "1 CTA x 8 warps, 2/SM (before)": LC(2048, 8, 2, smem=True),
     "8 CTAs x 4 warps, 4 in regs, 7/SM": LC(1024, 4, 7, smem=True, ctas=8, in_registers=4),
+    # part 3: 8 CTAs of 4 warps at fewer CTAs per SM (more registers) for the longer rows
+    "8 CTAs x 4 warps, 3 in regs, 7/SM": LC(1024, 4, 7, smem=True, ctas=8, in_registers=3),
+    "8 CTAs x 4 warps, 4 in regs, 6/SM": LC(1024, 4, 6, smem=True, ctas=8, in_registers=4),
+    "8 CTAs x 4 warps, 4 in regs, 5/SM": LC(1024, 4, 5, smem=True, ctas=8, in_registers=4),
+    "8 CTAs x 4 warps, 4 in regs, 4/SM": LC(1024, 4, 4, smem=True, ctas=8, in_registers=4),
 }
+PART3 = ("8 CTAs x 4 warps, 3 in regs, 8/SM", "8 CTAs x 4 warps, 4 in regs, 7/SM", "8 CTAs x 4 warps, 3 in regs, 7/SM",
+         "8 CTAs x 4 warps, 4 in regs, 6/SM", "8 CTAs x 4 warps, 4 in regs, 5/SM", "8 CTAs x 4 warps, 4 in regs, 4/SM",
+         "8 CTAs x 8 warps, 3 in regs, 4/SM")
 VOCABS = (32000, 65536, 100352, 128256, 131072, 151936, 201088, 256000, 262144)
 # the previous table's shape for V (what the new rows replace) and the optional-term comparison
 BEFORE = {16384: "1 CTA x 8 warps, 3/SM (before)", 32768: "1 CTA x 8 warps, 3/SM (before)",
@@ -75,7 +83,7 @@ def forced(case, cfg, **options):
     return run
 
 
-def plain(vocabs):
+def plain(vocabs, names=None):
     from ce_case import ce_case, check_and_time, copy_ms
     from tune_cross_entropy import queued_ms
     for v in vocabs:
@@ -83,8 +91,8 @@ def plain(vocabs):
         copy = copy_ms(case.x, timer=queued_ms)
         table = ce.launch_config(v, lambda c: ce.smem_shape_fits(smem, case.x, c))
         print(f"V={v}: copy {copy:.3f} ms; the table's shape now {table}", flush=True)
-        runs = [(name, forced(case, cfg)) for name, cfg in SHAPES.items()
-                if v >= ce.SMEM_FROM and smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, 2, case.x.device, cfg.in_registers)]
+        runs = [(name, forced(case, cfg)) for name, cfg in SHAPES.items() if (names is None or name in names)
+                and v >= ce.SMEM_FROM and smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, 2, case.x.device, cfg.in_registers)]
         check_and_time(case, runs, copy, rounds=3, timer=queued_ms)
         case = None
         torch.cuda.empty_cache()
@@ -118,7 +126,9 @@ def with_options(vocabs, option_sets=(dict(label_smoothing=0.1, softcap=30.0),))
 
 if __name__ == "__main__":
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
-    if "--part2" in sys.argv:  # the second call: after softcap's x / softcap became a multiply
+    if "--part3" in sys.argv:
+        plain((128256, 151936, 201088, 256000, 262144), PART3)
+    elif "--part2" in sys.argv:  # the second call: after softcap's x / softcap became a multiply
         plain((16384, 32768, 50304, 65536, 151936))
         with_options((128256, 262144), (dict(softcap=30.0), dict(label_smoothing=0.1),
                                         dict(label_smoothing=0.1, softcap=30.0)))
