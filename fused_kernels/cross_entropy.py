@@ -36,8 +36,9 @@ bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read
 floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
 
 On a GPU, rows of 8193 to 262144 16-bit classes are instead held in shared memory by the Gluon kernel of
-fused_kernels/cross_entropy_smem.py (read from HBM once, 20–25 % faster; SMEM_TABLE; rows over 65536
-classes split over a thread-block cluster of 4 or 8 SMs, Hopper and later), when the tensors allow it;
+fused_kernels/cross_entropy_smem.py (read from HBM once, 20–35 % faster; SMEM_TABLE; rows of 65536
+classes and more split over a thread-block cluster of 2 or 8 SMs, Hopper and later), when the tensors
+allow it;
 this module's Triton kernel is the path everywhere else, and the CPU's.
 
 Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
@@ -119,6 +120,12 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
 # 0.643 ms (1 per SM unsplit 0.740, table 0.817, copy 0.511), 128256 1.273 (table 1.508, copy 0.998),
 # 151936 1.568 (3 per SM 1.694, table 1.800, copy 1.166), 262144 2.654 (table 3.191, copy 2.012).
 # Without clusters (before Hopper) V = 65536 takes the unsplit row and longer rows the Triton kernel.
+# Rows with in_registers hold the first chunks of each CTA's share in registers and cap ptxas's registers
+# (maxnreg) so that per_sm CTAs fit: more rows in flight per SM (benchmarks/session13, 8192 rows, ms, %
+# of a copy of the logits; before = the shape without registers): V = 32000 0.282 (0.284), 65536 0.573
+# (0.597), 128256 1.115-1.126 (1.239, 88 %), 151936 1.312 (1.521, 89 %; 7 per SM), 201088 1.782 (1.933;
+# 5 per SM), 256000 2.281 (2.503), 262144 2.321-2.344 (2.588, 86 %). The shapes without registers stay
+# as fallbacks (fewer rows than the register shape's clusters want, or a Triton that cannot build them).
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
 # (one read already; the shared-memory kernel was measured from V = 16384 up).
 SMEM_FROM = 8193
@@ -136,8 +143,10 @@ SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (65536, LaunchConfig(block=8192, warps=32, per_sm=1, smem=True)),
     (131072, LaunchConfig(block=1024, warps=4, per_sm=8, smem=True, ctas=8, in_registers=3)),
     (131072, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=4)),
-    (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8, in_registers=3)),
-    (196608, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8)),
+    (212992, LaunchConfig(block=1024, warps=4, per_sm=7, smem=True, ctas=8, in_registers=4)),
+    (212992, LaunchConfig(block=1024, warps=4, per_sm=6, smem=True, ctas=8, in_registers=4)),
+    (212992, LaunchConfig(block=1024, warps=4, per_sm=5, smem=True, ctas=8, in_registers=4)),
+    (212992, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8)),
     (262144, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, ctas=8, in_registers=3)),
     (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )

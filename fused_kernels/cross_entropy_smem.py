@@ -24,14 +24,22 @@ CTAS classes; each thread copies and reads the same 16 bytes of every chunk).
   - z_y is read from global memory before anything is written (and before the cluster barrier), so
     the gradient may overwrite the logits in place (fused_linear_cross_entropy); a program's next row
     is a different row.
-Several CTAs per SM overlap their phases (one loads while another computes).
+Several CTAs per SM overlap their phases (one loads while another computes). More of them hide more
+latency, and shared memory is what limits them: with IN_REGS > 0 the first IN_REGS chunks of each
+CTA's share live in registers instead (plain loads, the next row's issued right after each chunk's
+gradient is stored), the buffer shrinks by as much, and the launch caps ptxas at the registers that
+let per_sm CTAs share an SM (maxnreg = 65536 / (per_sm · threads); a few bytes spill with the optional
+terms). At V = 128256 that is 8 CTAs of 4 warps per SM, 132 rows in flight instead of 92.
 
 Bytes moved, 8192 × 32000 bf16: read 524 MB + write 524 MB, the copy floor; the two-sweep kernel moved
 ~30 % more through HBM (second sweep missing L2). H200, triton 3.6, no ignored rows
 (benchmarks/session9/exp_ce_library.txt; table = the Triton kernel, copy = a copy of the logits):
 V = 16384 0.184 ms (table 0.200, copy 0.134); 32000 0.322 (0.399, 0.254); 50304 0.495 (0.648, 0.394);
 65536 split over 2 CTAs 0.643 (0.817, 0.511); 128256 over 4 1.273 (1.508, 0.998); 151936 over 8 1.568
-(1.800, 1.166); 262144 over 8 2.654 (3.191, 2.012): 69-80 % of a copy.
+(1.800, 1.166); 262144 over 8 2.654 (3.191, 2.012): 69-80 % of a copy. With chunks in registers
+(benchmarks/session13/exp_ce_register_rows*.txt): 32000 0.282, 65536 0.573, 128256 1.115-1.126,
+151936 1.312, 201088 1.782, 262144 2.321-2.344: 86-89 % of a copy. With softcap the kernel is bound by
+the special-function units (exp2 and a reciprocal for tanh in both passes): 45 % of a copy.
 
 When it runs (`eligible` and `fits`): a CUDA device of compute capability >= 8.0 (cp.async; 9.0 for
 clusters) with Gluon importable, not the interpreter, 16-bit logits and gradient, row strides a
