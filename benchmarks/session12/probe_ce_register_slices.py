@@ -1,5 +1,8 @@
-"""Probe (session 12, prepared, compile-checked, NOT run on a GPU): split CE rows with part of each
-CTA's slice held in registers, so that more CTAs (rows) fit per SM.
+"""Probe (session 12, prepared, compile-checked; run in session 13: benchmarks/session13/
+probe_ce_register_slices_h200.txt): split CE rows with part of each CTA's slice held in registers, so
+that more CTAs (rows) fit per SM. It won and is now part of the library (LaunchConfig.in_registers in
+fused_kernels/cross_entropy*.py); its replacements match the library's source as of 6d68732 only, so
+run it at that commit.
 
 Why (benchmarks/session12/README.md): the split-row kernel sits at ~80 % of a copy at V = 128256. About
 4 of the 7.5 points it loses against the unsplit kernel are occupancy. A 4-CTA cluster's CTAs each hold
