@@ -102,6 +102,22 @@ if gluon is not None:
         return d.to(grad_ptr.dtype.element_ty)
 
     @gluon.jit
+    def _stats_full(x, m2, s, sumz, logit_scale, softcap, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
+                    HAS_LS: gl.constexpr):
+        """_stats_chunk for a full chunk of 16-bit logits x (no masked classes)."""
+        z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        return _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+
+    @gluon.jit
+    def _register_chunk(x, k: gl.constexpr, g_row, nxt_row, CHUNK: gl.constexpr, offs, y_chunk, yc, lse2, coef_p,
+                        coef_u, coef_y, logit_scale, softcap, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr):
+        """Pass 2 for register chunk k (a full chunk, logits x): its gradient stored, then the same chunk of
+        the program's next row loaded and returned (it takes x's registers)."""
+        gl.store(g_row + k * CHUNK + offs, _chunk_grad(x, k, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                                       logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, g_row))
+        return gl.load(nxt_row + k * CHUNK + offs)
+
+    @gluon.jit
     def slice_offsets(CTAS: gl.constexpr, T: gl.constexpr, REG: gl.constexpr):
         """[CTAS, T, 8] offsets within a chunk of CTAS·T·8 classes (columns) in layout REG: CTA k's slice
         is k·T·8 onwards, thread t's 8 consecutive ones t·8 onwards within it."""
@@ -210,20 +226,16 @@ if gluon is not None:
             s = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
             sumz = gl.full([CTAS, T], 0.0, gl.float32, per_thread)
             if IN_REGS > 0:
-                z = _capped(r0, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+                m2, s, sumz = _stats_full(r0, m2, s, sumz, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             if IN_REGS > 1:
-                z = _capped(r1, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+                m2, s, sumz = _stats_full(r1, m2, s, sumz, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             if IN_REGS > 2:
-                z = _capped(r2, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+                m2, s, sumz = _stats_full(r2, m2, s, sumz, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             if IN_REGS > 3:
-                z = _capped(r3, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+                m2, s, sumz = _stats_full(r3, m2, s, sumz, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             for i in range(IN_REGS, NFULL):
-                z = _capped(buf.index(i - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-                m2, s, sumz = _stats_chunk(z, z, m2, s, sumz, HAS_LS)
+                m2, s, sumz = _stats_full(buf.index(i - IN_REGS).load(REG), m2, s, sumz, logit_scale, softcap,
+                                          HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             if TAIL:
                 z = _capped(buf.index(NFULL - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz,
@@ -272,24 +284,17 @@ if gluon is not None:
             g_row = grad_ptr + row * grad_stride
             if IN_REGS > 0:
                 nxt_kept = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * x_stride
-                gl.store(g_row + offs, _chunk_grad(r0, 0, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
-                                                   logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, grad_ptr))
-                r0 = gl.load(nxt_kept + offs)
+                r0 = _register_chunk(r0, 0, g_row, nxt_kept, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                     logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             if IN_REGS > 1:
-                gl.store(g_row + CHUNK + offs, _chunk_grad(r1, 1, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
-                                                           coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
-                                                           grad_ptr))
-                r1 = gl.load(nxt_kept + CHUNK + offs)
+                r1 = _register_chunk(r1, 1, g_row, nxt_kept, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                     logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             if IN_REGS > 2:
-                gl.store(g_row + 2 * CHUNK + offs, _chunk_grad(r2, 2, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
-                                                               coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
-                                                               grad_ptr))
-                r2 = gl.load(nxt_kept + 2 * CHUNK + offs)
+                r2 = _register_chunk(r2, 2, g_row, nxt_kept, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                     logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             if IN_REGS > 3:
-                gl.store(g_row + 3 * CHUNK + offs, _chunk_grad(r3, 3, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
-                                                               coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP,
-                                                               grad_ptr))
-                r3 = gl.load(nxt_kept + 3 * CHUNK + offs)
+                r3 = _register_chunk(r3, 3, g_row, nxt_kept, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u, coef_y,
+                                     logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             for i in range(IN_REGS, NCHUNK):
                 d = _chunk_grad(buf.index(i - IN_REGS).load(REG), i, CHUNK, offs, y_chunk, yc, lse2, coef_p, coef_u,
                                 coef_y, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP, grad_ptr)
