@@ -198,9 +198,10 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
 
 
 # Spills allowed to a kernel whose launch caps its registers (maxnreg: cross_entropy_smem's shapes holding
-# chunks in registers). On triton 3.6 the options-on CE kernels spill 72-168 B per thread under the cap
-# and still run 7-12 % faster than the uncapped shapes they replace; triton 3.9 spills 32-40 B for plain
-# CE (benchmarks/session13/README.md). More than this is a regression to look at.
+# chunks in registers). With every optional term on, triton 3.6 spills 8-160 B per thread under the cap
+# (none for plain CE), triton 3.9 48-192 B (0-32 B plain); the options-on kernels timed (72-80 B at
+# V = 128256 and 262144) still ran 7-12 % faster than the uncapped shapes they replace
+# (benchmarks/session13/README.md). More than this is a regression to look at.
 CAPPED_SPILL_BYTES = 256
 
 
