@@ -198,12 +198,12 @@ def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.con
 
 @triton.jit
 def _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS: tl.constexpr):
-    loss = lse + z_loss * lse * lse
-    if HAS_LS:
-        loss = loss - (1.0 - label_smoothing) * zy - label_smoothing * inv_v * sumz
-    else:
-        loss = loss - zy
-    return loss
+    """lse − z_y first: the loss may cancel to far below lse (p_y → 1, or V = 1), and each term added
+    before that difference would be rounded at lse's scale (ε·(z_y − mean z) likewise, 0 when V = 1)."""
+    loss = lse - zy
+    if HAS_LS:  # (this grouping: no spills in cross_entropy_smem's 4- and 8-CTA kernels on triton 3.9)
+        loss = loss + label_smoothing * zy - (label_smoothing * inv_v) * sumz
+    return loss + z_loss * lse * lse
 
 
 @triton.jit

@@ -275,6 +275,23 @@ def test_large_logits_and_minus_inf():
             assert_close(leaf.grad, x64.grad, torch.float32, f"grad {name}")
 
 
+def test_small_loss_is_not_rounded_at_the_scale_of_lse():
+    """One class per row: lse = z_y, so the loss is λ·z_y² alone (≈ 1e-3 at z ≈ 3), far below lse. Adding
+    λ·lse² (or the smoothing terms) to lse before subtracting z_y rounded it at lse's scale: errors of
+    ~1e-4 relative in fp32 (a CI failure of the FLCE property test, at 1.04e-5)."""
+    x = torch.tensor([[3.0], [-2.5], [0.59212273], [7.0]])
+    target = torch.zeros(4, dtype=torch.long)
+    for name in ("whole_row", "blocks", "persistent"):
+        for ls, zl in ((0.1, 1e-4), (0.0, 1e-4), (0.1, 0.0)):
+            with ce_config(**LAUNCHES[name]):
+                loss = fused_kernels.cross_entropy(x.clone(), target, reduction="none", label_smoothing=ls, z_loss=zl)
+            ref = reference_loss(x.double(), target, -100, "none", ls, zl, None)
+            if zl == 0.0:
+                assert torch.all(loss == 0), f"{name} ls={ls}: {loss.tolist()}"
+            else:
+                assert_close(loss, ref, torch.float32, f"loss {name} ls={ls} zl={zl}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Edge cases of the semantics
 

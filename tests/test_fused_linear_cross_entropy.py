@@ -15,7 +15,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fused_kernels
@@ -123,6 +123,10 @@ def check_against_reference(n, h, v, dtype, has_bias, reduction, ignore, ignore_
     rows=st.integers(1, 16),
     seed=st.integers(0, 2**31 - 1),
 )
+# a CI failure (loss 1.04e-5 off): one class, so the loss is λ·z² ≪ lse, rounded at lse's scale before
+@example(n=1, h=8, v=1, dtype=torch.float32, has_bias=True, reduction="mean", ignore="none", ignore_index=-100, ls=0.1,
+         zl=0.01, softcap=None, logit_scale=1.0, num_items=None, upstream="one", grads_for="all", layout="contiguous",
+         rows=1, seed=16777216)
 def test_matches_reference(n, h, v, dtype, has_bias, reduction, ignore, ignore_index, ls, zl, softcap, logit_scale,
                            num_items, upstream, grads_for, layout, rows, seed):
     if reduction == "none":
