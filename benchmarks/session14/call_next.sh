@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prepared in session 14 for the next session's first device call (<= ~9 min; carry [".whl"]): the three
+# experiments that session could not run, in order of what they decide, each under its own time limit.
+#   1. call_ring.sh: session 13's ring exchange (two slots per cluster: CE scratch 0.8 MiB -> ~30 KB, the
+#      "0 extra" of the CE target) with the shared-memory gpu tests, and CE 128256 / 262144 timed.
+#   2. call_rms_regs.sh: the RMSNorm long-row backward read once, w_eff and dw in registers (the one
+#      RMSNorm target not met).
+#   3. call_flce_granule.sh: FLCE chunk rows at the Gemma-like shape and Qwen3's lm_head.
+# The patch of 1 stays applied on the device's copy for 2 and 3 (FLCE's chunks run the CE kernel).
+# Afterwards, here: if 1 passed, `git apply benchmarks/session13/ring_exchange.patch` and commit; then the
+# full table (benchmarks/session12/call_table.sh, PART=kernels then PART=e2e).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+TEST_S=${TEST_S:-110} EXP_S=${EXP_S:-70} bash benchmarks/session14/call_ring.sh
+git apply --check -R benchmarks/session13/ring_exchange.patch 2>/dev/null || echo "NOTE: the ring patch is not applied"
+EXP_S=${RMS_S:-170} bash benchmarks/session14/call_rms_regs.sh
+GEMMA_S=${GEMMA_S:-120} QWEN_S=${QWEN_S:-60} bash benchmarks/session14/call_flce_granule.sh
