@@ -49,10 +49,14 @@ MAX_CHUNKS = 4  # w0-w3, dw0-dw3, x0-x3 / d0-d3 below
 
 
 @gluon.jit
-def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, offset):
+def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr):
     """w_eff of chunk k of this thread's columns, rounded to the weight's dtype (llama: torch adds
-    offset + weight there) and kept in it: 8 values in 4 registers."""
-    return (gl.load(w_ptr + k * CHUNK + offs).to(gl.float32) + offset).to(w_ptr.dtype.element_ty)
+    offset + weight there) and kept in it: 8 values in 4 registers. OFFSET is a constexpr: with 0 (most
+    models) w_eff is w as loaded, no add and no rounding per use."""
+    w = gl.load(w_ptr + k * CHUNK + offs)
+    if OFFSET != 0.0:
+        w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
+    return w
 
 
 @gluon.jit
@@ -74,13 +78,14 @@ def _grad_chunk(x, dy, w, rstd, c, dw, dx_ptrs):
 
 
 @gluon.jit
-def _w_use(k: gl.constexpr, W_REGS: gl.constexpr, w_ptr, CHUNK: gl.constexpr, offs, offset, w0, w1, w2, w3):
+def _w_use(k: gl.constexpr, W_REGS: gl.constexpr, w_ptr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, w0, w1, w2,
+           w3):
     """w_eff of chunk k: the launch-long registers (W_REGS), or loaded again (an L1 hit: a CTA's slice of
     w is 16 KB) to give those 16 registers to more CTAs per SM."""
     if W_REGS:
         w = _pick(k, w0, w1, w2, w3)
     else:
-        w = _w_chunk(w_ptr, k, CHUNK, offs, offset)
+        w = _w_chunk(w_ptr, k, CHUNK, offs, OFFSET)
     return w
 
 
@@ -98,8 +103,8 @@ def _pick(k: gl.constexpr, a0, a1, a2, a3):
 
 @gluon.jit
 def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
-                         n_rows, stride, offset,
-                         N: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
+                         n_rows, stride,
+                         OFFSET: gl.constexpr, N: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
                          SMEM: gl.constexpr, IN_REGS: gl.constexpr, W_REGS: gl.constexpr, CLAIM: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     CHUNK: gl.constexpr = CTAS * T * 8
@@ -120,13 +125,13 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
     w2 = w0
     w3 = w0
     if W_REGS:
-        w0 = _w_chunk(w_ptr, 0, CHUNK, offs, offset)
+        w0 = _w_chunk(w_ptr, 0, CHUNK, offs, OFFSET)
         if NCHUNK > 1:
-            w1 = _w_chunk(w_ptr, 1, CHUNK, offs, offset)
+            w1 = _w_chunk(w_ptr, 1, CHUNK, offs, OFFSET)
         if NCHUNK > 2:
-            w2 = _w_chunk(w_ptr, 2, CHUNK, offs, offset)
+            w2 = _w_chunk(w_ptr, 2, CHUNK, offs, OFFSET)
         if NCHUNK > 3:
-            w3 = _w_chunk(w_ptr, 3, CHUNK, offs, offset)
+            w3 = _w_chunk(w_ptr, 3, CHUNK, offs, OFFSET)
     dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
     dw1 = dw0
     dw2 = dw0
@@ -167,7 +172,7 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
         async_copy.wait_group(0)
         acc = gl.zeros([CTAS, T], gl.float32, per_thread)
         for k in gl.static_range(NCHUNK):
-            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, offset, w0, w1, w2, w3)
+            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, w0, w1, w2, w3)
             if k < IN_REGS:
                 acc = _dot_chunk(_pick(k, x0, x1, x2, x2), _pick(k, d0, d1, d2, d2), wk, rstd, acc)
             else:
@@ -201,7 +206,7 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
             else:
                 xk = xbuf.index(k - IN_REGS).load(REG)
                 dk = dybuf.index(k - IN_REGS).load(REG)
-            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, offset, w0, w1, w2, w3)
+            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, w0, w1, w2, w3)
             dwk = _grad_chunk(xk, dk, wk, rstd, c, _pick(k, dw0, dw1, dw2, dw3), dxrow + k * CHUNK + offs)
             if k == 0:
                 dw0 = dwk
@@ -248,12 +253,13 @@ def check_shape(n: int, warps: int, ctas: int, in_regs: int) -> None:
                          f"{chunk} columns, with >= 2 of them in shared memory and <= 3 in registers")
 
 
-def meta(n: int, warps: int, ctas: int, in_regs: int, w_regs: bool, claim: bool = False) -> dict:
+def meta(n: int, warps: int, ctas: int, in_regs: int, w_regs: bool, claim: bool = False, offset: float = 0.0) -> dict:
     check_shape(n, warps, ctas, in_regs)
     if claim and ctas == 1:
         raise ValueError("rows are claimed by clusters (ctas > 1)")
     reg, smem = smem_ce.layouts(warps, ctas)
-    return dict(N=n, WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_regs, W_REGS=w_regs, CLAIM=claim)
+    return dict(OFFSET=float(offset), N=n, WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_regs, W_REGS=w_regs,
+                CLAIM=claim)
 
 
 def launch(dy, x, w, rstd, warps, ctas, per_sm, in_regs, w_regs, claim, sms, offset=0.0):
@@ -266,7 +272,7 @@ def launch(dy, x, w, rstd, warps, ctas, per_sm, in_regs, w_regs, claim, sms, off
     next_rows = torch.empty(clusters * 3, dtype=torch.int32, device=x.device)
     counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     _rms_bwd_regs_kernel[(clusters,)](dy, x, w, rstd, dx, dw_part, partials, next_rows, counter, n_rows, x.stride(0),
-                                      offset, **meta(n, warps, ctas, in_regs, w_regs, claim), num_warps=warps,
+                                      **meta(n, warps, ctas, in_regs, w_regs, claim, offset), num_warps=warps,
                                       num_ctas=ctas, maxnreg=smem_ce.register_cap(warps, per_sm))
     return dx, dw_part.sum(0).to(w.dtype)
 
@@ -288,7 +294,7 @@ def compile_only():
     from check_sm90 import compile_sm90
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
            "dw_part_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",
-           "stride": "i32", "offset": "fp32"}
+           "stride": "i32"}
     aligned = [a for a in sig if a.endswith("_ptr") or a == "stride"]
     for n, cfgs in CONFIGS.items():
         for cfg in cfgs:
