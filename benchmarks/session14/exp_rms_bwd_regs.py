@@ -49,43 +49,60 @@ MAX_CHUNKS = 4  # w0-w3, dw0-dw3, x0-x3 / d0-d3 below
 
 
 @gluon.jit
-def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr):
-    """w_eff of chunk k of this thread's columns, rounded to the weight's dtype (llama: torch adds
-    offset + weight there) and kept in it: 8 values in 4 registers. OFFSET is a constexpr: with 0 (most
-    models) w_eff is w as loaded, no add and no rounding per use."""
+def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, CASTING: gl.constexpr):
+    """Chunk k of this thread's weights in the weight's dtype (8 values: 4 registers for 16 bits); for
+    llama casting already offset + weight, rounded there as torch does. OFFSET is a constexpr: with 0
+    (most models) nothing is added or rounded per use."""
     w = gl.load(w_ptr + k * CHUNK + offs)
-    if OFFSET != 0.0:
+    if CASTING == 0 and OFFSET != 0.0:
         w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
     return w
 
 
 @gluon.jit
-def _dot_chunk(x, dy, w, rstd, acc):
+def _terms(x, dy, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr):
+    """(xhat, g = dL/dxhat, dy in fp32) of a chunk, as rms_norm._grad_terms: llama casting rounds g to
+    x's dtype (autograd's gradient of round_x(xhat)); gemma / none take w_eff = offset + float(w)."""
+    w_eff = w.to(gl.float32)
+    if CASTING != 0 and OFFSET != 0.0:
+        w_eff = w_eff + OFFSET
+    dyf = dy.to(gl.float32)
+    g = dyf * w_eff
+    if CASTING == 0:
+        g = g.to(x.dtype).to(gl.float32)
+    return x.to(gl.float32) * rstd, g, dyf
+
+
+@gluon.jit
+def _dot_chunk(x, dy, w, rstd, acc, OFFSET: gl.constexpr, CASTING: gl.constexpr):
     """Pass 1 for one chunk: acc (per thread) += Σ g·xhat over its 8 columns."""
-    xhat = x.to(gl.float32) * rstd
-    g = (dy.to(gl.float32) * w.to(gl.float32)).to(x.dtype).to(gl.float32)
+    xhat, g, _dyf = _terms(x, dy, w, rstd, OFFSET, CASTING)
     return acc + gl.sum(g * xhat, 2)
 
 
 @gluon.jit
-def _grad_chunk(x, dy, w, rstd, c, dw, dx_ptrs):
-    """Pass 2 for one chunk: dx stored, dw (fp32, per column) accumulated and returned."""
-    xhat = x.to(gl.float32) * rstd
-    dyf = dy.to(gl.float32)
-    g = (dyf * w.to(gl.float32)).to(x.dtype).to(gl.float32)
+def _grad_chunk(x, dy, w, rstd, c, dw, dx_ptrs, OFFSET: gl.constexpr, CASTING: gl.constexpr,
+                COMPUTE_DW: gl.constexpr):
+    """Pass 2 for one chunk: dx stored; dw (fp32, per column) += dy·h (h = round_x(xhat) for llama
+    casting, xhat otherwise), returned."""
+    xhat, g, dyf = _terms(x, dy, w, rstd, OFFSET, CASTING)
     gl.store(dx_ptrs, (rstd * (g - xhat * c)).to(dx_ptrs.dtype.element_ty))
-    return dw + dyf * xhat.to(x.dtype).to(gl.float32)
+    if COMPUTE_DW:
+        if CASTING == 0:
+            xhat = xhat.to(x.dtype).to(gl.float32)
+        dw = dw + dyf * xhat
+    return dw
 
 
 @gluon.jit
-def _w_use(k: gl.constexpr, W_REGS: gl.constexpr, w_ptr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, w0, w1, w2,
-           w3):
+def _w_use(k: gl.constexpr, W_REGS: gl.constexpr, w_ptr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr,
+           CASTING: gl.constexpr, w0, w1, w2, w3):
     """w_eff of chunk k: the launch-long registers (W_REGS), or loaded again (an L1 hit: a CTA's slice of
     w is 16 KB) to give those 16 registers to more CTAs per SM."""
     if W_REGS:
         w = _pick(k, w0, w1, w2, w3)
     else:
-        w = _w_chunk(w_ptr, k, CHUNK, offs, OFFSET)
+        w = _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING)
     return w
 
 
@@ -103,8 +120,9 @@ def _pick(k: gl.constexpr, a0, a1, a2, a3):
 
 @gluon.jit
 def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
-                         n_rows, stride,
-                         OFFSET: gl.constexpr, N: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
+                         n_rows, stride_dy, stride_x, stride_dx,
+                         OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
+                         WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
                          SMEM: gl.constexpr, IN_REGS: gl.constexpr, W_REGS: gl.constexpr, CLAIM: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     CHUNK: gl.constexpr = CTAS * T * 8
@@ -125,13 +143,13 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
     w2 = w0
     w3 = w0
     if W_REGS:
-        w0 = _w_chunk(w_ptr, 0, CHUNK, offs, OFFSET)
+        w0 = _w_chunk(w_ptr, 0, CHUNK, offs, OFFSET, CASTING)
         if NCHUNK > 1:
-            w1 = _w_chunk(w_ptr, 1, CHUNK, offs, OFFSET)
+            w1 = _w_chunk(w_ptr, 1, CHUNK, offs, OFFSET, CASTING)
         if NCHUNK > 2:
-            w2 = _w_chunk(w_ptr, 2, CHUNK, offs, OFFSET)
+            w2 = _w_chunk(w_ptr, 2, CHUNK, offs, OFFSET, CASTING)
         if NCHUNK > 3:
-            w3 = _w_chunk(w_ptr, 3, CHUNK, offs, OFFSET)
+            w3 = _w_chunk(w_ptr, 3, CHUNK, offs, OFFSET, CASTING)
     dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
     dw1 = dw0
     dw2 = dw0
@@ -143,8 +161,8 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
     else:  # rows pid, pid + clusters, ...: dw summed in a fixed order
         r = pid
-    xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride
-    dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride
+    xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
+    dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
     x0 = gl.zeros([CTAS, T, 8], x_ptr.dtype.element_ty, REG)  # register chunks (those past IN_REGS unused)
     d0 = gl.zeros([CTAS, T, 8], dy_ptr.dtype.element_ty, REG)
     if IN_REGS > 0:
@@ -172,11 +190,12 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
         async_copy.wait_group(0)
         acc = gl.zeros([CTAS, T], gl.float32, per_thread)
         for k in gl.static_range(NCHUNK):
-            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, w0, w1, w2, w3)
+            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, CASTING, w0, w1, w2, w3)
             if k < IN_REGS:
-                acc = _dot_chunk(_pick(k, x0, x1, x2, x2), _pick(k, d0, d1, d2, d2), wk, rstd, acc)
+                acc = _dot_chunk(_pick(k, x0, x1, x2, x2), _pick(k, d0, d1, d2, d2), wk, rstd, acc, OFFSET, CASTING)
             else:
-                acc = _dot_chunk(xbuf.index(k - IN_REGS).load(REG), dybuf.index(k - IN_REGS).load(REG), wk, rstd, acc)
+                acc = _dot_chunk(xbuf.index(k - IN_REGS).load(REG), dybuf.index(k - IN_REGS).load(REG), wk, rstd, acc,
+                                 OFFSET, CASTING)
         dot_cta = gl.sum(acc, 1)
         if not CLAIM:
             nxt = r + n_prog
@@ -196,9 +215,9 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
             if CLAIM:
                 nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
         c = dot / N
-        dxrow = dx_ptr + row * stride
-        nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride
-        ndyrow = dy_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride
+        dxrow = dx_ptr + row * stride_dx
+        nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
+        ndyrow = dy_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_dy
         for k in gl.static_range(NCHUNK):
             if k < IN_REGS:
                 xk = _pick(k, x0, x1, x2, x2)
@@ -206,8 +225,9 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
             else:
                 xk = xbuf.index(k - IN_REGS).load(REG)
                 dk = dybuf.index(k - IN_REGS).load(REG)
-            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, w0, w1, w2, w3)
-            dwk = _grad_chunk(xk, dk, wk, rstd, c, _pick(k, dw0, dw1, dw2, dw3), dxrow + k * CHUNK + offs)
+            wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, CASTING, w0, w1, w2, w3)
+            dwk = _grad_chunk(xk, dk, wk, rstd, c, _pick(k, dw0, dw1, dw2, dw3), dxrow + k * CHUNK + offs, OFFSET,
+                              CASTING, COMPUTE_DW)
             if k == 0:
                 dw0 = dwk
             if k == 1:
@@ -235,14 +255,15 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
         r = nxt
         parity = 1 - parity
     async_copy.wait_group(0)
-    part = dw_part_ptr + pid.to(gl.int64) * N
-    gl.store(part + offs, dw0)
-    if NCHUNK > 1:
-        gl.store(part + CHUNK + offs, dw1)
-    if NCHUNK > 2:
-        gl.store(part + 2 * CHUNK + offs, dw2)
-    if NCHUNK > 3:
-        gl.store(part + 3 * CHUNK + offs, dw3)
+    if COMPUTE_DW:
+        part = dw_part_ptr + pid.to(gl.int64) * N
+        gl.store(part + offs, dw0)
+        if NCHUNK > 1:
+            gl.store(part + CHUNK + offs, dw1)
+        if NCHUNK > 2:
+            gl.store(part + 2 * CHUNK + offs, dw2)
+        if NCHUNK > 3:
+            gl.store(part + 3 * CHUNK + offs, dw3)
 
 
 def check_shape(n: int, warps: int, ctas: int, in_regs: int) -> None:
@@ -253,28 +274,64 @@ def check_shape(n: int, warps: int, ctas: int, in_regs: int) -> None:
                          f"{chunk} columns, with >= 2 of them in shared memory and <= 3 in registers")
 
 
-def meta(n: int, warps: int, ctas: int, in_regs: int, w_regs: bool, claim: bool = False, offset: float = 0.0) -> dict:
+CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
+
+
+def meta(n: int, warps: int, ctas: int, in_regs: int, w_regs: bool, claim: bool = False, offset: float = 0.0,
+         casting: str = "llama", compute_dw: bool = True) -> dict:
     check_shape(n, warps, ctas, in_regs)
     if claim and ctas == 1:
         raise ValueError("rows are claimed by clusters (ctas > 1)")
     reg, smem = smem_ce.layouts(warps, ctas)
-    return dict(OFFSET=float(offset), N=n, WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_regs, W_REGS=w_regs,
-                CLAIM=claim)
+    return dict(OFFSET=float(offset), CASTING=CASTING_ID[casting], COMPUTE_DW=compute_dw, N=n, WARPS=warps, CTAS=ctas,
+                REG=reg, SMEM=smem, IN_REGS=in_regs, W_REGS=w_regs, CLAIM=claim)
 
 
-def launch(dy, x, w, rstd, warps, ctas, per_sm, in_regs, w_regs, claim, sms, offset=0.0):
-    """(dx, dw): per_sm CTAs per SM, rows split over clusters of ctas CTAs, strided by cluster or claimed."""
+def launch(dy, x, w, rstd, warps, ctas, per_sm, in_regs, w_regs, claim, sms, offset=0.0, casting="llama",
+           compute_dw=True):
+    """(dx, dw or None): per_sm CTAs per SM, rows split over clusters of ctas CTAs, strided by cluster or
+    claimed."""
     n_rows, n = x.shape
     clusters = min(n_rows, per_sm * sms // ctas)
     dx = torch.empty_like(x)
-    dw_part = torch.empty(clusters, n, dtype=torch.float32, device=x.device)
+    dw_part = torch.empty(clusters if compute_dw else 1, n, dtype=torch.float32, device=x.device)
     partials = torch.empty(clusters * 2 * ctas, dtype=torch.float32, device=x.device)
     next_rows = torch.empty(clusters * 3, dtype=torch.int32, device=x.device)
     counter = torch.zeros(1, dtype=torch.int32, device=x.device)
-    _rms_bwd_regs_kernel[(clusters,)](dy, x, w, rstd, dx, dw_part, partials, next_rows, counter, n_rows, x.stride(0),
-                                      **meta(n, warps, ctas, in_regs, w_regs, claim, offset), num_warps=warps,
-                                      num_ctas=ctas, maxnreg=smem_ce.register_cap(warps, per_sm))
-    return dx, dw_part.sum(0).to(w.dtype)
+    _rms_bwd_regs_kernel[(clusters,)](dy, x, w, rstd, dx, dw_part, partials, next_rows, counter, n_rows, dy.stride(0),
+                                      x.stride(0), dx.stride(0),
+                                      **meta(n, warps, ctas, in_regs, w_regs, claim, offset, casting, compute_dw),
+                                      num_warps=warps, num_ctas=ctas, maxnreg=smem_ce.register_cap(warps, per_sm))
+    return dx, (dw_part.sum(0).to(w.dtype) if compute_dw else None)
+
+
+def check_options(n: int, cfg, sms: int) -> None:
+    """The other casting modes, a weight offset and no dw, on one shape: against float64 (the library's
+    backward semantics, rms_norm._grad_terms)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = 256
+    x = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    w = (0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    for casting, offset, compute_dw in (("gemma", 1.0, True), ("none", 0.0, True), ("llama", 1.0, False)):
+        x64, dy64, r64 = x.double(), dy.double(), rstd.double()[:, None]
+        w_eff = (w.double() + offset) if casting != "llama" else (w.float() + offset).to(torch.bfloat16).double()
+        xhat = x64 * r64
+        gr = dy64 * w_eff
+        h = xhat
+        if casting == "llama":
+            gr = gr.to(torch.bfloat16).double()
+            h = xhat.to(torch.bfloat16).double()
+        dx_ref = r64 * (gr - xhat * (gr * xhat).mean(-1, keepdim=True))
+        dw_ref = (dy64 * h).sum(0)
+        dx, dw = launch(dy, x, w, rstd, *cfg, sms, offset=offset, casting=casting, compute_dw=compute_dw)
+        torch.cuda.synchronize()
+        ex = ((dx.double() - dx_ref).abs().max() / dx_ref.abs().max()).item()
+        ew = 0.0 if dw is None else ((dw.double() - dw_ref).abs().max() / dw_ref.abs().max()).item()
+        ok = ex < 1e-2 and ew < 1e-2 and not dx.isnan().any() and (dw is None or not dw.isnan().any())
+        print(f"  options casting={casting} offset={offset} dw={compute_dw}: dx err {ex:.1e}, dw err {ew:.1e} "
+              f"{'ok' if ok else 'WRONG'}", flush=True)
 
 
 # (warps, ctas, per_sm, in_regs, w_regs, claim) timed per row length: the spill-free shapes on triton 3.6
@@ -294,8 +351,8 @@ def compile_only():
     from check_sm90 import compile_sm90
     sig = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
            "dw_part_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",
-           "stride": "i32"}
-    aligned = [a for a in sig if a.endswith("_ptr") or a == "stride"]
+           "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"}
+    aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
     for n, cfgs in CONFIGS.items():
         for cfg in cfgs:
             warps, ctas, per_sm, in_regs, w_regs, claim = cfg
@@ -310,6 +367,13 @@ def compile_only():
             fit = 233472 // (res["shared"] + 1024)
             print(f"{label}: regs {res['regs']} (cap {cap}), spills {res['local'] + res['stack']} B, "
                   f"shared {res['shared']} B per CTA ({fit} fit per SM)", flush=True)
+        warps, ctas, per_sm, in_regs, w_regs, claim = cfgs[0]  # check_options' variants build too
+        for casting, offset, compute_dw in (("gemma", 1.0, True), ("none", 0.0, True), ("llama", 1.0, False)):
+            res = compile_sm90(_rms_bwd_regs_kernel, sig,
+                               dict(meta(n, warps, ctas, in_regs, w_regs, claim, offset, casting, compute_dw),
+                                    num_ctas=ctas, maxnreg=smem_ce.register_cap(warps, per_sm)), aligned, warps, 1)
+            print(f"N={n} {cfgs[0]} casting={casting} offset={offset} dw={compute_dw}: regs {res['regs']}, "
+                  f"spills {res['local'] + res['stack']} B", flush=True)
 
 
 def gpu_main(lengths, rounds):
@@ -331,6 +395,7 @@ def gpu_main(lengths, rounds):
         for cfg in CONFIGS[n]:
             runs.append(("regs warps={} ctas={} per_sm={} in_regs={} w_regs={} claim={}".format(*cfg),
                          lambda a=cfg: launch(dy, x, w, rstd, *a, sms)))
+        check_options(n, CONFIGS[n][0], sms)
         check_and_time(n, runs, dx_ref, dw_ref, 1.5 * copy, rounds, queued_ms)
         x = dy = dx_ref = dw_ref = None
         torch.cuda.empty_cache()
