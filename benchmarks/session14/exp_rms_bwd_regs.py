@@ -228,14 +228,10 @@ def _rms_bwd_regs_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, pa
             wk = _w_use(k, W_REGS, w_ptr, CHUNK, offs, OFFSET, CASTING, w0, w1, w2, w3)
             dwk = _grad_chunk(xk, dk, wk, rstd, c, _pick(k, dw0, dw1, dw2, dw3), dxrow + k * CHUNK + offs, OFFSET,
                               CASTING, COMPUTE_DW)
-            if k == 0:
-                dw0 = dwk
-            if k == 1:
-                dw1 = dwk
-            if k == 2:
-                dw2 = dwk
-            if k == 3:
-                dw3 = dwk
+            dw0 = dwk if k == 0 else dw0  # k is a constexpr: one of these takes dwk
+            dw1 = dwk if k == 1 else dw1
+            dw2 = dwk if k == 2 else dw2
+            dw3 = dwk if k == 3 else dw3
             # this chunk of the cluster's next row (the last row: a harmless re-read of a valid row)
             if k < IN_REGS:
                 if k == 0:
