@@ -582,7 +582,9 @@ def rope(
     Same numbers as transformers' Llama `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` (maths in fp32,
     outputs in q's / k's dtype):
       q, k: (batch, heads, seq, head_dim) with unsqueeze_dim=1, (batch, seq, heads, head_dim) with
-            unsqueeze_dim=2; any strides; q and k may have different head counts (GQA) and head_dims.
+            unsqueeze_dim=2; any strides; q and k may have different head counts (GQA) and head_dims, and
+            either may have no heads (k = q.narrow(head_axis, 0, 0) rotates q alone, for one-tensor
+            functions such as Gemma 4's apply_rotary_pos_emb(x, cos, sin)).
       cos, sin: (batch, seq, rot) or (seq, rot), any float dtype; batch or seq of 1 broadcasts. When
             rot < head_dim the leading rot channels are rotated and the rest passed through (partial rotary).
       interleaved: rotate channel pairs (2i, 2i+1) instead of (i, i + rot/2), i.e.

@@ -31,6 +31,7 @@ SUBSET = {
     "qwen2_moe": ({"rms_norm", "rope", "glu", "loss"}, "MoE with a dense shared-expert MLP"),
     "deepseek_v3": ({"rms_norm", "rope", "loss"}, "MLA, de-interleaved rotary"),
     "gpt_oss": ({"rms_norm", "rope", "loss"}, "half-size cos/sin that is not partial rotary"),
+    "gemma4": ({"rms_norm", "rope", "glu", "loss"}, "one-tensor rotary: q and k rotated in separate calls"),
     "zamba": ({"glu", "loss"}, "GELU-erf gated MLP"),
     "falcon_mamba": ({"rms_norm", "loss"}, "weightless RMSNorm"),
     "ernie4_5": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary in another family"),

@@ -303,6 +303,7 @@ def test_double_backward(device):
         ((0, 2, 3, 8), (0, 1, 3, 8), (0, 3, 8)),   # no batch
         ((2, 2, 0, 8), (2, 1, 0, 8), (0, 8)),      # no tokens
         ((2, 0, 3, 8), (2, 1, 3, 8), (2, 3, 8)),   # no q heads
+        ((2, 2, 3, 8), (2, 0, 3, 8), (2, 3, 8)),   # no k heads: q rotated alone (one-tensor functions, Gemma 4)
         ((1, 2, 3, 8), (1, 1, 3, 8), (3, 0)),      # rot 0: everything passes through
     ],
 )
@@ -636,5 +637,31 @@ def test_real_size_llama3_8b_shape(interleaved):
     ref_gq, ref_gk = g_q.float() * c + rotate(g_q.float()) * -s, g_k.float() * c + rotate(g_k.float()) * -s
     for name, out, ref in (("q_out", q_out, ref_q), ("k_out", k_out, ref_k),
                            ("grad q", grad_q, ref_gq), ("grad k", grad_k, ref_gk)):
+        assert torch.isfinite(out).all(), name
+        assert_close(out, ref, torch.bfloat16, name)
+
+
+@pytest.mark.gpu
+def test_real_size_one_tensor_gemma4_layout():
+    """One tensor rotated alone, as the rope rule does for Gemma 3n / 4's apply_rotary_pos_emb(x, cos, sin,
+    unsqueeze_dim=2): q 4x4096x16x256 (batch, seq, heads, head_dim) bf16 and a k of no heads; forward and
+    gradient against an fp32 reference."""
+    device = torch.device("cuda")
+    batch, seq, heads, head_dim = 4, 4096, 16, 256
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(batch, seq, heads, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(seq, device=device, dtype=torch.float32)[None, :, None].expand(batch, seq, 1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    x_out, k_out = fused_kernels.rope(x, x.detach().narrow(2, 0, 0), cos, sin, 2)
+    assert k_out.shape == (batch, seq, 0, head_dim)
+    g = torch.randn(x_out.shape, device=device, generator=gen, dtype=torch.bfloat16)
+    (grad_x,) = torch.autograd.grad(x_out, x, g)
+    c, s = cos.float().unsqueeze(2), sin.float().unsqueeze(2)
+    x32 = x.detach().float()
+    for name, out, ref in (("x_out", x_out, x32 * c + rotate_half(x32) * s),
+                           ("grad x", grad_x, g.float() * c + rotate_half(g.float()) * -s)):
         assert torch.isfinite(out).all(), name
         assert_close(out, ref, torch.bfloat16, name)

@@ -52,7 +52,9 @@ CASES = [
     ("deepseek_v3", TARGET, "half rot=full", None),
     ("deepseek_v3", INTERLEAVE, "de-interleaved", None),
     ("mistral4", INTERLEAVE, "de-interleaved", None),
-    ("deepseek_v4", TARGET, None, "parameters (x, cos, sin, unsqueeze_dim) are not (q, k, cos, sin"),
+    ("gemma3n", TARGET, "half rot=full, one tensor", None),  # apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)
+    ("gemma4", TARGET, "half rot=full, one tensor", None),
+    ("deepseek_v4", TARGET, None, "matches no rotary variant"),  # one tensor, rotating its *trailing* channels
     ("dinov3_vit", TARGET, None, "takes **kwargs"),
     ("codegen", TARGET, None, "are not (q, k, cos, sin"),
 ]
@@ -127,6 +129,39 @@ def test_rebound_function_matches_original(model, rotary, layout, dtype):
     for name, a, r in zip(("q_out", "k_out", "q.grad", "k.grad"), out, ref):
         assert a.dtype == r.dtype
         assert_close(a, r, dtype, f"{model} {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["gemma3n", "gemma4"])
+@pytest.mark.parametrize("layout", [1, 2])
+def test_one_tensor_function_matches_original(model, layout, dtype):
+    """Gemma 3n / 4 rotate q and k in separate calls, apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim),
+    by position or by keyword: the kernel (x as q, a k of no heads) gives the original's output and
+    gradient."""
+    module = modeling(model)
+    assert record_for(RULE.patch_module(module, everything)).patched
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, 3, 6, 16) if layout == 1 else (2, 6, 3, 16)
+    x = torch.randn(*shape, generator=gen).to(dtype)
+    cos, sin = torch.randn(2, 6, 16, generator=gen).to(dtype), torch.randn(2, 6, 16, generator=gen).to(dtype)
+    grad = torch.randn(*shape, generator=gen).to(dtype)
+    calls = [lambda fn, x: fn(x, cos, sin, layout), lambda fn, x: fn(x=x, cos=cos, sin=sin, unsqueeze_dim=layout)]
+    for how, call in zip(("positional", "keywords"), calls):
+        results = []
+        for fn in (getattr(module, TARGET), original):
+            leaf = x.clone().requires_grad_(True)
+            before = fused_kernels.launch_counts()
+            out = call(fn, leaf)
+            out.backward(grad)
+            after = fused_kernels.launch_counts()
+            results.append((out, leaf.grad, after.get("rope_fwd", 0) - before.get("rope_fwd", 0),
+                            after.get("rope_bwd", 0) - before.get("rope_bwd", 0)))
+        (out, dx, fwd, bwd), (ref, ref_dx, _, _) = results
+        assert (fwd, bwd) == (1, 1), f"{how}: the kernel ran {fwd} / {bwd} times"
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert_close(out, ref, dtype, f"{model} {how} x_out")
+        assert_close(dx, ref_dx, dtype, f"{model} {how} x.grad")
 
 
 @pytest.mark.parametrize("model,out_dtype", [("llama", torch.float32), ("cohere", torch.bfloat16)])

@@ -1,8 +1,9 @@
 """Module-level `apply_rotary_pos_emb` (and DeepSeek's `apply_rotary_pos_emb_interleave`) ->
 fused_kernels.rope (kernel "rope").
 
-Detection. The function must be defined in the modeling module and take (q, k, cos, sin) followed
-only by optional `position_ids` and `unsqueeze_dim`. It is run in float64 on random q, k, cos, sin —
+Detection. The function must be defined in the modeling module and take (q, k, cos, sin), or one
+tensor (x, cos, sin) as Gemma 3n / Gemma 4 do (called once for q and once for k), followed only by
+optional `position_ids` and `unsqueeze_dim`. It is run in float64 on random q, k, cos, sin —
 cos/sin of full head size, half size and quarter size, both head layouts — and compared with the
 reference rotations below; a size the original rejects (raises) is simply not a size it takes. A
 shorter cos is not always partial rotary (gpt_oss takes half-size cos/sin for a full rotation), so
@@ -23,7 +24,9 @@ The variant's pre-processing of cos/sin (and of q/k for the last one) and the ke
 flag are the data in _VARIANTS. The sizes that matched are kept: at run time a size class the probe did not see goes to
 the original function (which then behaves exactly as it always did).
 
-Patch. The module global is rebound to a wrapper with the same parameters calling fused_kernels.rope; tensors Triton cannot run on go to the original, with one notice.
+Patch. The module global is rebound to a wrapper with the same parameters calling fused_kernels.rope
+(a one-tensor function: x as q, and a k of no heads); tensors Triton cannot run on go to the original,
+with one notice.
 """
 
 from __future__ import annotations
@@ -153,31 +156,34 @@ class Verdict:
     # original returns torch's promoted dtype, Llama), "keep" (it returns q's dtype, Cohere), or
     # "original" (something else: such calls run the original function)
     mixed: str = "original"
+    single: bool = False  # the function takes one tensor (x, cos, sin, ...) and returns it rotated
 
     def describe(self) -> str:
         if self.variant is None:
             return ""
-        if self.variant.name == "half":
-            return "half rot=full" if self.sizes == {"full"} else "half partial"
-        return self.variant.name
+        name = self.variant.name
+        if name == "half":
+            name = "half rot=full" if self.sizes == {"full"} else "half partial"
+        return name + (", one tensor" if self.single else "")
 
 
-def _signature(fn) -> tuple[str, tuple, tuple]:
-    """(reason, rest_params, defaults): reason is '' when the parameters are (q, k, cos, sin) plus
-    optional position_ids / unsqueeze_dim."""
+def _signature(fn) -> tuple[str, tuple, tuple, bool]:
+    """(reason, rest_params, defaults, single): reason is '' when the parameters are (q, k, cos, sin),
+    or (x, cos, sin) (single), plus optional position_ids / unsqueeze_dim."""
     params = _probe.positional_params(fn)
     if params is None:
-        return "no readable signature", (), ()
+        return "no readable signature", (), (), False
     names = [p.name for p in params]
-    if names[:4] != ["q", "k", "cos", "sin"]:
-        return f"parameters ({', '.join(names)}) are not (q, k, cos, sin, ...)", (), ()
-    rest = params[4:]
+    single = names[:3] == ["x", "cos", "sin"]
+    if names[:4] != ["q", "k", "cos", "sin"] and not single:
+        return f"parameters ({', '.join(names)}) are not (q, k, cos, sin, ...) or (x, cos, sin, ...)", (), (), False
+    rest = params[3 if single else 4:]
     for p in rest:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return f"takes {'*' if p.kind == p.VAR_POSITIONAL else '**'}{p.name}", (), ()
+            return f"takes {'*' if p.kind == p.VAR_POSITIONAL else '**'}{p.name}", (), (), False
         if p.name not in OPTIONAL_PARAMS or p.default is inspect.Parameter.empty:
-            return f"takes an extra parameter {p.name!r}", (), ()
-    return "", tuple(p.name for p in rest), tuple((p.name, p.default) for p in rest)
+            return f"takes an extra parameter {p.name!r}", (), (), False
+    return "", tuple(p.name for p in rest), tuple((p.name, p.default) for p in rest), single
 
 
 def _probe_calls(rest_params):
@@ -205,14 +211,23 @@ def _inputs(gen, rotary, unsqueeze_dim):
     return q, k, cos, sin, kwargs
 
 
-def _pair(out):
+def _outputs(out, single: bool):
+    """The function's result as a tuple of tensors: (q_out, k_out), or (x_out,) when single; None when it
+    is something else."""
+    if single:
+        return (out,) if isinstance(out, torch.Tensor) else None
     if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
-        return out
+        return tuple(out)
     return None
 
 
+def _call(fn, single: bool, q, k, cos, sin, **kwargs):
+    """fn on the probe's tensors (q alone when single), its result as _outputs gives it."""
+    return _outputs(fn(q, cos, sin, **kwargs) if single else fn(q, k, cos, sin, **kwargs), single)
+
+
 def detect(fn) -> Verdict:
-    reason, rest, defaults = _signature(fn)
+    reason, rest, defaults, single = _signature(fn)
     if reason:
         return Verdict(None, reason=reason)
     gen = _probe.generator(0)
@@ -222,16 +237,16 @@ def detect(fn) -> Verdict:
         for rotary, unsqueeze_dim in _probe_calls(rest):
             q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim)
             try:
-                out = _pair(fn(q, k, cos, sin, **kwargs))
+                out = _call(fn, single, q, k, cos, sin, **kwargs)
             except Exception as exc:  # noqa: BLE001 - a size it does not take
                 errors.append(_probe.describe_exc(exc))
                 continue
             if out is None:
-                return Verdict(None, reason="does not return (q, k)")
+                return Verdict(None, reason="does not return a tensor" if single else "does not return (q, k)")
             if "position_ids" in rest:
                 kw = dict(kwargs, position_ids=torch.arange(5).expand(2, 5) + 3)
                 try:
-                    with_pos = _pair(fn(q, k, cos, sin, **kw))
+                    with_pos = _call(fn, single, q, k, cos, sin, **kw)
                 except Exception as exc:  # noqa: BLE001
                     return Verdict(None, reason=f"fails when given position_ids ({_probe.describe_exc(exc)})")
                 if with_pos is None or any(_probe.rel_err(a, b) > PROBE_TOL for a, b in zip(with_pos, out)):
@@ -244,21 +259,21 @@ def detect(fn) -> Verdict:
         for spec in _VARIANTS:
             if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
                 matches.append(spec)
-        mixed = _mixed_dtype_behaviour(fn, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
+        mixed = _mixed_dtype_behaviour(fn, single, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
     sizes = frozenset(taken)
     if len(matches) == 1:
-        return Verdict(matches[0], sizes, "", rest, defaults, mixed)
+        return Verdict(matches[0], sizes, "", rest, defaults, mixed, single)
     if not matches:
         return Verdict(None, sizes, "matches no rotary variant (" + ", ".join(s.name for s in _VARIANTS) + ")")
     return Verdict(None, sizes, "ambiguous: matches " + ", ".join(s.name for s in matches))
 
 
-def _mixed_dtype_behaviour(fn, case) -> str:
+def _mixed_dtype_behaviour(fn, single: bool, case) -> str:
     """Run the original with float32 q/k and float64 cos/sin and see what dtype comes back."""
     (q, k, cos, sin, unsqueeze_dim), _ = case
     kwargs = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": unsqueeze_dim}
     try:
-        out = _pair(fn(q.float(), k.float(), cos, sin, **kwargs))
+        out = _call(fn, single, q.float(), k.float(), cos, sin, **kwargs)
     except Exception:  # noqa: BLE001
         return "original"
     if out is None:
@@ -272,12 +287,13 @@ def _mixed_dtype_behaviour(fn, case) -> str:
 
 
 def _matches(spec, args, out) -> bool:
+    """Whether the outputs (q_out, k_out), or (x_out,) of a one-tensor function given q, are the variant's."""
     q, k, cos, sin, unsqueeze_dim = args
     try:
-        ref_q, ref_k = reference(spec, q, k, cos, sin, unsqueeze_dim)
+        refs = reference(spec, q, k, cos, sin, unsqueeze_dim)
     except Exception:  # noqa: BLE001 - the variant is not defined at this size
         return False
-    return _probe.rel_err(out[0], ref_q) <= PROBE_TOL and _probe.rel_err(out[1], ref_k) <= PROBE_TOL
+    return all(_probe.rel_err(o, r) <= PROBE_TOL for o, r in zip(out, refs))
 
 
 # --- the wrapper --------------------------------------------------------------------------------
@@ -308,38 +324,59 @@ def _kernel_takes(q, k, cos, sin, unsqueeze_dim) -> bool:
     return cos.shape[1] in (1, q.shape[seq_dim]) and cos.shape[0] in (1, q.shape[0])
 
 
+def _unsqueeze_dim(rest_params: tuple, defaults: dict, args: tuple, kwargs: dict):
+    """unsqueeze_dim of a call whose extra arguments are among the probed rest_params, else None."""
+    if len(args) > len(rest_params) or any(name not in rest_params for name in kwargs):
+        return None
+    values = dict(defaults)
+    values.update(zip(rest_params, args))
+    values.update(kwargs)
+    return values.get("unsqueeze_dim", 1)
+
+
+def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
+    """(q_out, k_out) from fused_kernels.rope for a call the probe vouched for, or None where the original
+    function must run instead."""
+    spec, mixed = verdict.variant, verdict.mixed
+    if not _kernel_takes(q, k, cos, sin, unsqueeze_dim) or size_class(cos.shape[-1], q.shape[-1]) not in verdict.sizes:
+        return None
+    if (cos.dtype != q.dtype or cos.dtype != k.dtype) and (mixed == "original" or q.dtype != k.dtype):
+        return None
+    fk = _kernels()
+    if not fk.triton_can_run(q, k, cos, sin):
+        fallback_notice(KERNEL, f"{name} got {q.device.type} tensors")
+        return None
+    if mixed == "promote" and cos.dtype != q.dtype:
+        # the original computes, and returns, in torch's promoted dtype (bf16 q, fp32 cos -> fp32)
+        q = q.to(torch.promote_types(q.dtype, cos.dtype))
+        k = k.to(torch.promote_types(k.dtype, cos.dtype))
+    if spec.deinterleave_input:
+        if cos.shape[-1] != q.shape[-1]:
+            return None
+        q, k = _deinterleave(q), _deinterleave(k)
+    cos, sin = spec.prepare(cos, sin, q.shape[-1])
+    return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=spec.interleaved)
+
+
 def make_wrapper(original: Callable, verdict: Verdict):
-    spec, sizes, mixed = verdict.variant, verdict.sizes, verdict.mixed
     rest_params, defaults = verdict.rest_params, dict(verdict.defaults)
 
-    @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if len(args) > len(rest_params) or any(name not in rest_params for name in kwargs):
-            return original(q, k, cos, sin, *args, **kwargs)
-        values = dict(defaults)
-        values.update(zip(rest_params, args))
-        values.update(kwargs)
-        unsqueeze_dim = values.get("unsqueeze_dim", 1)
-        if not _kernel_takes(q, k, cos, sin, unsqueeze_dim) or size_class(cos.shape[-1], q.shape[-1]) not in sizes:
-            return original(q, k, cos, sin, *args, **kwargs)
-        if (cos.dtype != q.dtype or cos.dtype != k.dtype) and (mixed == "original" or q.dtype != k.dtype):
-            return original(q, k, cos, sin, *args, **kwargs)
-        fk = _kernels()
-        if not fk.triton_can_run(q, k, cos, sin):
-            fallback_notice(KERNEL, f"{original.__name__} got {q.device.type} tensors")
-            return original(q, k, cos, sin, *args, **kwargs)
-        if mixed == "promote" and cos.dtype != q.dtype:
-            # the original computes, and returns, in torch's promoted dtype (bf16 q, fp32 cos -> fp32)
-            q = q.to(torch.promote_types(q.dtype, cos.dtype))
-            k = k.to(torch.promote_types(k.dtype, cos.dtype))
-        if spec.deinterleave_input:
-            if cos.shape[-1] != q.shape[-1]:
-                return original(q, k, cos, sin, *args, **kwargs)
-            q, k = _deinterleave(q), _deinterleave(k)
-        cos, sin = spec.prepare(cos, sin, q.shape[-1])
-        if spec.interleaved:
-            return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=True)
-        return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    if verdict.single:
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
+            unsqueeze_dim = _unsqueeze_dim(rest_params, defaults, args, kwargs)
+            out = None
+            if unsqueeze_dim in (1, 2) and isinstance(x, torch.Tensor) and x.dim() == 4:
+                no_heads = x.narrow(unsqueeze_dim, 0, 0)  # k of no heads: the kernel rotates x alone
+                out = _through_kernel(verdict, original.__name__, x, no_heads, cos, sin, unsqueeze_dim)
+            return original(x, cos, sin, *args, **kwargs) if out is None else out[0]
+    else:
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            unsqueeze_dim = _unsqueeze_dim(rest_params, defaults, args, kwargs)
+            out = None if unsqueeze_dim is None else _through_kernel(verdict, original.__name__, q, k, cos, sin,
+                                                                    unsqueeze_dim)
+            return original(q, k, cos, sin, *args, **kwargs) if out is None else out
 
     apply_rotary_pos_emb._autopatch_variant = verdict.describe()
     return apply_rotary_pos_emb
