@@ -56,7 +56,9 @@ CASES = [
     ("gemma4", TARGET, "half rot=full, one tensor", None),
     ("deepseek_v4", TARGET, None, "matches no rotary variant"),  # one tensor, rotating its *trailing* channels
     ("dinov3_vit", TARGET, None, "takes **kwargs"),
-    ("codegen", TARGET, None, "are not (q, k, cos, sin"),
+    # apply_rotary_pos_emb(tensor, sin, cos): one tensor, sin first, (batch, seq, heads, head_dim) only
+    ("codegen", TARGET, "interleaved half-size cos, one tensor", None),
+    ("gptj", TARGET, "interleaved half-size cos, one tensor", None),
 ]
 
 
@@ -162,6 +164,38 @@ def test_one_tensor_function_matches_original(model, layout, dtype):
         assert out.dtype == ref.dtype and out.shape == ref.shape
         assert_close(out, ref, dtype, f"{model} {how} x_out")
         assert_close(dx, ref_dx, dtype, f"{model} {how} x.grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["gptj", "codegen"])
+def test_sin_first_one_tensor_function_matches_original(model, dtype):
+    """GPT-J / CodeGen: apply_rotary_pos_emb(tensor, sin, cos) with no unsqueeze_dim, on (batch, seq,
+    heads, head_dim) tensors (the one layout the probe found it takes) and one cos/sin per channel pair;
+    what the probe did not see goes to the original."""
+    module = modeling(model)
+    assert record_for(RULE.patch_module(module, everything)).patched
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 6, 3, 16, generator=gen).to(dtype)
+    sin, cos = torch.randn(2, 6, 8, generator=gen).to(dtype), torch.randn(2, 6, 8, generator=gen).to(dtype)
+    grad = torch.randn(2, 6, 3, 16, generator=gen).to(dtype)
+    results = []
+    for fn in (getattr(module, TARGET), original):
+        leaf = x.clone().requires_grad_(True)
+        before = fused_kernels.launch_counts().get("rope_fwd", 0)
+        out = fn(leaf, sin, cos)
+        out.backward(grad)
+        results.append((out, leaf.grad, fused_kernels.launch_counts().get("rope_fwd", 0) - before))
+    (out, dx, launched), (ref, ref_dx, _) = results
+    assert launched == 1
+    assert_close(out, ref, dtype, f"{model} out")
+    assert_close(dx, ref_dx, dtype, f"{model} grad")
+    # a 3-D tensor (not what the probe saw) goes to the original, which refuses it as it always did
+    flat = torch.randn(2, 6, 16, generator=gen)
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    with pytest.raises(RuntimeError, match="must match"):
+        getattr(module, TARGET)(flat, sin.float(), cos.float())
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
 
 
 @pytest.mark.parametrize("model,out_dtype", [("llama", torch.float32), ("cohere", torch.bfloat16)])

@@ -2,8 +2,10 @@
 fused_kernels.rope (kernel "rope").
 
 Detection. The function must be defined in the modeling module and take (q, k, cos, sin), or one
-tensor (x, cos, sin) as Gemma 3n / Gemma 4 do (called once for q and once for k), followed only by
-optional `position_ids` and `unsqueeze_dim`. It is run in float64 on random q, k, cos, sin —
+tensor, (x, cos, sin) as Gemma 3n / Gemma 4 do or (tensor, sin, cos) as GPT-J / CodeGen do (called
+once for q and once for k), followed only by optional `position_ids` and `unsqueeze_dim`; without
+`unsqueeze_dim` the probe finds the one head layout the function takes. It is run in float64 on random
+q, k, cos, sin —
 cos/sin of full head size, half size and quarter size, both head layouts — and compared with the
 reference rotations below; a size the original rejects (raises) is simply not a size it takes. A
 shorter cos is not always partial rotary (gpt_oss takes half-size cos/sin for a full rotation), so
@@ -156,7 +158,13 @@ class Verdict:
     # original returns torch's promoted dtype, Llama), "keep" (it returns q's dtype, Cohere), or
     # "original" (something else: such calls run the original function)
     mixed: str = "original"
-    single: bool = False  # the function takes one tensor (x, cos, sin, ...) and returns it rotated
+    form: str = "q, k, cos, sin"  # the leading parameters (_FORMS)
+    layout: int = 1  # the head layout (an unsqueeze_dim) of a function without an unsqueeze_dim parameter
+
+    @property
+    def single(self) -> bool:
+        """The function takes one tensor and returns it rotated."""
+        return _FORMS[self.form][0]
 
     def describe(self) -> str:
         if self.variant is None:
@@ -167,34 +175,43 @@ class Verdict:
         return name + (", one tensor" if self.single else "")
 
 
-def _signature(fn) -> tuple[str, tuple, tuple, bool]:
-    """(reason, rest_params, defaults, single): reason is '' when the parameters are (q, k, cos, sin),
-    or (x, cos, sin) (single), plus optional position_ids / unsqueeze_dim."""
+# The leading parameters a rotary function may take -> (one tensor?, whether sin comes before cos).
+_FORMS = {
+    "q, k, cos, sin": (False, False),
+    "x, cos, sin": (True, False),  # Gemma 3n / Gemma 4
+    "tensor, sin, cos": (True, True),  # GPT-J / CodeGen
+}
+
+
+def _signature(fn) -> tuple[str, tuple, tuple, str]:
+    """(reason, rest_params, defaults, form): reason is '' when the parameters are one of _FORMS plus
+    optional position_ids / unsqueeze_dim."""
     params = _probe.positional_params(fn)
     if params is None:
-        return "no readable signature", (), (), False
+        return "no readable signature", (), (), ""
     names = [p.name for p in params]
-    single = names[:3] == ["x", "cos", "sin"]
-    if names[:4] != ["q", "k", "cos", "sin"] and not single:
-        return f"parameters ({', '.join(names)}) are not (q, k, cos, sin, ...) or (x, cos, sin, ...)", (), (), False
-    rest = params[3 if single else 4:]
+    form = next((f for f in _FORMS if names[:len(f.split(", "))] == f.split(", ")), "")
+    if not form:
+        expected = " or ".join(f"({f}, ...)" for f in _FORMS)
+        return f"parameters ({', '.join(names)}) are not {expected}", (), (), ""
+    rest = params[len(form.split(", ")):]
     for p in rest:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            return f"takes {'*' if p.kind == p.VAR_POSITIONAL else '**'}{p.name}", (), (), False
+            return f"takes {'*' if p.kind == p.VAR_POSITIONAL else '**'}{p.name}", (), (), ""
         if p.name not in OPTIONAL_PARAMS or p.default is inspect.Parameter.empty:
-            return f"takes an extra parameter {p.name!r}", (), (), False
-    return "", tuple(p.name for p in rest), tuple((p.name, p.default) for p in rest), single
+            return f"takes an extra parameter {p.name!r}", (), (), ""
+    return "", tuple(p.name for p in rest), tuple((p.name, p.default) for p in rest), form
 
 
-def _probe_calls(rest_params):
+def _probe_calls():
     """(rotary size, unsqueeze_dim) of every probe: cos/sin covering all, half and a quarter of the
-    head, in each head layout the function takes. q: 3 heads, k: 1 head (GQA), head size 16,
-    batch 2, 5 positions, cos/sin (batch, seq, rotary)."""
-    layouts = [1, 2] if "unsqueeze_dim" in rest_params else [1]
-    return [(rotary, unsqueeze_dim) for rotary in (16, 8, 4) for unsqueeze_dim in layouts]
+    head, in both head layouts. q: 3 heads, k: 1 head (GQA), head size 16, batch 2, 5 positions,
+    cos/sin (batch, seq, rotary): a function without an unsqueeze_dim parameter runs in one layout
+    only (the other does not broadcast)."""
+    return [(rotary, unsqueeze_dim) for rotary in (16, 8, 4) for unsqueeze_dim in (1, 2)]
 
 
-def _inputs(gen, rotary, unsqueeze_dim):
+def _inputs(gen, rotary, unsqueeze_dim, pass_unsqueeze_dim: bool):
     b, s, d = 2, 5, _probe.HEAD_DIM
     if unsqueeze_dim == 1:
         q_shape, k_shape = (b, 3, s, d), (b, 1, s, d)
@@ -206,7 +223,7 @@ def _inputs(gen, rotary, unsqueeze_dim):
     cos = _probe.randn((b, s, rotary), gen, torch.float64)
     sin = _probe.randn((b, s, rotary), gen, torch.float64)
     kwargs = {}
-    if unsqueeze_dim != 1:
+    if unsqueeze_dim != 1 and pass_unsqueeze_dim:
         kwargs["unsqueeze_dim"] = unsqueeze_dim
     return q, k, cos, sin, kwargs
 
@@ -221,23 +238,29 @@ def _outputs(out, single: bool):
     return None
 
 
-def _call(fn, single: bool, q, k, cos, sin, **kwargs):
-    """fn on the probe's tensors (q alone when single), its result as _outputs gives it."""
-    return _outputs(fn(q, cos, sin, **kwargs) if single else fn(q, k, cos, sin, **kwargs), single)
+def _call(fn, form: str, q, k, cos, sin, **kwargs):
+    """fn on the probe's tensors in its form's order (q alone for a one-tensor form), its result as
+    _outputs gives it."""
+    single, sin_first = _FORMS[form]
+    if not single:
+        return _outputs(fn(q, k, cos, sin, **kwargs), False)
+    return _outputs(fn(q, sin, cos, **kwargs) if sin_first else fn(q, cos, sin, **kwargs), True)
 
 
 def detect(fn) -> Verdict:
-    reason, rest, defaults, single = _signature(fn)
+    reason, rest, defaults, form = _signature(fn)
     if reason:
         return Verdict(None, reason=reason)
+    single = _FORMS[form][0]
+    layouts = set()  # the head layouts it ran in
     gen = _probe.generator(0)
     taken: dict[str, list] = {}  # size class -> [(inputs, outputs), ...]
     errors = []
     with _probe.probing():
-        for rotary, unsqueeze_dim in _probe_calls(rest):
-            q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim)
+        for rotary, unsqueeze_dim in _probe_calls():
+            q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim, "unsqueeze_dim" in rest)
             try:
-                out = _call(fn, single, q, k, cos, sin, **kwargs)
+                out = _call(fn, form, q, k, cos, sin, **kwargs)
             except Exception as exc:  # noqa: BLE001 - a size it does not take
                 errors.append(_probe.describe_exc(exc))
                 continue
@@ -246,34 +269,37 @@ def detect(fn) -> Verdict:
             if "position_ids" in rest:
                 kw = dict(kwargs, position_ids=torch.arange(5).expand(2, 5) + 3)
                 try:
-                    with_pos = _call(fn, single, q, k, cos, sin, **kw)
+                    with_pos = _call(fn, form, q, k, cos, sin, **kw)
                 except Exception as exc:  # noqa: BLE001
                     return Verdict(None, reason=f"fails when given position_ids ({_probe.describe_exc(exc)})")
                 if with_pos is None or any(_probe.rel_err(a, b) > PROBE_TOL for a, b in zip(with_pos, out)):
                     return Verdict(None, reason="uses position_ids")
             key = size_class(rotary, q.shape[-1])
             taken.setdefault(key, []).append(((q, k, cos, sin, unsqueeze_dim), out))
+            layouts.add(unsqueeze_dim)
         if not taken:
             return Verdict(None, reason=f"probe failed at every size ({errors[0] if errors else '?'})")
+        if "unsqueeze_dim" not in rest and len(layouts) > 1:
+            return Verdict(None, reason="runs in both head layouts without an unsqueeze_dim to tell them apart")
         matches = []
         for spec in _VARIANTS:
             if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
                 matches.append(spec)
-        mixed = _mixed_dtype_behaviour(fn, single, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
+        mixed = _mixed_dtype_behaviour(fn, form, rest, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
     sizes = frozenset(taken)
     if len(matches) == 1:
-        return Verdict(matches[0], sizes, "", rest, defaults, mixed, single)
+        return Verdict(matches[0], sizes, "", rest, defaults, mixed, form, min(layouts))
     if not matches:
         return Verdict(None, sizes, "matches no rotary variant (" + ", ".join(s.name for s in _VARIANTS) + ")")
     return Verdict(None, sizes, "ambiguous: matches " + ", ".join(s.name for s in matches))
 
 
-def _mixed_dtype_behaviour(fn, single: bool, case) -> str:
+def _mixed_dtype_behaviour(fn, form: str, rest: tuple, case) -> str:
     """Run the original with float32 q/k and float64 cos/sin and see what dtype comes back."""
     (q, k, cos, sin, unsqueeze_dim), _ = case
-    kwargs = {} if unsqueeze_dim == 1 else {"unsqueeze_dim": unsqueeze_dim}
+    kwargs = {"unsqueeze_dim": unsqueeze_dim} if unsqueeze_dim != 1 and "unsqueeze_dim" in rest else {}
     try:
-        out = _call(fn, single, q.float(), k.float(), cos, sin, **kwargs)
+        out = _call(fn, form, q.float(), k.float(), cos, sin, **kwargs)
     except Exception:  # noqa: BLE001
         return "original"
     if out is None:
@@ -324,14 +350,16 @@ def _kernel_takes(q, k, cos, sin, unsqueeze_dim) -> bool:
     return cos.shape[1] in (1, q.shape[seq_dim]) and cos.shape[0] in (1, q.shape[0])
 
 
-def _unsqueeze_dim(rest_params: tuple, defaults: dict, args: tuple, kwargs: dict):
-    """unsqueeze_dim of a call whose extra arguments are among the probed rest_params, else None."""
+def _unsqueeze_dim(verdict: Verdict, args: tuple, kwargs: dict):
+    """unsqueeze_dim of a call whose extra arguments are among the probed rest_params, else None; a
+    function without the parameter has the one layout the probe found."""
+    rest_params = verdict.rest_params
     if len(args) > len(rest_params) or any(name not in rest_params for name in kwargs):
         return None
-    values = dict(defaults)
+    values = dict(verdict.defaults)
     values.update(zip(rest_params, args))
     values.update(kwargs)
-    return values.get("unsqueeze_dim", 1)
+    return values.get("unsqueeze_dim", verdict.layout)
 
 
 def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
@@ -358,24 +386,32 @@ def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
     return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=spec.interleaved)
 
 
-def make_wrapper(original: Callable, verdict: Verdict):
-    rest_params, defaults = verdict.rest_params, dict(verdict.defaults)
+def _one_tensor(verdict: Verdict, name: str, x, cos, sin, args, kwargs):
+    """x rotated by the kernel (as q, with a k of no heads), or None where the original must run."""
+    unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
+    if unsqueeze_dim not in (1, 2) or not isinstance(x, torch.Tensor) or x.dim() != 4:
+        return None
+    out = _through_kernel(verdict, name, x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, unsqueeze_dim)
+    return None if out is None else out[0]
 
-    if verdict.single:
+
+def make_wrapper(original: Callable, verdict: Verdict):
+    name = original.__name__
+    if verdict.form == "x, cos, sin":
         @functools.wraps(original)
         def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
-            unsqueeze_dim = _unsqueeze_dim(rest_params, defaults, args, kwargs)
-            out = None
-            if unsqueeze_dim in (1, 2) and isinstance(x, torch.Tensor) and x.dim() == 4:
-                no_heads = x.narrow(unsqueeze_dim, 0, 0)  # k of no heads: the kernel rotates x alone
-                out = _through_kernel(verdict, original.__name__, x, no_heads, cos, sin, unsqueeze_dim)
-            return original(x, cos, sin, *args, **kwargs) if out is None else out[0]
+            out = _one_tensor(verdict, name, x, cos, sin, args, kwargs)
+            return original(x, cos, sin, *args, **kwargs) if out is None else out
+    elif verdict.form == "tensor, sin, cos":
+        @functools.wraps(original)
+        def apply_rotary_pos_emb(tensor, sin, cos, *args, **kwargs):
+            out = _one_tensor(verdict, name, tensor, cos, sin, args, kwargs)
+            return original(tensor, sin, cos, *args, **kwargs) if out is None else out
     else:
         @functools.wraps(original)
         def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-            unsqueeze_dim = _unsqueeze_dim(rest_params, defaults, args, kwargs)
-            out = None if unsqueeze_dim is None else _through_kernel(verdict, original.__name__, q, k, cos, sin,
-                                                                    unsqueeze_dim)
+            unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
+            out = None if unsqueeze_dim is None else _through_kernel(verdict, name, q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, *args, **kwargs) if out is None else out
 
     apply_rotary_pos_emb._autopatch_variant = verdict.describe()
