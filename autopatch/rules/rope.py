@@ -5,8 +5,7 @@ Detection. The function must be defined in the modeling module and take (q, k, c
 tensor, (x, cos, sin) as Gemma 3n / Gemma 4 do or (tensor, sin, cos) as GPT-J / CodeGen do (called
 once for q and once for k), followed only by optional `position_ids` and `unsqueeze_dim`; without
 `unsqueeze_dim` the probe finds the one head layout the function takes. It is run in float64 on random
-q, k, cos, sin —
-cos/sin of full head size, half size and quarter size, both head layouts — and compared with the
+q, k, cos, sin — cos/sin of full head size, half size and quarter size, both head layouts — and compared with the
 reference rotations below; a size the original rejects (raises) is simply not a size it takes. A
 shorter cos is not always partial rotary (gpt_oss takes half-size cos/sin for a full rotation), so
 the numbers decide, not the shape. Exactly one variant must match on every size the original takes:
@@ -152,7 +151,7 @@ class Verdict:
     variant: _VariantSpec | None
     sizes: frozenset = frozenset()  # size classes of cos the original takes and the variant matched
     reason: str = ""
-    rest_params: tuple = ()  # names after (q, k, cos, sin), in order
+    rest_params: tuple = ()  # names after the leading parameters (form), in order
     defaults: tuple = ()  # ((name, default), ...)
     # when cos/sin have another dtype than q/k (fp32 tables, bf16 q under autocast): "promote" (the
     # original returns torch's promoted dtype, Llama), "keep" (it returns q's dtype, Cohere), or
