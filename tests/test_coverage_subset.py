@@ -33,6 +33,7 @@ SUBSET = {
     "gpt_oss": ({"rms_norm", "rope", "loss"}, "half-size cos/sin that is not partial rotary"),
     "gemma4": ({"rms_norm", "rope", "glu", "loss"}, "one-tensor rotary: q and k rotated in separate calls"),
     "gptj": ({"rope", "loss"}, "one-tensor rotary with sin before cos and no unsqueeze_dim"),
+    "bart": ({"loss"}, "its own loss with torch.nn.CrossEntropyLoss, not self.loss_function"),
     "zamba": ({"glu", "loss"}, "GELU-erf gated MLP"),
     "falcon_mamba": ({"rms_norm", "loss"}, "weightless RMSNorm"),
     "ernie4_5": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary in another family"),

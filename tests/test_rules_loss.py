@@ -628,3 +628,106 @@ def test_return_logits_variable_is_validated():
     assert load_settings({"AUTOPATCH_RETURN_LOGITS": "OFF"}).return_logits == "false"
     with pytest.raises(ConfigError, match="AUTOPATCH_RETURN_LOGITS.*auto, true or false"):
         load_settings({"AUTOPATCH_RETURN_LOGITS": "sometimes"})
+
+
+# --- torch.nn.CrossEntropyLoss in modules whose causal LM computes its own loss ------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_fused_cross_entropy_loss_module_matches_torch(kernels, dtype, reduction, label_smoothing):
+    """_torch_ce.FusedCrossEntropyLoss against torch.nn.CrossEntropyLoss on the calls it takes (2-D input,
+    integer target, no class weights): loss (in the input's dtype) and gradient, with ignored rows and an
+    ignore_index of another value; all rows ignored gives torch's NaN for "mean"."""
+    from autopatch.rules._torch_ce import FusedCrossEntropyLoss
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(12, 37, generator=gen) * 3).to(dtype)
+    for ignore_index in (-100, 5):
+        target = torch.randint(0, 37, (12,), generator=gen)
+        target[[1, 7]] = ignore_index
+        results = []
+        for loss_cls in (FusedCrossEntropyLoss, torch.nn.CrossEntropyLoss):
+            leaf = logits.clone().requires_grad_(True)
+            before = kernels.launch_counts().get("cross_entropy_fwd", 0)
+            loss = loss_cls(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)(leaf, target)
+            launched = kernels.launch_counts().get("cross_entropy_fwd", 0) - before
+            loss.backward(torch.ones_like(loss))
+            results.append((loss, leaf.grad, launched))
+        (loss, grad, launched), (ref, ref_grad, _) = results
+        assert launched == 1, "the fused kernel did not run"
+        assert loss.dtype == ref.dtype == dtype and loss.shape == ref.shape
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert_close(loss.float(), ref.float(), dtype, f"loss {reduction} ignore {ignore_index}", tol=tol)
+        assert_close(grad.float(), ref_grad.float(), dtype, f"grad {reduction} ignore {ignore_index}", tol=tol)
+    all_ignored = torch.full((12,), -100)
+    fused = FusedCrossEntropyLoss(reduction=reduction)(logits.float(), all_ignored)
+    ref = torch.nn.CrossEntropyLoss(reduction=reduction)(logits.float(), all_ignored)
+    assert torch.equal(torch.isnan(fused), torch.isnan(ref)) and torch.equal(fused.nan_to_num(), ref.nan_to_num())
+
+
+def test_fused_cross_entropy_loss_module_leaves_other_calls_to_torch(kernels):
+    """Class weights, a (N, C, d) input, probability targets and float64 go to torch's own forward."""
+    from autopatch.rules._torch_ce import FusedCrossEntropyLoss
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 5, generator=gen)
+    target = torch.randint(0, 5, (6,), generator=gen)
+    calls = [
+        (dict(weight=torch.rand(5, generator=gen)), logits, target),
+        ({}, torch.randn(6, 5, 3, generator=gen), torch.randint(0, 5, (6, 3), generator=gen)),
+        ({}, logits, torch.softmax(torch.randn(6, 5, generator=gen), -1)),
+        ({}, logits.double(), target),
+    ]
+    for kwargs, x, t in calls:
+        before = kernels.launch_counts().get("cross_entropy_fwd", 0)
+        fused = FusedCrossEntropyLoss(**kwargs)(x, t)
+        assert kernels.launch_counts().get("cross_entropy_fwd", 0) == before
+        assert torch.equal(fused, torch.nn.CrossEntropyLoss(**kwargs)(x, t))
+
+
+def test_own_loss_modules_get_the_fused_torch_loss(kernels):
+    """Bart's causal LM computes its loss with CrossEntropyLoss(): the module global is rebound (one
+    record, idempotent, restored by restore_all); a tiny BartForCausalLM's loss and gradients match the
+    unpatched model with the kernel running. Modules without the import get no such record."""
+    import importlib
+
+    from autopatch.rules._torch_ce import FusedCrossEntropyLoss
+
+    bart = importlib.import_module("transformers.models.bart.modeling_bart")
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=32, decoder_layers=1, decoder_attention_heads=4,
+                                     decoder_ffn_dim=64, encoder_layers=1, encoder_attention_heads=4,
+                                     encoder_ffn_dim=64, max_position_embeddings=64, is_decoder=True,
+                                     is_encoder_decoder=False, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = bart.BartForCausalLM(config).float()
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :3] = -100
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_ref, grads_ref = step()
+    records = [r for r in loss_rule.RULE.patch_module(bart, ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+    assert len(records) == 1 and records[0].patched and records[0].kernel == "cross_entropy", records
+    assert bart.CrossEntropyLoss is FusedCrossEntropyLoss
+    assert [r for r in loss_rule.RULE.patch_module(bart, ALL_ON) if r.target == loss_rule.TORCH_LOSS] == records
+    before = kernels.launch_counts().get("cross_entropy_fwd", 0)
+    loss, grads = step()
+    assert kernels.launch_counts().get("cross_entropy_fwd", 0) > before
+    assert_close(loss, loss_ref, FP32, "loss")
+    # the key projection's bias has a gradient of 0 in exact arithmetic (softmax ignores a shift): only
+    # rounding noise, measured with the whole gradient
+    assert_close(torch.cat([grads[n].flatten() for n in grads_ref]),
+                 torch.cat([grads_ref[n].flatten() for n in grads_ref]), FP32, "all gradients")
+    for name in grads_ref:
+        if not name.endswith("k_proj.bias"):
+            assert_close(grads[name], grads_ref[name], FP32, f"grad {name}")
+    patching.restore_all()
+    assert bart.CrossEntropyLoss is torch.nn.CrossEntropyLoss
+    assert not [r for r in loss_rule.RULE.patch_module(_module("llama"), ALL_ON) if r.target == loss_rule.TORCH_LOSS]

@@ -14,6 +14,10 @@ Kernels:
                               (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
 With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
 
+A module whose *ForCausalLM forward computes its own loss with `CrossEntropyLoss()` (imported from
+torch.nn: Bart, Marian, Pegasus, ... decoders) gets that global rebound to a torch.nn.CrossEntropyLoss
+subclass running fused_kernels.cross_entropy (kernel cross_entropy; autopatch.rules._torch_ce).
+
 Detection is structural only: the numbers are those of the reference loss by construction (same
 targets, same reduction); the tests compare patched and unpatched models per architecture.
 """
@@ -54,10 +58,41 @@ class _LossRule:
                 except Exception as exc:
                     records.append(Record(kernel=kernel, module=module.__name__, target=cls.__name__,
                                           patched=False, reason=f"rule raised {type(exc).__name__}: {exc}"))
+        try:
+            if enabled(CE):
+                records.extend(_patch_torch_loss(module, classes))
+        except Exception as exc:
+            records.append(Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False,
+                                  reason=f"rule raised {type(exc).__name__}: {exc}"))
         return records
 
 
 RULE = _LossRule()
+
+
+TORCH_LOSS = "CrossEntropyLoss"  # the module global a causal LM computing its own loss instantiates
+
+
+def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
+    """Modules whose *ForCausalLM forward computes its own loss with `CrossEntropyLoss()` imported from
+    torch.nn: that global rebound to _torch_ce.FusedCrossEntropyLoss (its docstring). One record, or
+    none for a module without such a class or without the import."""
+    import torch
+
+    from autopatch.rules._torch_ce import FusedCrossEntropyLoss
+
+    own_loss = [cls for cls in classes if analyse_forward(_original_forward(cls)).reason.startswith(
+        "forward calls self.loss_function 0 times")]
+    current = vars(module).get(TORCH_LOSS)
+    if not own_loss or (current is not torch.nn.CrossEntropyLoss and current is not FusedCrossEntropyLoss):
+        return []
+    variant = "torch.nn.CrossEntropyLoss -> fused_kernels.cross_entropy"
+    if current is not FusedCrossEntropyLoss:
+        problem = _kernels_importable()
+        if problem:
+            return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False, reason=problem)]
+        patching.replace(module, TORCH_LOSS, FusedCrossEntropyLoss)
+    return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=True, variant=variant)]
 
 
 def _causal_lm_classes(module: ModuleType) -> list[type]:
