@@ -650,7 +650,8 @@ def test_fused_cross_entropy_loss_module_matches_torch(kernels, dtype, reduction
         for loss_cls in (FusedCrossEntropyLoss, torch.nn.CrossEntropyLoss):
             leaf = logits.clone().requires_grad_(True)
             before = kernels.launch_counts().get("cross_entropy_fwd", 0)
-            loss = loss_cls(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)(leaf, target)
+            loss_fn = loss_cls(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+            loss = loss_fn(leaf, target)
             launched = kernels.launch_counts().get("cross_entropy_fwd", 0) - before
             loss.backward(torch.ones_like(loss))
             results.append((loss, leaf.grad, launched))
