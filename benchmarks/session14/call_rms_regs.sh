@@ -10,5 +10,6 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 source scripts/device_env.sh >/dev/null 2>&1
 export PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8:$PWD/benchmarks/session9:$PYTHONPATH
+# QUICK=1: 1024 x 65536 only, three shapes, two rounds (~1 min), for a session short of device time
 timeout ${EXP_S:-240} python3 benchmarks/session14/exp_rms_bwd_regs.py --lengths ${LENGTHS:-65536,16384,32768} \
-  2>&1 | grep -v Warn | tee "$OUT/exp_rms_bwd_regs.txt"
+  ${QUICK:+--quick} 2>&1 | grep -v Warn | tee "$OUT/exp_rms_bwd_regs.txt"

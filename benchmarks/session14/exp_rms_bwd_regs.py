@@ -404,7 +404,12 @@ if __name__ == "__main__":
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--lengths", default="65536,32768,16384")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="1024 x 65536 only, three shapes (2, 3, 4 CTAs per SM), two rounds: for little device time")
     a = ap.parse_args()
+    if a.quick:
+        CONFIGS[65536] = [(8, 8, 2, 0, True, False), (8, 8, 3, 0, False, False), (8, 8, 4, 0, False, False)]
+        a.lengths, a.rounds = "65536", 2
     if a.compile_only:
         compile_only()
     else:
