@@ -153,9 +153,18 @@ def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: the rotary embedding is sized by head_dim
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA expands k/v to every head
+    if {"num_heads", "head_dim", "expand"} <= set(values) and "hidden_size" in kwargs:
+        # Mamba-2 validates num_heads * head_dim == expand * hidden_size
+        kwargs["num_heads"] = kwargs["hidden_size"] * values["expand"] // kwargs.get("head_dim", values["head_dim"])
     for name in ("num_hidden_layers", "n_layer", "num_layers"):
         if name in kwargs:
             kwargs[name] = n_layers
+    types = values.get("attention_types")
+    if isinstance(types, list) and types and all(isinstance(t, list) and len(t) == 2 for t in types):
+        # GPT-Neo's [[pattern, repeats], ...], which must expand to exactly one entry per layer
+        pattern = types[0][0]
+        if isinstance(pattern, list) and pattern and n_layers % len(pattern) == 0:
+            kwargs["attention_types"] = [[pattern, n_layers // len(pattern)]]
     for name in LAYER_LISTS:
         value = values.get(name)
         if isinstance(value, (list, str)) and len(value) > 0:

@@ -34,6 +34,8 @@ SUBSET = {
     "gemma4": ({"rms_norm", "rope", "glu", "loss"}, "one-tensor rotary: q and k rotated in separate calls"),
     "gptj": ({"rope", "loss"}, "one-tensor rotary with sin before cos and no unsqueeze_dim"),
     "bart": ({"loss"}, "its own loss with torch.nn.CrossEntropyLoss, not self.loss_function"),
+    "mamba2": ({"rms_norm", "loss"}, "tiny config: num_heads x head_dim must equal expand x hidden_size"),
+    "gpt_neo": ({"loss"}, "tiny config: attention_types [[pattern, repeats]] must cover the layers"),
     "zamba": ({"glu", "loss"}, "GELU-erf gated MLP"),
     "falcon_mamba": ({"rms_norm", "loss"}, "weightless RMSNorm"),
     "ernie4_5": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary in another family"),
