@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import textwrap
@@ -93,6 +94,9 @@ class Transform:
         return self.kind if not self.attribute else f"{self.kind}({self.attribute})"
 
 
+_NO_LOSS_CALL = "forward calls self.loss_function 0 times"  # the start of analyse_forward's reason for it
+
+
 @dataclasses.dataclass(frozen=True)
 class ForwardAnalysis:
     ok: bool
@@ -101,6 +105,11 @@ class ForwardAnalysis:
 
     def variant(self) -> str:
         return "logits: " + (", ".join(t.describe() for t in self.transforms) or "plain lm_head")
+
+    @property
+    def computes_own_loss(self) -> bool:
+        """The forward never calls self.loss_function (Bart-style decoders compute their own loss)."""
+        return self.reason.startswith(_NO_LOSS_CALL)
 
 
 def _is_self_call(node: ast.AST, attr: str) -> bool:
@@ -175,8 +184,11 @@ def forward_source_tree(forward) -> ast.FunctionDef:
     raise ValueError("no function definition in the forward's source")
 
 
+@functools.lru_cache(maxsize=None)
 def analyse_forward(forward) -> ForwardAnalysis:
-    """Decide whether `forward` (a *ForCausalLM.forward) may run with the fused linear CE."""
+    """Decide whether `forward` (a *ForCausalLM.forward) may run with the fused linear CE. Cached per
+    function: the loss rule asks once per kernel and for the module's torch loss, and each answer
+    parses the forward's source."""
     try:
         fn = forward_source_tree(forward)
     except (OSError, TypeError, SyntaxError, ValueError) as exc:

@@ -81,8 +81,7 @@ def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
 
     from autopatch.rules._torch_ce import FusedCrossEntropyLoss
 
-    own_loss = [cls for cls in classes if analyse_forward(_original_forward(cls)).reason.startswith(
-        "forward calls self.loss_function 0 times")]
+    own_loss = [cls for cls in classes if analyse_forward(_original_forward(cls)).computes_own_loss]
     current = vars(module).get(TORCH_LOSS)
     if not own_loss or (current is not torch.nn.CrossEntropyLoss and current is not FusedCrossEntropyLoss):
         return []
@@ -162,7 +161,7 @@ def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
         return left_alone(target, "the class defines its own loss_function")
     forward = _original_forward(cls)
     analysis = analyse_forward(forward)
-    if kernel == CE and analysis.reason.startswith("forward calls self.loss_function 0 times"):
+    if kernel == CE and analysis.computes_own_loss:
         return left_alone(target, "forward does not call self.loss_function (it computes its own loss)")
     if kernel == FLCE:
         if not analysis.ok:
