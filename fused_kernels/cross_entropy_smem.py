@@ -14,9 +14,10 @@ CTAS classes; each thread copies and reads the same 16 bytes of every chunk).
   - The row arrives by cp.async (HBM read once, no register staging).
   - Pass 1 reads it from shared memory: a per-thread online max and Σ exp (one exp2 per class, one
     per 8-class vector to rescale), Σ z for label smoothing, then a CTA reduction. A split row's CTAs
-    then write their partials to a slot of that row in global memory, meet at one cluster barrier
-    (release / acquire) and each combines all of them into lse. (A reduction across the cluster's
-    shared memory is what Triton 3.9 would generate, but 3.6 cannot: benchmarks/session9.)
+    then write their partials to one of the cluster's two slots in global memory (used in turn), meet
+    at one cluster barrier (release / acquire) and each combines all of them into lse. (A reduction
+    across the cluster's shared memory is what Triton 3.9 would generate, but 3.6 cannot:
+    benchmarks/session9.)
   - Pass 2 reads it again and writes ∂loss/∂x chunk by chunk. The target's term is applied only in the
     chunk that holds it (a uniform branch, no per-class compare elsewhere), and as each chunk is
     consumed the cp.async of the same chunk of the program's next row is issued into its slot, so
@@ -183,12 +184,13 @@ if gluon is not None:
         if CTAS == 1:
             r = pid  # rows pid, pid + P, ...: the grid is what fits the GPU at once
         else:
-            # Clusters claim every row from the counter (next_ptr[row] holds the row claimed after row;
-            # next_ptr[n_rows + pid] the cluster's first): a cluster the GPU cannot hold at first runs
-            # when others finish and finds the rows taken, instead of holding one back.
-            _claim_row(counter_ptr, next_ptr + n_rows + pid)
+            # Clusters claim every row from the counter (next_ptr[3·pid] holds the cluster's first row,
+            # next_ptr[3·pid + 1 + parity] the row claimed after its current one): a cluster the GPU
+            # cannot hold at first runs when others finish and finds the rows taken, instead of holding
+            # one back.
+            _claim_row(counter_ptr, next_ptr + 3 * pid)
             _cluster_sync()
-            r = gl.load(next_ptr + n_rows + pid, cache_modifier=".cg")
+            r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
         if IN_REGS > 0:  # the register chunks by plain loads (r1-r3 unused below IN_REGS = 4)
             r0 = gl.load(first + offs)
@@ -207,6 +209,7 @@ if gluon is not None:
             _async_load(buf.index(NFULL - IN_REGS), first + NFULL * CHUNK + offs, mask=tail)
         async_copy.commit_group()
 
+        parity = 0  # split rows: which of the cluster's two exchange slots this row uses
         while r < n_rows:
             row = r.to(gl.int64)
             y = gl.load(tgt_ptr + row).to(gl.int64)
@@ -249,14 +252,16 @@ if gluon is not None:
                 z_row = gl.sum(z_cta, 0)
                 nxt = r + n_prog
             else:
-                # The CTAs' shares meet in global memory: a slot of its own per row (never reused within a
-                # launch, so no stale cache line), one cluster barrier, then every CTA combines them all.
-                slot = partials_ptr + row * (3 * CTAS)
+                # The CTAs' shares meet in global memory, in one of the cluster's two slots (used in turn),
+                # behind one cluster barrier; then every CTA combines them all. A CTA writes a slot again two
+                # rows later, after the barrier of the row between, which every CTA reaches only after
+                # reading it (release / acquire); the loads are .cg (L2), so no stale L1 line.
+                slot = partials_ptr + (2 * pid + parity) * (3 * CTAS)
                 gl.store(slot + ranks, m_cta)
                 gl.store(slot + CTAS + ranks, s_cta)
                 if HAS_LS:
                     gl.store(slot + 2 * CTAS + ranks, z_cta)
-                _claim_row(counter_ptr, next_ptr + row)
+                _claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
                 _cluster_sync()
                 m_row = gl.load(slot, cache_modifier=".cg")
                 for k in gl.static_range(1, CTAS):
@@ -268,7 +273,7 @@ if gluon is not None:
                         gl.exp2(gl.load(slot + k, cache_modifier=".cg") - m_row)
                     if HAS_LS:
                         z_row += gl.load(slot + 2 * CTAS + k, cache_modifier=".cg")
-                nxt = gl.load(next_ptr + row, cache_modifier=".cg")
+                nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
             lse2 = m_row + gl.log2(s_row)
             lse = lse2 / LOG2E
             loss = _row_loss(lse, zy, z_row, inv_v, label_smoothing, z_loss, HAS_LS)
@@ -308,6 +313,7 @@ if gluon is not None:
                         _async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs, mask=tail)
             async_copy.commit_group()
             r = nxt
+            parity = 1 - parity
         async_copy.wait_group(0)
 
 
@@ -441,9 +447,9 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     registers that let per_sm CTAs share an SM (register_cap)."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
-    if ctas > 1:  # the exchange slots of the row partials, the claimed rows (then each cluster's first), the counter
-        partials = torch.empty(n * 3 * ctas, dtype=torch.float32, device=x.device)
-        next_rows = torch.empty(n + grid, dtype=torch.int32, device=x.device)
+    if ctas > 1:  # per cluster: two exchange slots of partials, its first row and two claimed rows; the counter
+        partials = torch.empty(grid * 2 * 3 * ctas, dtype=torch.float32, device=x.device)
+        next_rows = torch.empty(grid * 3, dtype=torch.int32, device=x.device)
         counter = torch.zeros(1, dtype=torch.int32, device=x.device)
     else:  # never touched
         partials, next_rows, counter = coef, flag, flag

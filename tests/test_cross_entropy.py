@@ -892,8 +892,13 @@ def test_gpu_smem_path_matches_reference(monkeypatch, v, n, in_registers, option
     grad = torch.full_like(x, float("nan"))
     loss_rows = torch.full((n,), float("nan"), device="cuda")
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     ce.launch_ce(x, target, grad, loss_rows, coef, row_scale, flag, **kwargs)
     torch.cuda.synchronize()
+    scratch = torch.cuda.max_memory_allocated() - base
+    assert scratch <= 64 * 1024, f"{scratch} B of scratch: the exchange needs two slots per cluster, not per row"
     assert calls and calls[0]["grid"] >= 1, "the shared-memory path was not taken"
     if torch.cuda.get_device_capability() >= (9, 0):
         assert (calls[0]["in_registers"] > 0) == in_registers, f"registers expected: {in_registers}; {calls[0]}"
