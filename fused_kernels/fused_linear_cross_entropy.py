@@ -27,13 +27,16 @@ reduction="none" has one upstream value per token, unknown in the forward: the f
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
-Chunk rows: C = budget / (V · element size), rounded down to a multiple of 128 (64 when smaller;
-at least 1, at most N), then shrunk to split N into equal chunks of that many. The default budget,
-252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values and
-the rounding take the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks) and 384 at
+Chunk rows: C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS' leading-dimension
+granule; at least 1, at most N), then shrunk to split N into equal chunks of that many. The default
+budget, 252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values
+take the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
 262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per chunk:
 at 8192 × 4096 → 128256 on an H200, 1024 rows took 38.9–39.4 ms of GPU time where 768 (192 MiB) took
-40.2–40.5 (benchmarks/session12). FUSED_KERNELS_FLCE_CHUNK_MB sets the budget;
+40.2–40.5 (benchmarks/session12); at 16384 × 2304 → 262144, 504 rows took 107.6 ms where a 128-row
+granule's 384 took 110.9, and at Qwen3's lm_head (16384 × 1024 → 151936) 864 rows 26.5 ms where 768 took
+27.6 (benchmarks/session15). A multiple of 128 is not needed: only 448 rows, 3.5 GEMM tiles, was slower
+than 384 there (113.9 ms). FUSED_KERNELS_FLCE_CHUNK_MB sets the budget;
 `_CONFIG["chunk_rows"]` forces C (tests use it to run several chunks).
 
 Memory beyond inputs and their gradients: the C × V logits buffer, N + V fp32 values, and cuBLAS'
@@ -89,7 +92,7 @@ def chunk_rows(n: int, v: int, elem_size: int) -> int:
     if _CONFIG["chunk_rows"]:
         return max(1, min(n, int(_CONFIG["chunk_rows"])))
     rows = _CONFIG["budget_bytes"] // max(1, v * elem_size)
-    granule = 128 if rows >= 128 else 64 if rows >= 64 else 1
+    granule = 8 if rows >= 8 else 1
     rows = max(1, rows // granule * granule)
     rows = min(rows, n)
     n_chunks = triton.cdiv(n, rows)

@@ -184,18 +184,19 @@ def test_chunk_rule(monkeypatch, budget_mb):
     monkeypatch.setitem(flce._CONFIG, "budget_bytes", budget)
     if budget_mb == 252:
         assert flce.chunk_rows(8192, 128256, 2) == 1024  # 8 chunks; 250.5 MiB of logits
-        assert flce.chunk_rows(8192, 262144, 2) == 384  # 504 fit, rounded down to the 128-row granule
-        assert flce.chunk_rows(16384, 262144, 2) == 384
+        assert flce.chunk_rows(8192, 262144, 2) == 488  # 504 fit: 17 equal chunks of 488 (the last 376)
+        assert flce.chunk_rows(16384, 262144, 2) == 504  # 33 chunks (a 128-row granule: 43 of 384)
+        assert flce.chunk_rows(16384, 151936, 2) == 864  # 869 fit; 19 chunks
         assert flce.chunk_rows(100, 1000, 2) == 100
         assert flce.chunk_rows(8192, 32000, 2) == 4096  # 4128 fit; 2 chunks
     else:
-        assert flce.chunk_rows(8192, 128256, 2) == 768  # 11 chunks of 768 (the last 512)
-        assert flce.chunk_rows(8192, 32000, 2) == 2816  # 3072 fit; 3 chunks of 2816 (the last 2560)
+        assert flce.chunk_rows(8192, 128256, 2) == 752  # 784 fit; 11 chunks of 752 (the last 672)
+        assert flce.chunk_rows(8192, 32000, 2) == 2736  # 3144 fit; 3 chunks of 2736 (the last 2720)
     for n, v, e in [(8192, 128256, 2), (8192, 128256, 4), (5000, 151936, 2), (300, 10**7, 2), (7, 10**9, 4)]:
         rows = flce.chunk_rows(n, v, e)
         assert 1 <= rows <= n
         assert rows == 1 or rows * v * e <= budget
-        assert rows % 128 == 0 or rows < 128 or rows == n
+        assert rows % 8 == 0 or rows < 8 or rows == n
 
 
 def test_default_budget_keeps_the_op_within_256_mib():
