@@ -197,6 +197,26 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
             yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, per_sm
 
 
+def rms_norm_smem_cases(cols: list[int], dtype: str):
+    """The long-row backward read once (rms_norm_smem) for each length a table shape covers, in every
+    casting mode, with an offset and without dw; its launch caps registers (maxnreg) for per_sm CTAs."""
+    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
+    sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
+           "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32", "stride_dy": "i32",
+           "stride_x": "i32", "stride_dx": "i32"}
+    aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
+    for n in cols:
+        shape = smem.shape_for(n)
+        if shape is None:
+            continue
+        for casting_id, offset, compute_dw in ((0, 0.0, True), (0, 1.0, False), (1, 1.0, True), (2, 0.0, True)):
+            flags = smem.kernel_constexprs(n, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw)
+            flags.pop("num_warps")
+            label = f"rms_norm_smem N={n} casting {casting_id} offset {offset} dw {compute_dw} {shape}"
+            yield label, smem._rms_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
+
+
 # Spills allowed to a kernel whose launch caps its registers (maxnreg: cross_entropy_smem's shapes holding
 # chunks in registers). With every optional term on, triton 3.6 spills 8-160 B per thread under the cap
 # (none for plain CE), triton 3.9 48-192 B (0-32 B plain); the options-on kernels timed (72-80 B at
@@ -207,12 +227,13 @@ CAPPED_SPILL_BYTES = 256
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "all"),
+    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "rms_norm_smem", "all"),
                     default="all")
     ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
     ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,151936,262144",
                     help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
+    ap.add_argument("--smem-cols", default="24576,32768,49152,65536", help="rms_norm_smem row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = ap.parse_args()
@@ -227,6 +248,8 @@ def main() -> None:
         cases += list(cross_entropy_cases([int(v) for v in args.vocab.split(",")], args.dtype))
     if args.op in ("cross_entropy_smem", "all") and args.dtype != "fp32":
         cases += list(cross_entropy_smem_cases([int(v) for v in args.smem_vocab.split(",")], args.dtype))
+    if args.op in ("rms_norm_smem", "all") and args.dtype != "fp32":
+        cases += list(rms_norm_smem_cases([int(c) for c in args.smem_cols.split(",")], args.dtype))
     bad = 0
     capped_spills = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:

@@ -697,3 +697,193 @@ def test_gpu_real_sizes(device, rows, hidden, casting_mode, keep):
     for name, got, ref in (("y", y, y_ref), ("dx", x_in.grad, x64.grad), ("dw", w_in.grad, w64.grad)):
         assert torch.isfinite(got).all(), f"{name} has NaN/inf"
         assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
+
+
+# --- the long-row backward read once (fused_kernels/rms_norm_smem.py, Gluon: GPU only) ----------
+
+def test_smem_backward_table_shapes_fit_an_sm():
+    """Every length a table shape covers is 2-4 whole chunks; per_sm CTAs' x and dy slices fit an
+    H100/H200 SM's shared memory (228 KB, 1 KB reserved per CTA) and the register cap keeps >= 64 per
+    thread (8 fp32 dw sums per chunk live in registers)."""
+    smem = pytest.importorskip("fused_kernels.rms_norm_smem")
+    ce_smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    assert smem.shape_for(16384).chunk == 8192 and smem.shape_for(32768).warps == 4  # measured at 32768
+    assert smem.shape_for(65536) == smem.ClusterShape(warps=8, ctas=8, per_sm=4)
+    assert smem.shape_for(49152).chunk == 16384
+    for n in (40960, 65537, 131072, 4096, 8192 * 3 + 8):
+        assert smem.shape_for(n) is None, n
+    for n in range(8192, 65536 + 1, 8192):
+        shape = smem.shape_for(n)
+        if shape is None:
+            continue
+        assert n % shape.chunk == 0 and smem.MIN_CHUNKS <= n // shape.chunk <= smem.MAX_CHUNKS
+        assert shape.per_sm * (smem.buffer_bytes(n, shape, 2) + 1024 + 256) <= 228 * 1024, (n, shape)
+        assert ce_smem.register_cap(shape.warps, shape.per_sm) >= 64
+        assert smem.clusters(1024, shape, 132) == shape.per_sm * 132 // shape.ctas
+    assert smem.clusters(3, smem.shape_for(65536), 132) == 3
+    with pytest.raises(ValueError, match="whole chunks of 16384"):
+        smem.kernel_constexprs(40960, smem.shape_for(65536), offset=0.0, casting_id=0, compute_dw=True)
+
+
+def test_smem_backward_compiles_for_sm90():
+    """The Gluon kernel compiles for sm_90a with this Triton (the CPU suite cannot run it): every length
+    and casting mode, with and without dw; spills only within check_sm90.CAPPED_SPILL_BYTES (the launch
+    caps registers so that per_sm CTAs share an SM), and shared memory within the x and dy slices."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.experimental.gluon")
+    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90.py"), "--op", "rms_norm_smem"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "16 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    for line in out.splitlines():
+        if "rms_norm_smem N=" in line:
+            n = int(line.split("N=")[1].split()[0])
+            shared = int(line.split("shared")[1].split()[0])
+            assert "capped" in line and shared <= smem.buffer_bytes(n, smem.shape_for(n), 2) + 256, line
+
+
+class _FakeSmemBackward:
+    """Stands in for rms_norm_smem on the CPU: eligible for every input; launch_backward either fails (a
+    Triton whose Gluon API the kernel does not build with) or computes dx and dw in float64 torch, dw in
+    the first of its partial rows and zeros in the rest (so that the dispatch's sum over `grid` partial
+    rows is what is checked)."""
+
+    MIN_ROWS_PER_CLUSTER = 1
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+        self.calls = 0
+        self.shape = ("fake shape", 4, 2, 2)
+
+    def eligible(self, dy2, x2, weight, from_output):
+        return weight is not None and not from_output
+
+    def shape_for(self, n_cols):
+        return self.shape
+
+    def clusters(self, n_rows, shape, sm_count):
+        return 3
+
+    def launch_backward(self, dy2, x2, weight, rstd, dx, partial, *, shape, grid, offset, casting_id, compute_dw):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("PassManager::run failed")
+        assert casting_id == 0 and grid == 3
+        x64, dy64, r = x2.double(), dy2.double(), rstd.double()[:, None]
+        xhat = x64 * r
+        g = dy64 * (offset + weight.double())
+        dx.copy_((r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).view_as(dx))
+        if compute_dw:
+            partial.zero_()
+            partial[0] = (dy64 * xhat).sum(0)
+
+
+@pytest.mark.parametrize("fail", (False, True))
+def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
+    """Rows the split backward would take go to rms_norm_smem when it is eligible: its dx and its dw
+    partial rows (summed over the grid it reports) are what the backward returns. A first build that
+    fails warns once, turns the path off and the split backward gives the numbers; later calls do not
+    try again."""
+    fake = _FakeSmemBackward(fail)
+    monkeypatch.setattr(rms_norm_module, "_SMEM_BACKWARD", [fake])
+    monkeypatch.setattr(rms_norm_module, "_SMEM_BACKWARD_LAUNCHED", set())
+    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
+    x = randn(11, 150, dtype=torch.float32, scale=2.0)
+    w = randn(150, dtype=torch.float32)
+    if fail:
+        with pytest.warns(RuntimeWarning, match="rms_norm_smem.py.*did not build.*PassManager.*split backward"):
+            check_against_reference(x, w, 1e-6, 0.0, "llama")
+        assert rms_norm_module._SMEM_BACKWARD == [None]
+        check_against_reference(x, w, 1e-6, 0.0, "llama")
+        assert fake.calls == 1
+    else:
+        check_against_reference(x, w, 1e-6, 0.0, "llama")
+        assert fake.calls == 1
+        check_against_reference(x, w, 1e-6, 0.0, "llama", keep="output")  # from the output: the split kernels
+        check_against_reference(x, None, 1e-6, 0.0, "llama")  # no weight: the split kernels
+        assert fake.calls == 1
+
+
+def test_smem_backward_only_replaces_the_split_backward(monkeypatch):
+    """Rows the one-kernel backward holds whole never reach rms_norm_smem."""
+    fake = _FakeSmemBackward(False)
+    monkeypatch.setattr(rms_norm_module, "_SMEM_BACKWARD", [fake])
+    check_against_reference(randn(5, 64, dtype=torch.float32), randn(64, dtype=torch.float32), 1e-6, 0.0, "llama")
+    assert fake.calls == 0
+
+
+def _smem_backward_calls(monkeypatch):
+    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    calls = []
+    real = smem.launch_backward
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["shape"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(smem, "launch_backward", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows,hidden,dtype,casting_mode,offset,row_pad,weight_grad",
+    [
+        (1024, 65536, torch.bfloat16, "llama", 0.0, 0, True),
+        (1024, 65536, torch.bfloat16, "gemma", 1.0, 0, True),
+        (1024, 65536, torch.bfloat16, "none", 0.0, 0, True),
+        (2048, 32768, torch.bfloat16, "llama", 1.0, 64, True),  # padded rows: strides differ from N
+        (2048, 32768, torch.bfloat16, "llama", 0.0, 0, False),  # no dw
+        (300, 49152, torch.float16, "llama", 0.0, 0, True),  # few rows: ~4.5 per cluster
+        (4000, 24576, torch.bfloat16, "gemma", 1.0, 0, True),
+    ],
+)
+def test_gpu_smem_backward_matches_reference(monkeypatch, device, rows, hidden, dtype, casting_mode, offset, row_pad,
+                                             weight_grad):
+    calls = _smem_backward_calls(monkeypatch)
+    torch.manual_seed(0)
+    base = randn(rows, hidden + row_pad, dtype=dtype, device=device, scale=2.0)
+    x = base[:, :hidden]
+    w = randn(hidden, dtype=dtype, device=device, scale=0.5)
+    x_in, w_in = x.detach().clone() if not row_pad else x.detach(), w.clone()
+    x_in.requires_grad_(True)
+    w_in.requires_grad_(weight_grad)
+    y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
+    dy = randn(rows, hidden, dtype=y.dtype, device=device)
+    y.backward(dy)
+    assert calls == [importlib.import_module("fused_kernels.rms_norm_smem").shape_for(hidden)], calls
+
+    x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
+    reference(x64, w64, 1e-6, offset, casting_mode, dtype, dtype).backward(dy.double())
+    grads = [("dx", x_in.grad, x64.grad)] + ([("dw", w_in.grad, w64.grad)] if weight_grad else [])
+    for name, got, ref in grads:
+        assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+        assert_close(got, ref, dtype, f"{name} {rows}x{hidden} {casting_mode}")
+    assert weight_grad or w_in.grad is None
+
+
+@pytest.mark.gpu
+def test_gpu_smem_backward_off_in_deterministic_mode(monkeypatch, device):
+    """Clusters claim rows, so which rows a dw partial row sums varies between runs; deterministic mode
+    takes the split backward, whose dw is the same bit for bit."""
+    calls = _smem_backward_calls(monkeypatch)
+    x = randn(1024, 65536, dtype=torch.bfloat16, device=device)
+    w = randn(65536, dtype=torch.bfloat16, device=device)
+    dy = randn(1024, 65536, dtype=torch.bfloat16, device=device)
+    grads = []
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for _ in range(2):
+            w_in = w.clone().requires_grad_(True)
+            rms_norm(x, w_in).backward(dy)
+            grads.append(w_in.grad)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == [] and torch.equal(grads[0], grads[1])

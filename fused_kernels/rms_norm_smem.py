@@ -1,0 +1,281 @@
+"""RMSNorm backward for long rows with each row read from HBM once: the GPU path of
+fused_kernels.rms_norm's backward for rows the one-kernel backward cannot hold whole (N > 16384, where
+the split backward reads x and dy twice), on an H100/H200. Written in Gluon, like cross_entropy_smem,
+whose layouts, cluster barrier and row claiming it uses.
+
+Math: rms_norm's backward (its module docstring), from the input (keep="input"); per row, r = rstd:
+    w_eff = offset + w  ("llama": in w's dtype, as torch adds it; otherwise fp32)
+    xhat = x·r,  g = dy·w_eff ("llama": rounded to x's dtype),  c = Σ_j g_j·xhat_j / N
+    dx = r·(g − xhat·c),  dw = Σ_rows dy·h  (h = round_x(xhat) for "llama", xhat otherwise), fp32.
+
+Kernel: a row is split over a thread-block cluster of CTAS CTAs (on as many SMs); CTA k owns slice k
+of each of the row's NCHUNK chunks (CHUNK = CTAS·32·WARPS·8 columns; each thread the same 8
+consecutive columns of every chunk), so a CTA always owns the same columns and keeps their fp32 dw
+sums in registers for the whole launch (8·NCHUNK per thread). Per row:
+  - x and dy arrive in shared memory by cp.async, issued while the cluster's previous row was being
+    written (HBM read once, no register staging);
+  - pass 1: each CTA's partial Σ g·xhat goes to one of the cluster's two slots in global memory (used
+    in turn), then one cluster barrier (release / acquire) and every CTA adds all CTAS of them;
+  - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
+    consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
+Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken):
+which rows a cluster's dw partial row sums differs from run to run, so dw's rounding does too. Under
+torch.use_deterministic_algorithms(True) the split backward runs instead. w is read again per chunk (its
+slice is an L1 hit) rather than held: its registers buy more CTAs per SM, and the launch caps ptxas at
+the registers that let per_sm CTAs share an SM (cross_entropy_smem.register_cap).
+
+Bytes moved (rows × N, B bytes per element): x and dy read once, dx written once (3·rows·N·B, the floor),
+plus one fp32 dw partial row per cluster, written once and summed by rms_norm._dw_sum_kernel.
+H200, triton 3.6, bf16, backward alone (benchmarks/session15/exp_rms_bwd_regs.txt, queued median):
+1024 × 65536 0.155–0.156 ms (8 CTAs × 8 warps, 4 per SM) where the split backward took 0.177–0.178;
+2048 × 32768 0.148 (8 CTAs × 4 warps, 6 per SM) against 0.175. At 4096 × 16384 it matched the one-kernel
+backward (0.139–0.141 against 0.137–0.138), which keeps that length.
+
+When it runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
+>= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
+saved output recovers xhat per element: the split kernels do that), row strides a multiple of 8
+elements and 16-byte aligned bases (16-byte copies), N a table shape's 2–4 chunks, at least
+MIN_ROWS_PER_CLUSTER rows per cluster, and not deterministic mode. There is no CPU interpreter for
+Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_rms_norm.py), the gpu tests check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from fused_kernels import cross_entropy_smem as _smem
+from fused_kernels._launch import launch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+except ImportError:  # pragma: no cover - an older Triton: the split backward serves every length
+    gluon = None
+
+VEC = _smem.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
+MIN_CHUNKS, MAX_CHUNKS = 2, 4  # dw0-dw3 in the kernel; a one-chunk shared buffer does not build on triton 3.6
+# Fewer rows than this per cluster and the dw partial rows (one per cluster) start to cost as much as
+# the rows themselves; the split backward takes those.
+MIN_ROWS_PER_CLUSTER = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterShape:
+    warps: int  # per CTA
+    ctas: int  # CTAs per cluster (one row)
+    per_sm: int  # CTAs per SM the launch sizes its grid and register cap for
+
+    @property
+    def chunk(self) -> int:
+        """Columns per chunk: 8 per thread of the cluster."""
+        return self.ctas * 32 * self.warps * VEC
+
+
+# Tried in order; the first whose chunk divides N into 2–4 chunks runs. H200 (exp_rms_bwd_regs.txt):
+# 8 warps × 8 CTAs, 4 per SM was the fastest of 8 shapes at 65536 (3 per SM: 0.162; rows strided
+# instead of claimed: 0.209); 4 × 8, 6 per SM of 6 at 32768 (the strided one 0.207).
+SMEM_BACKWARD_TABLE = (
+    ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 16384, 24576, 32768
+    ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 32768, 49152, 65536
+)
+
+if gluon is not None:
+
+    @gluon.jit
+    def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, CASTING: gl.constexpr):
+        """Chunk k of this thread's weights in the weight's dtype; for llama casting offset + weight,
+        rounded there as torch does (OFFSET a constexpr: with 0 nothing is added per use)."""
+        w = gl.load(w_ptr + k * CHUNK + offs)
+        if CASTING == 0 and OFFSET != 0.0:
+            w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
+        return w
+
+    @gluon.jit
+    def _terms(x, dy, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr):
+        """(xhat, g = dL/dxhat, dy) in fp32 for a chunk, as rms_norm._grad_terms."""
+        w_eff = w.to(gl.float32)
+        if CASTING != 0 and OFFSET != 0.0:
+            w_eff = w_eff + OFFSET
+        dyf = dy.to(gl.float32)
+        g = dyf * w_eff
+        if CASTING == 0:
+            g = g.to(x.dtype).to(gl.float32)
+        return x.to(gl.float32) * rstd, g, dyf
+
+    @gluon.jit
+    def _pick(k: gl.constexpr, a0, a1, a2, a3):
+        v = a0
+        if k == 1:
+            v = a1
+        if k == 2:
+            v = a2
+        if k == 3:
+            v = a3
+        return v
+
+    @gluon.jit
+    def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
+                             n_rows, stride_dy, stride_x, stride_dx,
+                             OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+        """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
+        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
+        T: gl.constexpr = 32 * WARPS
+        CHUNK: gl.constexpr = CTAS * T * 8
+        NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
+        per_thread: gl.constexpr = gl.SliceLayout(2, REG)
+        per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)
+        xbuf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+        dybuf = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+
+        pid = gl.program_id(0)  # the cluster
+        ranks = gl.arange(0, CTAS, layout=per_cta)
+        offs = _smem.slice_offsets(CTAS, T, REG)
+        dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
+        dw1 = dw0
+        dw2 = dw0
+        dw3 = dw0
+
+        # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row claimed after it
+        _smem._claim_row(counter_ptr, next_ptr + 3 * pid)
+        _smem._cluster_sync()
+        r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
+        xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
+        dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
+        for k in gl.static_range(NCHUNK):
+            _smem._async_load(xbuf.index(k), xrow + k * CHUNK + offs)
+            _smem._async_load(dybuf.index(k), dyrow + k * CHUNK + offs)
+        async_copy.commit_group()
+
+        parity = 0
+        while r < n_rows:
+            row = r.to(gl.int64)
+            rstd = gl.load(rstd_ptr + row)
+            async_copy.wait_group(0)
+            acc = gl.zeros([CTAS, T], gl.float32, per_thread)
+            for k in gl.static_range(NCHUNK):
+                xhat, g, _dyf = _terms(xbuf.index(k).load(REG), dybuf.index(k).load(REG),
+                                       _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING), rstd, OFFSET, CASTING)
+                acc = acc + gl.sum(g * xhat, 2)
+            # The CTAs' partial dots meet in one of the cluster's two slots (used in turn): a CTA writes
+            # a slot again two rows later, after the barrier of the row between, which every CTA reaches
+            # only after reading it; .cg loads (L2), so no stale L1 line.
+            slot = partials_ptr + (2 * pid + parity) * CTAS
+            gl.store(slot + ranks, gl.sum(acc, 1))
+            _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
+            _smem._cluster_sync()
+            dot = gl.load(slot, cache_modifier=".cg")
+            for k in gl.static_range(1, CTAS):
+                dot += gl.load(slot + k, cache_modifier=".cg")
+            nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
+            c = dot / N
+            dxrow = dx_ptr + row * stride_dx
+            nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
+            ndyrow = dy_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_dy
+            for k in gl.static_range(NCHUNK):
+                x = xbuf.index(k).load(REG)
+                xhat, g, dyf = _terms(x, dybuf.index(k).load(REG), _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING),
+                                      rstd, OFFSET, CASTING)
+                gl.store(dxrow + k * CHUNK + offs, (rstd * (g - xhat * c)).to(dx_ptr.dtype.element_ty))
+                if COMPUTE_DW:
+                    if CASTING == 0:
+                        xhat = xhat.to(x.dtype).to(gl.float32)
+                    dwk = _pick(k, dw0, dw1, dw2, dw3) + dyf * xhat
+                    dw0 = dwk if k == 0 else dw0  # k is a constexpr: one of these takes dwk
+                    dw1 = dwk if k == 1 else dw1
+                    dw2 = dwk if k == 2 else dw2
+                    dw3 = dwk if k == 3 else dw3
+                if nxt < n_rows:  # this chunk of the cluster's next row, into the slot just read
+                    _smem._async_load(xbuf.index(k), nxrow + k * CHUNK + offs)
+                    _smem._async_load(dybuf.index(k), ndyrow + k * CHUNK + offs)
+            async_copy.commit_group()
+            r = nxt
+            parity = 1 - parity
+        async_copy.wait_group(0)
+        if COMPUTE_DW:
+            part = dw_part_ptr + pid.to(gl.int64) * N
+            for k in gl.static_range(NCHUNK):
+                gl.store(part + k * CHUNK + offs, _pick(k, dw0, dw1, dw2, dw3))
+
+
+def available() -> bool:
+    """Gluon importable and real kernels (not the interpreter)."""
+    return gluon is not None and _smem.available()
+
+
+def shape_for(n_cols: int) -> ClusterShape | None:
+    """The first SMEM_BACKWARD_TABLE shape whose chunk splits n_cols into MIN_CHUNKS..MAX_CHUNKS whole
+    chunks, or None."""
+    for shape in SMEM_BACKWARD_TABLE:
+        if n_cols % shape.chunk == 0 and MIN_CHUNKS <= n_cols // shape.chunk <= MAX_CHUNKS:
+            return shape
+    return None
+
+
+def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int) -> int:
+    """Shared memory of one CTA: its slice of x and of dy."""
+    return 2 * (n_cols // shape.ctas) * element_size
+
+
+def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
+    """The persistent grid: per_sm CTAs on every SM, in clusters of ctas, never more than the rows."""
+    return max(1, min(n_rows, shape.per_sm * sm_count // shape.ctas))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> bool:
+    """Whether these 2-D rows may take this path at all (the module docstring's list, less the shape's
+    own conditions, which `shape_for` and rms_norm's dispatch check)."""
+    return (
+        not from_output
+        and weight is not None
+        and x2.is_cuda
+        and torch.version.hip is None
+        and x2.element_size() == 2
+        and dy2.dtype == x2.dtype == weight.dtype
+        and weight.is_contiguous()
+        and _aligned(x2)
+        and _aligned(dy2)
+        and weight.data_ptr() % 16 == 0
+        and not torch.are_deterministic_algorithms_enabled()
+        and _capability(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    )
+
+
+def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
+    """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
+    chunks = n_cols // shape.chunk
+    if n_cols % shape.chunk or not MIN_CHUNKS <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"rms_norm_smem: N = {n_cols} must be {MIN_CHUNKS}-{MAX_CHUNKS} whole chunks of {shape.chunk} "
+                         f"columns for {shape}")
+    reg, smem = _smem.layouts(shape.warps, shape.ctas)
+    return dict(OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw, N=n_cols, WARPS=shape.warps,
+                CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps, num_ctas=shape.ctas,
+                maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+
+
+def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
+                    casting_id: int, compute_dw: bool) -> None:
+    """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
+    n_rows, n_cols = x2.shape
+    device = x2.device
+    exchange = torch.empty(grid * 2 * shape.ctas, dtype=torch.float32, device=device)  # two slots per cluster
+    next_rows = torch.empty(grid * 3, dtype=torch.int32, device=device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    launch(_rms_bwd_smem_kernel, (grid,),
+           (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
+            dx.stride(0) if dx.dim() > 1 else n_cols),
+           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
