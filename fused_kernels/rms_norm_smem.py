@@ -122,12 +122,9 @@ if gluon is not None:
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             CHUNK_WAITS: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS). CHUNK_WAITS: each
-        chunk's copies are a group of their own, and pass 1 waits for chunk k alone before reading it
-        (else for the whole row first)."""
+        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
@@ -153,21 +150,15 @@ if gluon is not None:
         for k in gl.static_range(NCHUNK):
             _smem._async_load(xbuf.index(k), xrow + k * CHUNK + offs)
             _smem._async_load(dybuf.index(k), dyrow + k * CHUNK + offs)
-            if CHUNK_WAITS:
-                async_copy.commit_group()
-        if not CHUNK_WAITS:
-            async_copy.commit_group()
+        async_copy.commit_group()
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
             rstd = gl.load(rstd_ptr + row)
-            if not CHUNK_WAITS:
-                async_copy.wait_group(0)
+            async_copy.wait_group(0)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                if CHUNK_WAITS:  # chunk k's group landed; the later chunks' may still be in flight
-                    async_copy.wait_group(NCHUNK - 1 - k)
                 xhat, g, _dyf = _terms(xbuf.index(k).load(REG), dybuf.index(k).load(REG),
                                        _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
@@ -202,10 +193,7 @@ if gluon is not None:
                 if nxt < n_rows:  # this chunk of the cluster's next row, into the slot just read
                     _smem._async_load(xbuf.index(k), nxrow + k * CHUNK + offs)
                     _smem._async_load(dybuf.index(k), ndyrow + k * CHUNK + offs)
-                if CHUNK_WAITS:  # (an empty group after the last row keeps the count)
-                    async_copy.commit_group()
-            if not CHUNK_WAITS:
-                async_copy.commit_group()
+            async_copy.commit_group()
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -267,13 +255,7 @@ def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> 
     )
 
 
-# Pass 1 starts on a row's first chunk while the rest still arrive (one copy group per chunk), rather than
-# waiting for the whole row: session 15 times both (benchmarks/session15/exp_rms_bwd_chunk_waits.py).
-CHUNK_WAITS = True
-
-
-def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool,
-                      chunk_waits: bool | None = None) -> dict:
+def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
     """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
     chunks = n_cols // shape.chunk
     if n_cols % shape.chunk or not MIN_CHUNKS <= chunks <= MAX_CHUNKS:
@@ -281,13 +263,12 @@ def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, castin
                          f"columns for {shape}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw, N=n_cols, WARPS=shape.warps,
-                CTAS=shape.ctas, REG=reg, SMEM=smem, CHUNK_WAITS=CHUNK_WAITS if chunk_waits is None else chunk_waits,
-                num_warps=shape.warps, num_ctas=shape.ctas,
+                CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps, num_ctas=shape.ctas,
                 maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
-                    casting_id: int, compute_dw: bool, chunk_waits: bool | None = None) -> None:
+                    casting_id: int, compute_dw: bool) -> None:
     """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
     n_rows, n_cols = x2.shape
     device = x2.device
@@ -297,5 +278,4 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, 
     launch(_rms_bwd_smem_kernel, (grid,),
            (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
-           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw,
-                             chunk_waits=chunk_waits))
+           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))

@@ -1,4 +1,5 @@
-"""Experiment (session 15): the library's long-row RMSNorm backward read once (fused_kernels/rms_norm_smem.py)
+"""Experiment (session 15; the kernel variant it times lived in commit 3a53f8f and was reverted after this run lost:
+exp_rms_bwd_chunk_waits.txt. To run it again, check that commit out): the library's long-row RMSNorm backward read once (fused_kernels/rms_norm_smem.py)
 with one cp.async group per chunk, pass 1 waiting for chunk k alone (CHUNK_WAITS), against waiting for the
 whole row first (as measured in session 14's experiment: 0.155 ms at 1024 x 65536), and a few neighbouring
 cluster shapes; the split backward for reference. Each variant is checked against float64 first.
