@@ -44,33 +44,10 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
+# the library path this experiment became (session 15) holds the helpers both use
+from fused_kernels.rms_norm_smem import _pick, _terms, _w_chunk  # noqa: E402
 _async_load = smem_ce._async_load
 MAX_CHUNKS = 4  # w0-w3, dw0-dw3, x0-x3 / d0-d3 below
-
-
-@gluon.jit
-def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, CASTING: gl.constexpr):
-    """Chunk k of this thread's weights in the weight's dtype (8 values: 4 registers for 16 bits); for
-    llama casting already offset + weight, rounded there as torch does. OFFSET is a constexpr: with 0
-    (most models) nothing is added or rounded per use."""
-    w = gl.load(w_ptr + k * CHUNK + offs)
-    if CASTING == 0 and OFFSET != 0.0:
-        w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
-    return w
-
-
-@gluon.jit
-def _terms(x, dy, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr):
-    """(xhat, g = dL/dxhat, dy in fp32) of a chunk, as rms_norm._grad_terms: llama casting rounds g to
-    x's dtype (autograd's gradient of round_x(xhat)); gemma / none take w_eff = offset + float(w)."""
-    w_eff = w.to(gl.float32)
-    if CASTING != 0 and OFFSET != 0.0:
-        w_eff = w_eff + OFFSET
-    dyf = dy.to(gl.float32)
-    g = dyf * w_eff
-    if CASTING == 0:
-        g = g.to(x.dtype).to(gl.float32)
-    return x.to(gl.float32) * rstd, g, dyf
 
 
 @gluon.jit
@@ -104,18 +81,6 @@ def _w_use(k: gl.constexpr, W_REGS: gl.constexpr, w_ptr, CHUNK: gl.constexpr, of
     else:
         w = _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING)
     return w
-
-
-@gluon.jit
-def _pick(k: gl.constexpr, a0, a1, a2, a3):
-    v = a0
-    if k == 1:
-        v = a1
-    if k == 2:
-        v = a2
-    if k == 3:
-        v = a3
-    return v
 
 
 @gluon.jit

@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
 _async_load = smem_ce._async_load
+from fused_kernels.rms_norm_smem import _w_chunk  # noqa: E402  (the backward's: w_eff of a chunk, as torch rounds it)
 MAX_CHUNKS = 8  # w0-w7 below (held with W_REGS); chunks in shared memory have no such limit
 MAX_IN_REGS = 4  # x0-x3 below
 
@@ -88,16 +89,6 @@ def _pick(k: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
     if k == 7:
         v = a7
     return v
-
-
-@gluon.jit
-def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, CASTING: gl.constexpr):
-    """Chunk k of this thread's weights in the weight's dtype (8 values, 4 registers for 16 bits); for
-    llama casting already offset + weight, rounded there as torch does (nothing added when OFFSET = 0)."""
-    w = gl.load(w_ptr + k * CHUNK + offs)
-    if CASTING == 0 and OFFSET != 0.0:
-        w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
-    return w
 
 
 @gluon.jit
