@@ -370,3 +370,24 @@ def test_tiny_model_through_patched_attention(model, causal_lm, extra):
     assert set(grads) == set(grads_ref)
     for name in grads:
         assert_close(grads[name], grads_ref[name], torch.float32, f"{model} grad {name}")
+
+
+def test_q_only_calls_of_a_two_tensor_function_run_the_original():
+    """Qwen4-Exp's apply_rotary_pos_emb(q, k=None, cos=None, sin=None, unsqueeze_dim=1) also rotates q
+    alone, called with keywords and no k. The probe vouched for q and k together: such a call goes to
+    the original, exactly as called (one tensor back); q and k together still take the kernel."""
+    module = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")  # transformers >= 5.2x
+    assert record_for(RULE.patch_module(module, everything), TARGET).patched
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 1, 3, 16, generator=gen)
+    cos, sin = torch.randn(2, 3, 16, generator=gen), torch.randn(2, 3, 16, generator=gen)
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    out = module.apply_rotary_pos_emb(q.transpose(1, 2), cos=cos, sin=sin, unsqueeze_dim=2)
+    assert torch.equal(out, original(q.transpose(1, 2), cos=cos, sin=sin, unsqueeze_dim=2))
+    out = module.apply_rotary_pos_emb(q, None, cos, sin)
+    assert torch.equal(out, original(q, None, cos, sin))
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
+    for a, r in zip(module.apply_rotary_pos_emb(q, k, cos, sin), original(q, k, cos, sin)):
+        assert_close(a, r, torch.float32, "q and k")
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) > before

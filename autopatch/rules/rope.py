@@ -394,6 +394,9 @@ def _one_tensor(verdict: Verdict, name: str, x, cos, sin, args, kwargs):
     return None if out is None else out[0]
 
 
+_UNSET = object()  # an argument the caller left out (to call the original exactly as it was called)
+
+
 def make_wrapper(original: Callable, verdict: Verdict):
     name = original.__name__
     if verdict.form == "x, cos, sin":
@@ -408,7 +411,13 @@ def make_wrapper(original: Callable, verdict: Verdict):
             return original(tensor, sin, cos, *args, **kwargs) if out is None else out
     else:
         @functools.wraps(original)
-        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        def apply_rotary_pos_emb(q, k=_UNSET, cos=_UNSET, sin=_UNSET, *args, **kwargs):
+            if any(t is _UNSET or t is None for t in (k, cos, sin)):
+                # A call the probe did not vouch for: Qwen4-Exp's `(q, k=None, cos=None, sin=None)` also
+                # rotates q alone (k left out). The original, called as it was (an argument left out was
+                # not positional, so *args is empty then).
+                given = {key: v for key, v in (("k", k), ("cos", cos), ("sin", sin)) if v is not _UNSET}
+                return original(q, *args, **given, **kwargs)
             unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
             out = None if unsqueeze_dim is None else _through_kernel(verdict, name, q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, *args, **kwargs) if out is None else out
