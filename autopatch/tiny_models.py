@@ -34,15 +34,21 @@ SHRINK: dict[str, object] = {
     "expert_intermediate_size": 32,
     "num_hidden_layers": 4,
     "n_layer": 4,
+    "n_layers": 4,  # DBRX, MPT
     "num_layers": 4,
     "num_attention_heads": 4,
     "n_head": 4,
+    "n_heads": 4,  # DBRX, MPT
     "num_key_value_heads": 2,
     "num_kv_heads": 2,
+    "kv_n_heads": 2,  # DBRX attn_config
     "head_dim": 16,
     "kv_channels": 16,
     "max_position_embeddings": 128,
     "n_positions": 128,
+    "max_seq_len": 128,  # DBRX, MPT
+    "hidden_size_global": 64,  # BLT local encoder / decoder: must equal the global transformer's hidden_size
+    "encoder_hash_byte_group_vocab": 256,  # BLT hash n-gram embeddings (6 tables x 500002 rows otherwise)
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,
@@ -135,6 +141,35 @@ def causal_lm_architectures() -> list[Architecture]:
 FILL_NONE = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "topk_group", "n_group", "n_routed_experts",
              "n_shared_experts")
 
+# Per-architecture fields (by the config class's model_type, sub-configs included) where the default
+# config cannot build or run a model at all: released checkpoints' values where they are known (DBRX),
+# else the smallest valid ones. Applied over the shrunk values; a dict merges into the sub-config's
+# kwargs, a layer list is cut like the defaults are.
+OVERRIDES: dict[str, dict[str, object]] = {
+    # the per-layer-type RoPE table defaults to {} and the rotary embedding indexes it by layer type
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    # the attention reads attn_config.rope_theta (no such field) and clamps q/k/v with clip_qkv=None
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
+    # 197 image tokens at 224 px; the causal-LM loss needs pixel_values (INPUT_LAYOUTS)
+    "git_vision_model": {"image_size": 32},
+    # layer_types defaults to None and nothing derives it: LFM2's conv / attention pattern
+    "lfm2_moe": {"layer_types": ["conv", "conv", "full_attention", "conv"] * 8},
+    # indexed_attention layers (the only attention) always build the QSA indexer, whose fields default to None
+    "qwen4_exp_text": {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+                       "indexer_compress_ratio": 2},
+    # the language adapters need a language when no lang_ids are passed
+    "xmod": {"default_language": "en_XX"},
+}
+
+# Architectures whose training forward takes more than (batch, seq) token ids: model_type -> layout.
+#   codebooks     input_ids (batch * num_codebooks, seq), labels (batch, seq, num_codebooks) (MusicGen)
+#   pixel_values  plus a random image batch of vision_config's size (GIT's loss skips the image tokens)
+INPUT_LAYOUTS = {
+    "musicgen_decoder": "codebooks",
+    "musicgen_melody_decoder": "codebooks",
+    "git": "pixel_values",
+}
+
 
 def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
     default = config_cls()
@@ -156,7 +191,7 @@ def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
     if {"num_heads", "head_dim", "expand"} <= set(values) and "hidden_size" in kwargs:
         # Mamba-2 validates num_heads * head_dim == expand * hidden_size
         kwargs["num_heads"] = kwargs["hidden_size"] * values["expand"] // kwargs.get("head_dim", values["head_dim"])
-    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+    for name in ("num_hidden_layers", "n_layer", "n_layers", "num_layers"):
         if name in kwargs:
             kwargs[name] = n_layers
     types = values.get("attention_types")
@@ -169,6 +204,12 @@ def _shrunk_kwargs(config_cls, n_layers: int) -> dict:
         value = values.get(name)
         if isinstance(value, (list, str)) and len(value) > 0:
             kwargs[name] = _cut_layer_pattern(value, n_layers)
+    for name, value in OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
+        if name in LAYER_LISTS:
+            value = _cut_layer_pattern(value, n_layers)
+        elif isinstance(value, dict) and isinstance(kwargs.get(name), dict):
+            value = {**kwargs[name], **value}
+        kwargs[name] = value
     return kwargs
 
 
@@ -220,13 +261,23 @@ ZERO_AFTER = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"
 
 
 def smoke_inputs(model, batch: int = 2, seq: int = 8, seed: int = 0):
-    """Random token ids inside the tiny vocabulary (above the special ids), labels = ids."""
+    """Random token ids inside the tiny vocabulary (above the special ids), labels = ids; laid out
+    as INPUT_LAYOUTS says for the architectures that need more."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = getattr(text, "vocab_size", None) or 256
+    layout = INPUT_LAYOUTS.get(getattr(config, "model_type", ""))
     g = torch.Generator().manual_seed(seed)
+    if layout == "codebooks":
+        codes = torch.randint(3, min(vocab, 256), (batch, config.num_codebooks, seq), generator=g)
+        return {"input_ids": codes.reshape(-1, seq), "labels": codes.transpose(1, 2).contiguous(), "use_cache": False}
     ids = torch.randint(3, min(vocab, 256), (batch, seq), generator=g)
-    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+    inputs = {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
+    if layout == "pixel_values":
+        vision = config.vision_config
+        inputs["pixel_values"] = torch.randn(batch, vision.num_channels, vision.image_size, vision.image_size,
+                                             generator=g)
+    return inputs
 
 
 def build_tiny(arch: Architecture, dtype=torch.float32, seed: int = 0, check: bool = True):

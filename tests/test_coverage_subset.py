@@ -39,6 +39,13 @@ SUBSET = {
     "zamba": ({"glu", "loss"}, "GELU-erf gated MLP"),
     "falcon_mamba": ({"rms_norm", "loss"}, "weightless RMSNorm"),
     "ernie4_5": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary in another family"),
+    "dbrx": ({"rope", "loss"}, "tiny config: attn_config needs rope_theta and clip_qkv (OVERRIDES)"),
+    "lfm2_moe": ({"rms_norm", "rope", "glu", "loss"}, "tiny config: layer_types has no default (OVERRIDES)"),
+    "cohere_compass": ({"rope", "glu", "loss"}, "tiny config: RoPE parameters per layer type (OVERRIDES)"),
+    "xmod": ({"loss"}, "tiny config: a default language for the adapters (OVERRIDES)"),
+    "git": ({"loss"}, "inputs: pixel_values, the loss skips the image tokens (INPUT_LAYOUTS)"),
+    "qwen4_exp": ({"rms_norm", "rope", "glu", "loss"}, "rope also called with q alone (k=None); indexer fields (OVERRIDES)"),
+    "musicgen": (set(), "inputs: codebook-major input_ids, (batch, seq, codebooks) labels (INPUT_LAYOUTS)"),
 }
 
 
