@@ -45,7 +45,7 @@ SUBSET = {
     "xmod": ({"loss"}, "tiny config: a default language for the adapters (OVERRIDES)"),
     "git": ({"loss"}, "inputs: pixel_values, the loss skips the image tokens (INPUT_LAYOUTS)"),
     "qwen4_exp": ({"rms_norm", "rope", "glu", "loss"}, "rope also called with q alone (k=None); indexer fields (OVERRIDES)"),
-    "musicgen": (set(), "inputs: codebook-major input_ids, (batch, seq, codebooks) labels (INPUT_LAYOUTS)"),
+    "musicgen": ({"loss"}, "inputs: codebook ids (INPUT_LAYOUTS); own loss over several heads (torch CrossEntropyLoss)"),
 }
 
 

@@ -732,3 +732,22 @@ def test_own_loss_modules_get_the_fused_torch_loss(kernels):
     patching.restore_all()
     assert bart.CrossEntropyLoss is torch.nn.CrossEntropyLoss
     assert not [r for r in loss_rule.RULE.patch_module(_module("llama"), ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+
+
+def test_own_loss_is_recognised_whatever_the_heads():
+    """MusicGen computes its own loss (torch's CrossEntropyLoss, one per codebook) over several heads
+    (self.lm_heads, no self.lm_head): the analysis still says it never calls loss_function, so the
+    module's CrossEntropyLoss is rebound (its numbers: the coverage subset's musicgen row); the fused
+    linear CE stays refused. A forward calling both once is still analysed as before."""
+    import importlib
+
+    from autopatch.rules._causal_lm_source import analyse_forward
+
+    musicgen = importlib.import_module("transformers.models.musicgen.modeling_musicgen")
+    analysis = analyse_forward(loss_rule._original_forward(musicgen.MusicgenForCausalLM))
+    assert analysis.computes_own_loss and not analysis.ok, analysis
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    analysis = analyse_forward(loss_rule._original_forward(llama.LlamaForCausalLM))
+    assert analysis.ok and not analysis.computes_own_loss
+    records = [r for r in loss_rule.RULE.patch_module(musicgen, ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+    assert len(records) == 1 and records[0].patched, records

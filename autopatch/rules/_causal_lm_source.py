@@ -196,6 +196,10 @@ def analyse_forward(forward) -> ForwardAnalysis:
 
     head_calls = _calls(fn, "lm_head")
     loss_calls = _calls(fn, "loss_function")
+    # No loss_function call is said first, whatever the heads: computes_own_loss reads it (MusicGen
+    # computes its own loss over several heads, self.lm_heads).
+    if not loss_calls:
+        return ForwardAnalysis(False, f"{_NO_LOSS_CALL} (need exactly 1)")
     if len(head_calls) != 1:
         return ForwardAnalysis(False, f"forward calls self.lm_head {len(head_calls)} times (need exactly 1)")
     if len(loss_calls) != 1:
