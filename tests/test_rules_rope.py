@@ -387,6 +387,8 @@ def test_q_only_calls_of_a_two_tensor_function_run_the_original():
     assert torch.equal(out, original(q.transpose(1, 2), cos=cos, sin=sin, unsqueeze_dim=2))
     out = module.apply_rotary_pos_emb(q, None, cos, sin)
     assert torch.equal(out, original(q, None, cos, sin))
+    out = module.apply_rotary_pos_emb(q.transpose(1, 2), None, cos, sin, 2)  # unsqueeze_dim by position
+    assert torch.equal(out, original(q.transpose(1, 2), None, cos, sin, 2))
     assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
     for a, r in zip(module.apply_rotary_pos_emb(q, k, cos, sin), original(q, k, cos, sin)):
         assert_close(a, r, torch.float32, "q and k")

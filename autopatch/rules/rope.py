@@ -412,12 +412,13 @@ def make_wrapper(original: Callable, verdict: Verdict):
     else:
         @functools.wraps(original)
         def apply_rotary_pos_emb(q, k=_UNSET, cos=_UNSET, sin=_UNSET, *args, **kwargs):
-            if any(t is _UNSET or t is None for t in (k, cos, sin)):
-                # A call the probe did not vouch for: Qwen4-Exp's `(q, k=None, cos=None, sin=None)` also
-                # rotates q alone (k left out). The original, called as it was (an argument left out was
-                # not positional, so *args is empty then).
-                given = {key: v for key, v in (("k", k), ("cos", cos), ("sin", sin)) if v is not _UNSET}
-                return original(q, *args, **given, **kwargs)
+            # Calls the probe did not vouch for go to the original, called as they were: Qwen4-Exp's
+            # `(q, k=None, cos=None, sin=None)` also rotates q alone, k left out or None.
+            if any(t is _UNSET for t in (k, cos, sin)):  # left out, so not positional: *args is empty
+                return original(q, **{key: v for key, v in (("k", k), ("cos", cos), ("sin", sin)) if v is not _UNSET},
+                                **kwargs)
+            if k is None or cos is None or sin is None:
+                return original(q, k, cos, sin, *args, **kwargs)
             unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
             out = None if unsqueeze_dim is None else _through_kernel(verdict, name, q, k, cos, sin, unsqueeze_dim)
             return original(q, k, cos, sin, *args, **kwargs) if out is None else out
