@@ -42,7 +42,6 @@ Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_rms_norm.py), th
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
@@ -208,13 +207,15 @@ def available() -> bool:
     return gluon is not None and _smem.available()
 
 
+def _whole_chunks(n_cols: int, shape: ClusterShape) -> bool:
+    """Whether n_cols is MIN_CHUNKS..MAX_CHUNKS whole chunks of shape's."""
+    return n_cols % shape.chunk == 0 and MIN_CHUNKS <= n_cols // shape.chunk <= MAX_CHUNKS
+
+
 def shape_for(n_cols: int) -> ClusterShape | None:
     """The first SMEM_BACKWARD_TABLE shape whose chunk splits n_cols into MIN_CHUNKS..MAX_CHUNKS whole
     chunks, or None."""
-    for shape in SMEM_BACKWARD_TABLE:
-        if n_cols % shape.chunk == 0 and MIN_CHUNKS <= n_cols // shape.chunk <= MAX_CHUNKS:
-            return shape
-    return None
+    return next((shape for shape in SMEM_BACKWARD_TABLE if _whole_chunks(n_cols, shape)), None)
 
 
 def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int) -> int:
@@ -229,11 +230,6 @@ def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
 
 def _aligned(t: torch.Tensor) -> bool:
     return t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> bool:
@@ -251,14 +247,13 @@ def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> 
         and _aligned(dy2)
         and weight.data_ptr() % 16 == 0
         and not torch.are_deterministic_algorithms_enabled()
-        and _capability(x2.device.index if x2.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+        and _smem._capability(_smem._index(x2.device)) >= (9, 0)
     )
 
 
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
     """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
-    chunks = n_cols // shape.chunk
-    if n_cols % shape.chunk or not MIN_CHUNKS <= chunks <= MAX_CHUNKS:
+    if not _whole_chunks(n_cols, shape):
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {MIN_CHUNKS}-{MAX_CHUNKS} whole chunks of {shape.chunk} "
                          f"columns for {shape}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
