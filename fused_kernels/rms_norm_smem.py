@@ -86,12 +86,12 @@ SMEM_BACKWARD_TABLE = (
 if gluon is not None:
 
     @gluon.jit
-    def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.constexpr, CASTING: gl.constexpr):
-        """Chunk k of this thread's weights in the weight's dtype; for llama casting offset + weight,
-        rounded there as torch does (OFFSET a constexpr: with 0 nothing is added per use)."""
-        w = gl.load(w_ptr + k * CHUNK + offs)
+    def _w_chunk(wbuf, k: gl.constexpr, OFFSET: gl.constexpr, CASTING: gl.constexpr, REG: gl.constexpr):
+        """Chunk k of this thread's weights in the weight's dtype, from shared memory; for llama casting
+        offset + weight, rounded there as torch does (OFFSET a constexpr: with 0 nothing is added per use)."""
+        w = wbuf.index(k).load(REG)
         if CASTING == 0 and OFFSET != 0.0:
-            w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
+            w = (w.to(gl.float32) + OFFSET).to(wbuf.dtype)
         return w
 
     @gluon.jit
@@ -118,10 +118,40 @@ if gluon is not None:
         return v
 
     @gluon.jit
+    def _chunk_buffer(dtype: gl.constexpr, k: gl.constexpr, NCHUNK: gl.constexpr, first, CTAS: gl.constexpr,
+                      T: gl.constexpr, SMEM: gl.constexpr):
+        """Chunk k's buffer: an allocation of its own (k < NCHUNK), so that Triton's barrier pass does not
+        order one chunk's copies after another chunk's reads; `first` stands in for chunks past NCHUNK."""
+        buf = first
+        if k < NCHUNK:
+            buf = gl.allocate_shared_memory(dtype, [CTAS, T, 8], SMEM)
+        return buf
+
+    @gluon.jit
+    def _claim_ahead(counter_ptr):
+        # Thread 0 of CTA 0 of the cluster: counter++ (the other threads get 0); the result is published
+        # one row later, so the atomic's round trip overlaps a row's work instead of preceding a barrier.
+        return gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\tmov.u32 $0, 0;\n\t"
+            "@lead atom.global.add.u32 $0, [$1], 1;\n\t}",
+            "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _publish(slot_ptr, value):
+        # Thread 0 of CTA 0 of the cluster: *slot = value (seen by the cluster after the next _cluster_sync).
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\t"
+            "@lead st.global.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r", [slot_ptr, value], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
+                             CLAIM_AHEAD: gl.constexpr = False):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -129,8 +159,19 @@ if gluon is not None:
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
         per_thread: gl.constexpr = gl.SliceLayout(2, REG)
         per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)
-        xbuf = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
-        dybuf = gl.allocate_shared_memory(dy_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+        x_t: gl.constexpr = x_ptr.dtype.element_ty
+        dy_t: gl.constexpr = dy_ptr.dtype.element_ty
+        x0 = gl.allocate_shared_memory(x_t, [CTAS, T, 8], SMEM)
+        x1 = _chunk_buffer(x_t, 1, NCHUNK, x0, CTAS, T, SMEM)
+        x2 = _chunk_buffer(x_t, 2, NCHUNK, x0, CTAS, T, SMEM)
+        x3 = _chunk_buffer(x_t, 3, NCHUNK, x0, CTAS, T, SMEM)
+        dy0 = gl.allocate_shared_memory(dy_t, [CTAS, T, 8], SMEM)
+        dy1 = _chunk_buffer(dy_t, 1, NCHUNK, dy0, CTAS, T, SMEM)
+        dy2 = _chunk_buffer(dy_t, 2, NCHUNK, dy0, CTAS, T, SMEM)
+        dy3 = _chunk_buffer(dy_t, 3, NCHUNK, dy0, CTAS, T, SMEM)
+        # w's slice, copied once with the first row: read from global memory twice per row it was an L1
+        # hit only 30 % of the time, and waiting for L2 was the kernel's largest stall (ncu, session 16)
+        wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
         ranks = gl.arange(0, CTAS, layout=per_cta)
@@ -140,15 +181,19 @@ if gluon is not None:
         dw2 = dw0
         dw3 = dw0
 
-        # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row claimed after it
+        # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
         _smem._claim_row(counter_ptr, next_ptr + 3 * pid)
+        ahead = 0
+        if CLAIM_AHEAD:
+            ahead = _claim_ahead(counter_ptr)
         _smem._cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
         for k in gl.static_range(NCHUNK):
-            _smem._async_load(xbuf.index(k), xrow + k * CHUNK + offs)
-            _smem._async_load(dybuf.index(k), dyrow + k * CHUNK + offs)
+            _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
+            _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
         async_copy.commit_group()
 
         parity = 0
@@ -158,27 +203,33 @@ if gluon is not None:
             async_copy.wait_group(0)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                xhat, g, _dyf = _terms(xbuf.index(k).load(REG), dybuf.index(k).load(REG),
-                                       _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING), rstd, OFFSET, CASTING)
+                xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
+                                       _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
             # The CTAs' partial dots meet in one of the cluster's two slots (used in turn): a CTA writes
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
             slot = partials_ptr + (2 * pid + parity) * CTAS
             gl.store(slot + ranks, gl.sum(acc, 1))
-            _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
+            if CLAIM_AHEAD:
+                _publish(next_ptr + 3 * pid + 1 + parity, ahead)
+            else:
+                _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
             _smem._cluster_sync()
             dot = gl.load(slot, cache_modifier=".cg")
             for k in gl.static_range(1, CTAS):
                 dot += gl.load(slot + k, cache_modifier=".cg")
             nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
+            if CLAIM_AHEAD:
+                if nxt < n_rows:  # the row after the next one, published at the next row's barrier
+                    ahead = _claim_ahead(counter_ptr)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
             ndyrow = dy_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_dy
             for k in gl.static_range(NCHUNK):
-                x = xbuf.index(k).load(REG)
-                xhat, g, dyf = _terms(x, dybuf.index(k).load(REG), _w_chunk(w_ptr, k, CHUNK, offs, OFFSET, CASTING),
+                x = _pick(k, x0, x1, x2, x3).load(REG)
+                xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), _w_chunk(wbuf, k, OFFSET, CASTING, REG),
                                       rstd, OFFSET, CASTING)
                 gl.store(dxrow + k * CHUNK + offs, (rstd * (g - xhat * c)).to(dx_ptr.dtype.element_ty))
                 if COMPUTE_DW:
@@ -189,9 +240,9 @@ if gluon is not None:
                     dw1 = dwk if k == 1 else dw1
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
-                if nxt < n_rows:  # this chunk of the cluster's next row, into the slot just read
-                    _smem._async_load(xbuf.index(k), nxrow + k * CHUNK + offs)
-                    _smem._async_load(dybuf.index(k), ndyrow + k * CHUNK + offs)
+                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
+                    _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
+                    _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
             async_copy.commit_group()
             r = nxt
             parity = 1 - parity
@@ -219,8 +270,8 @@ def shape_for(n_cols: int) -> ClusterShape | None:
 
 
 def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int) -> int:
-    """Shared memory of one CTA: its slice of x and of dy."""
-    return 2 * (n_cols // shape.ctas) * element_size
+    """Shared memory of one CTA: its slice of x, of dy and of w."""
+    return 3 * (n_cols // shape.ctas) * element_size
 
 
 def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
@@ -251,19 +302,20 @@ def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> 
     )
 
 
-def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
+def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool,
+                      claim_ahead: bool = False) -> dict:
     """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
     if not _whole_chunks(n_cols, shape):
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {MIN_CHUNKS}-{MAX_CHUNKS} whole chunks of {shape.chunk} "
                          f"columns for {shape}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw, N=n_cols, WARPS=shape.warps,
-                CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps, num_ctas=shape.ctas,
+                CTAS=shape.ctas, REG=reg, SMEM=smem, CLAIM_AHEAD=claim_ahead, num_warps=shape.warps, num_ctas=shape.ctas,
                 maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
-                    casting_id: int, compute_dw: bool) -> None:
+                    casting_id: int, compute_dw: bool, claim_ahead: bool = False) -> None:
     """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
     n_rows, n_cols = x2.shape
     device = x2.device
@@ -273,4 +325,5 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, 
     launch(_rms_bwd_smem_kernel, (grid,),
            (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
-           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
+           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw,
+                             claim_ahead=claim_ahead))
