@@ -11,25 +11,30 @@ Math: rms_norm's backward (its module docstring), from the input (keep="input");
 Kernel: a row is split over a thread-block cluster of CTAS CTAs (on as many SMs); CTA k owns slice k
 of each of the row's NCHUNK chunks (CHUNK = CTAS·32·WARPS·8 columns; each thread the same 8
 consecutive columns of every chunk), so a CTA always owns the same columns and keeps their fp32 dw
-sums in registers for the whole launch (8·NCHUNK per thread). Per row:
+sums in registers for the whole launch (8·NCHUNK per thread), and its slice of w in shared memory,
+copied once with the first row. Per row:
   - x and dy arrive in shared memory by cp.async, issued while the cluster's previous row was being
-    written (HBM read once, no register staging);
+    written (HBM read once, no register staging), one allocation per chunk (Triton's barrier pass
+    orders accesses per allocation: one buffer for all chunks put a CTA barrier after every copy);
   - pass 1: each CTA's partial Σ g·xhat goes to one of the cluster's two slots in global memory (used
     in turn), then one cluster barrier (release / acquire) and every CTA adds all CTAS of them;
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken):
 which rows a cluster's dw partial row sums differs from run to run, so dw's rounding does too. Under
-torch.use_deterministic_algorithms(True) the split backward runs instead. w is read again per chunk (its
-slice is an L1 hit) rather than held: its registers buy more CTAs per SM, and the launch caps ptxas at
-the registers that let per_sm CTAs share an SM (cross_entropy_smem.register_cap).
+torch.use_deterministic_algorithms(True) the split backward runs instead. w stays in shared memory, not
+registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm CTAs
+share an SM, cross_entropy_smem.register_cap); read from global memory twice per row instead, it hit L1
+only 30 % of the time and waiting on L2 was the kernel's largest stall (ncu, benchmarks/session16).
 
 Bytes moved (rows × N, B bytes per element): x and dy read once, dx written once (3·rows·N·B, the floor),
-plus one fp32 dw partial row per cluster, written once and summed by rms_norm._dw_sum_kernel.
-H200, triton 3.6, bf16, backward alone (benchmarks/session15/exp_rms_bwd_regs.txt, queued median):
-1024 × 65536 0.155–0.156 ms (8 CTAs × 8 warps, 4 per SM) where the split backward took 0.177–0.178;
-2048 × 32768 0.148 (8 CTAs × 4 warps, 6 per SM) against 0.175. At 4096 × 16384 it matched the one-kernel
-backward (0.139–0.141 against 0.137–0.138), which keeps that length.
+w once per CTA, plus one fp32 dw partial row per cluster, written once and summed by
+rms_norm._dw_sum_kernel. H200, triton 3.6, bf16, backward alone, queued median
+(benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): 1024 × 65536 0.133–0.135 ms
+(8 CTAs × 8 warps, 4 per SM; 72 % of 1.5 copies; torch.mul(x, dy, out=dx), the same bytes with no
+reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.142 (8 CTAs × 4 warps,
+6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. At 4096 × 16384 the one-kernel backward
+matched it (session 15) and keeps that length.
 
 When it runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
 >= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
@@ -128,30 +133,10 @@ if gluon is not None:
         return buf
 
     @gluon.jit
-    def _claim_ahead(counter_ptr):
-        # Thread 0 of CTA 0 of the cluster: counter++ (the other threads get 0); the result is published
-        # one row later, so the atomic's round trip overlaps a row's work instead of preceding a barrier.
-        return gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
-            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\tmov.u32 $0, 0;\n\t"
-            "@lead atom.global.add.u32 $0, [$1], 1;\n\t}",
-            "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _publish(slot_ptr, value):
-        # Thread 0 of CTA 0 of the cluster: *slot = value (seen by the cluster after the next _cluster_sync).
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
-            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\t"
-            "@lead st.global.u32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r", [slot_ptr, value], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             CLAIM_AHEAD: gl.constexpr = False):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -183,9 +168,6 @@ if gluon is not None:
 
         # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
         _smem._claim_row(counter_ptr, next_ptr + 3 * pid)
-        ahead = 0
-        if CLAIM_AHEAD:
-            ahead = _claim_ahead(counter_ptr)
         _smem._cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
@@ -211,18 +193,12 @@ if gluon is not None:
             # only after reading it; .cg loads (L2), so no stale L1 line.
             slot = partials_ptr + (2 * pid + parity) * CTAS
             gl.store(slot + ranks, gl.sum(acc, 1))
-            if CLAIM_AHEAD:
-                _publish(next_ptr + 3 * pid + 1 + parity, ahead)
-            else:
-                _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
+            _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
             _smem._cluster_sync()
             dot = gl.load(slot, cache_modifier=".cg")
             for k in gl.static_range(1, CTAS):
                 dot += gl.load(slot + k, cache_modifier=".cg")
             nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
-            if CLAIM_AHEAD:
-                if nxt < n_rows:  # the row after the next one, published at the next row's barrier
-                    ahead = _claim_ahead(counter_ptr)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
@@ -302,20 +278,19 @@ def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> 
     )
 
 
-def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool,
-                      claim_ahead: bool = False) -> dict:
+def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
     """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
     if not _whole_chunks(n_cols, shape):
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {MIN_CHUNKS}-{MAX_CHUNKS} whole chunks of {shape.chunk} "
                          f"columns for {shape}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw, N=n_cols, WARPS=shape.warps,
-                CTAS=shape.ctas, REG=reg, SMEM=smem, CLAIM_AHEAD=claim_ahead, num_warps=shape.warps, num_ctas=shape.ctas,
+                CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps, num_ctas=shape.ctas,
                 maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
-                    casting_id: int, compute_dw: bool, claim_ahead: bool = False) -> None:
+                    casting_id: int, compute_dw: bool) -> None:
     """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
     n_rows, n_cols = x2.shape
     device = x2.device
@@ -325,5 +300,4 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, 
     launch(_rms_bwd_smem_kernel, (grid,),
            (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
-           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw,
-                             claim_ahead=claim_ahead))
+           kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
