@@ -43,18 +43,12 @@ from torch import nn
 
 from autopatch import report
 from autopatch.rules import _probe
+from autopatch.rules._kernels import kernels
 from autopatch.rules._causal_lm_source import Transform
 
 CALL_ATTR = "_autopatch_flce_call"
 # what the kernels take (fused_kernels._utils.FLOAT_DTYPES); float64 models keep the original loss
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _kernels():
-    # Imported when the rule patches (autopatch.rules.loss), so this lookup is a dict hit.
-    import fused_kernels
-
-    return fused_kernels
 
 
 def _original_causal_lm_loss():
@@ -98,7 +92,7 @@ def fused_causal_lm_loss(
     fp32 (what ForCausalLMLoss's `logits.float()` buys, without the fp32 copy). One deliberate
     difference: a batch whose every target is ignored gives 0 (the kernel's convention), where
     ForCausalLMLoss's mean gives NaN."""
-    fk = _kernels()
+    fk = kernels()
     usable = logits.dtype in KERNEL_DTYPES
     if not usable:
         _notice_once("cross_entropy", f"logits of dtype {logits.dtype}; transformers' ForCausalLMLoss runs instead")
@@ -226,7 +220,7 @@ class FusedLinearLossCall:
             raise RuntimeError(
                 f"mat1 and mat2 must have the same dtype, but got {hidden.dtype} and {weight.dtype}"
             )
-        fk = _kernels()
+        fk = kernels()
         return reduce_like_fixed_cross_entropy(
             lambda reduction: fk.fused_linear_cross_entropy(
                 hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
@@ -315,7 +309,7 @@ def _start_fused_call(model, patch: LossPatch):
             f"lm_head weight of dtype {lm_head.weight.dtype}; lm_head and the loss run as the model defines them",
         )
         return None
-    if not _kernels().triton_can_run(lm_head.weight):
+    if not kernels().triton_can_run(lm_head.weight):
         if not torch.compiler.is_compiling():
             report.fallback_notice("fused_linear_cross_entropy", f"lm_head weight on {lm_head.weight.device.type}")
         return None

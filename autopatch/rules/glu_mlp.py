@@ -38,6 +38,7 @@ from torch import nn
 from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
+from autopatch.rules._kernels import import_problem, kernels
 
 ACT_ATTRS = ("act_fn", "activation_fn", "act")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take
@@ -266,15 +267,9 @@ def _probe_instance(target, cls, instance) -> Verdict:
 # --- the patched forward ------------------------------------------------------------------------
 
 
-def _kernels():
-    import fused_kernels
-
-    return fused_kernels
-
-
 def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up through the fused kernel of activation kind `kind` (a KINDS key)."""
-    fk = _kernels()
+    fk = kernels()
     kernel, kernel_kwargs = KINDS[kind]
     return fk.swiglu(gate, up) if kernel == "swiglu" else fk.geglu(gate, up, **kernel_kwargs)
 
@@ -322,7 +317,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
         kind = activation_kind(getattr(self, act_attr, None))
         if kind is None or KINDS[kind][0] not in kernels_on:
             return original_forward(self, *args, **kwargs)
-        fk = _kernels()
+        fk = kernels()
         if not fk.triton_can_run(x):
             fallback_notice(KINDS[kind][0], f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
@@ -384,10 +379,9 @@ class _Rule:
             return record(True)
         if not enabled(variant.kernel):
             return record(False, f"kernel {variant.kernel} disabled")
-        try:
-            _kernels()
-        except Exception as exc:  # noqa: BLE001
-            return record(False, f"fused_kernels could not be imported ({_probe.describe_exc(exc)})")
+        problem = import_problem()
+        if problem:
+            return record(False, problem)
         kernels_on = frozenset(k for k in self.kernels if enabled(k))
         original = cls.forward
         params = _probe.positional_params(original) or []

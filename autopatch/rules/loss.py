@@ -31,6 +31,7 @@ from autopatch import patching
 from autopatch.report import Record
 from autopatch.rules import _causal_lm_loss as runtime
 from autopatch.rules._causal_lm_source import analyse_forward, lm_head_built_as_linear
+from autopatch.rules._kernels import import_problem
 
 CE = "cross_entropy"
 FLCE = "fused_linear_cross_entropy"
@@ -87,7 +88,7 @@ def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
         return []
     variant = "torch.nn.CrossEntropyLoss -> fused_kernels.cross_entropy"
     if current is not FusedCrossEntropyLoss:
-        problem = _kernels_importable()
+        problem = import_problem()
         if problem:
             return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False, reason=problem)]
         patching.replace(module, TORCH_LOSS, FusedCrossEntropyLoss)
@@ -135,14 +136,6 @@ def _original_forward(cls):
     return getattr(forward, "__autopatch_original__", forward)
 
 
-def _kernels_importable() -> str:
-    try:
-        import fused_kernels  # noqa: F401  (the runtime looks it up from sys.modules)
-    except Exception as exc:
-        return f"fused_kernels could not be imported: {type(exc).__name__}: {exc}"
-    return ""
-
-
 def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
     from transformers.loss.loss_utils import ForCausalLMLoss, LOSS_MAPPING
 
@@ -168,7 +161,7 @@ def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
             return left_alone(target, analysis.reason)
         if not lm_head_built_as_linear(cls):
             return left_alone(target, "lm_head is not built as nn.Linear in __init__")
-    problem = _kernels_importable()
+    problem = import_problem()
     if problem:
         return left_alone(target, problem)
 

@@ -30,6 +30,7 @@ import torch
 from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe, glu_mlp
+from autopatch.rules._kernels import import_problem, kernels
 
 METHOD = "_apply_gate"
 
@@ -61,7 +62,7 @@ def make_apply_gate(original: Callable, kernels_on: frozenset) -> Callable:
                 or gate_up_out.dtype not in glu_mlp._FLOAT_DTYPES or gate_up_out.shape[-1] % 2
                 or hasattr(gate_up_out, "device_mesh")):  # a DTensor (tensor parallel): torch's own ops
             return original(self, gate_up_out)
-        if not glu_mlp._kernels().triton_can_run(gate_up_out):
+        if not kernels().triton_can_run(gate_up_out):
             fallback_notice(glu_mlp.KINDS[kind][0], f"{type(self).__name__} got {gate_up_out.device.type} tensors")
             return original(self, gate_up_out)
         gate, up = gate_up_out.chunk(2, dim=-1)
@@ -96,11 +97,9 @@ class _Rule:
             if not kernels_on:
                 records.append(Record("swiglu", module.__name__, target, False, VARIANT, "kernels swiglu and geglu disabled"))
                 continue
-            try:
-                glu_mlp._kernels()
-            except Exception as exc:  # noqa: BLE001
-                records.append(Record("swiglu", module.__name__, target, False, VARIANT,
-                                      f"fused_kernels could not be imported ({_probe.describe_exc(exc)})"))
+            problem = import_problem()
+            if problem:
+                records.append(Record("swiglu", module.__name__, target, False, VARIANT, problem))
                 continue
             patching.replace(cls, METHOD, make_apply_gate(gate_fn, kernels_on))  # False when done already
             records.append(Record("swiglu", module.__name__, target, True, VARIANT))

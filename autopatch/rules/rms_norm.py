@@ -36,6 +36,7 @@ import torch
 from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
+from autopatch.rules._kernels import import_problem, kernels
 
 KERNEL = "rms_norm"
 # What the patched norms keep for the backward (fused_kernels.rms_norm's `keep`): "output" frees the
@@ -224,12 +225,6 @@ def _probe_instance(target: str, cls: type, instance) -> Verdict:
 # --- the patched forward ---------------------------------------------------------------------
 
 
-def _kernels():
-    import fused_kernels
-
-    return fused_kernels
-
-
 def make_forward(original_forward: Callable, variant: Variant, input_name: str):
     """A forward for the class: the fused kernel where Triton runs, the original code elsewhere."""
     offset, casting = variant.offset, variant.casting
@@ -250,7 +245,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             or (weight is not None and (weight.dtype not in _FLOAT_DTYPES or tuple(weight.shape) != (x.shape[-1],)))
         ):  # float64, or shapes the original broadcasts some other way: its own code decides
             return original_forward(self, *args, **kwargs)
-        fk = _kernels()
+        fk = kernels()
         if not fk.triton_can_run(x, *(() if weight is None else (weight,))):
             fallback_notice(KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
@@ -271,14 +266,6 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
 # --- the rule --------------------------------------------------------------------------------
 
 _verdicts: dict[type, Verdict] = {}
-
-
-def _kernels_importable() -> str:
-    try:
-        _kernels()
-    except Exception as exc:  # noqa: BLE001
-        return f"fused_kernels could not be imported ({_probe.describe_exc(exc)})"
-    return ""
 
 
 class _Rule:
@@ -312,7 +299,7 @@ class _Rule:
             return record(True, variant)
         if not enabled(KERNEL):
             return record(False, variant, "kernel rms_norm disabled")
-        missing = _kernels_importable()
+        missing = import_problem()
         if missing:
             return record(False, variant, missing)
         original = cls.forward

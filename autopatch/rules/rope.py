@@ -43,6 +43,7 @@ import torch
 from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
+from autopatch.rules._kernels import import_problem, kernels
 
 KERNEL = "rope"
 TARGETS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
@@ -324,12 +325,6 @@ def _matches(spec, args, out) -> bool:
 # --- the wrapper --------------------------------------------------------------------------------
 
 
-def _kernels():
-    import fused_kernels
-
-    return fused_kernels
-
-
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -369,7 +364,7 @@ def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
         return None
     if (cos.dtype != q.dtype or cos.dtype != k.dtype) and (mixed == "original" or q.dtype != k.dtype):
         return None
-    fk = _kernels()
+    fk = kernels()
     if not fk.triton_can_run(q, k, cos, sin):
         fallback_notice(KERNEL, f"{name} got {q.device.type} tensors")
         return None
@@ -464,11 +459,9 @@ class _Rule:
             return [Record(KERNEL, name, target, True, variant)]
         if not enabled(KERNEL):
             return [Record(KERNEL, name, target, False, variant, "kernel rope disabled")]
-        try:
-            _kernels()
-        except Exception as exc:  # noqa: BLE001
-            return [Record(KERNEL, name, target, False, variant,
-                           f"fused_kernels could not be imported ({_probe.describe_exc(exc)})")]
+        problem = import_problem()
+        if problem:
+            return [Record(KERNEL, name, target, False, variant, problem)]
         patching.replace(module, target, make_wrapper(fn, verdict))
         return [Record(KERNEL, name, target, True, variant)]
 
