@@ -1,5 +1,5 @@
 """One RMSNorm forward + backward at 1024 x 65536 bf16 (llama casting) through the library, for Nsight Compute
-(session 16, call_ncu.sh): three warm-up calls, then the profiled one between cudaProfilerStart/Stop."""
+(session 16, call.sh ncu / stalls): three warm-up calls, then the profiled one between cudaProfilerStart/Stop."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "0"
