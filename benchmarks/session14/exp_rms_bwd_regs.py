@@ -34,7 +34,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks", "session8"),
-                os.path.join(ROOT, "benchmarks", "session9")]
+                os.path.join(ROOT, "benchmarks", "session9"), os.path.join(ROOT, "benchmarks", "session15")]
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -44,8 +44,10 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
-# the library path this experiment became (session 15) holds the helpers both use
-from fused_kernels.rms_norm_smem import _pick, _terms, _w_chunk  # noqa: E402
+# the library path this experiment became (session 15) holds the helpers both use; w read from global
+# memory per chunk, as then (since session 16 the library's w is in shared memory)
+from fused_kernels.rms_norm_smem import _pick, _terms  # noqa: E402
+from exp_rms_fwd_cluster import _w_chunk  # noqa: E402
 _async_load = smem_ce._async_load
 MAX_CHUNKS = 4  # w0-w3, dw0-dw3, x0-x3 / d0-d3 below
 
