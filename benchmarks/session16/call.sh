@@ -2,6 +2,7 @@
 # Session 16's device calls (carry [".whl"]): `bash benchmarks/session16/call.sh STEP...`, each STEP one of
 #   exp_rms_bwd_NAME   benchmarks/session16/exp_rms_bwd_NAME.py (NAME: stages, probe, knobs, ahead, refill,
 #                      fence; each names the kernel patch it was run on) -> $OUT/exp_rms_bwd_NAME.txt
+#   exp_rms_fwd_wsmem  the long-row forward over a cluster with w in shared memory (prepared, not yet run)
 #   profile    scripts/profile_ops.py, ours, at 1024x65536 and 2048x32768 -> $OUT/profile_rms_long.txt
 #   tests      the rms_norm gpu tests -> $OUT/gpu_tests_rms.log
 #   ncu        Nsight Compute sections of the 1024x65536 forward / backward / dw sum -> $OUT/ncu_rms_long.txt
