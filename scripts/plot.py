@@ -1,7 +1,11 @@
 """Draw the README's plots from a benchmark result file written by scripts/bench.py.
 
     python3 scripts/plot.py benchmarks/h200.json                # PNGs into benchmarks/, named h200_*.png
-    python3 scripts/plot.py benchmarks/h200.json --out-dir /tmp --prefix try
+    python3 scripts/plot.py benchmarks/h200.json --out-dir /tmp --prefix try [--time wall]
+
+Times are the kernels' own (GPU time, `gpu_ms`: torch.profiler's kernel durations summed) unless
+`--time wall` (do_bench's wall time, which on a slow host is mostly Python for the small ops); a peer
+with no time of the kind asked for is left out rather than compared on the other kind.
 
 Plots (forward+backward, bf16; one line or bar per peer; missing peers and failed cells are left out):
   <prefix>_rms_norm_sweep.png       time vs hidden size at fixed bytes (16384x4096 elements), with the floor
@@ -31,17 +35,20 @@ PEER_STYLE = {  # name: (label, colour, marker)
     "ours_compile": ("ours + torch.compile", "#e377c2", "P"),
 }
 MODE = "fwdbwd"
+TIME_KEYS = {"gpu": "gpu_ms", "wall": "ms"}  # --time: which of a cell's times the plots draw
+TIME_WORDS = {"gpu": "GPU time", "wall": "wall time"}
 
 
 def _label(peer):
     return PEER_STYLE.get(peer, (peer, None, "o"))[0]
 
 
-def _ok_ms(entry, peer, mode=MODE):
+def _ok_ms(entry, peer, time="gpu", mode=MODE):
+    """The peer's fwd+bwd time of the kind `time` ("gpu" or "wall") in ms, or None (failed, or not measured)."""
     r = entry.get("peers", {}).get(peer, {})
     if r.get("status") != "ok":
         return None
-    return r.get("modes", {}).get(mode, {}).get("ms")
+    return r.get("modes", {}).get(mode, {}).get(TIME_KEYS[time])
 
 
 def _ok_mib(entry, peer, mode=MODE):
@@ -80,14 +87,14 @@ def _title(data, what):
     return f"{what}\n{m.get('gpu') or m.get('device')}, torch {m.get('torch')}, triton {m.get('triton')}, {str(m.get('date_utc', ''))[:10]}"
 
 
-def sweep_plot(plt, data, tag, xkey, xlabel, what, path):
+def sweep_plot(plt, data, tag, xkey, xlabel, what, path, time="gpu"):
     entries = sorted(_tagged(data, tag), key=lambda e: e["params"][xkey])
     if not entries:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [e["params"][xkey] for e in entries]
     for peer in _peers(entries):
-        pts = [(x, _ok_ms(e, peer)) for x, e in zip(xs, entries)]
+        pts = [(x, _ok_ms(e, peer, time)) for x, e in zip(xs, entries)]
         pts = [(x, y) for x, y in pts if y is not None]
         if pts:
             label, colour, marker = PEER_STYLE.get(peer, (peer, None, "o"))
@@ -102,8 +109,8 @@ def sweep_plot(plt, data, tag, xkey, xlabel, what, path):
     ax.set_xticks(xs)
     ax.set_xticklabels([_klabel(x) for x in xs])
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("forward + backward, ms (log)")
-    ax.set_title(_title(data, what), fontsize=10)
+    ax.set_ylabel(f"forward + backward, {TIME_WORDS[time]}, ms (log)")
+    ax.set_title(_title(data, f"{what} ({TIME_WORDS[time]})"), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -148,9 +155,9 @@ def _short_case(name):
             .replace("rope ", "RoPE ").replace("flce", "FLCE"))
 
 
-def main_table_plot(plt, data, path):
+def main_table_plot(plt, data, path, time="gpu"):
     entries = [k for k in data.get("kernels", []) if "peers" in k and ({"main", "scale"} & set(k.get("tags", [])))]
-    entries = [e for e in entries if _ok_ms(e, "hf_eager")]
+    entries = [e for e in entries if _ok_ms(e, "hf_eager", time)]
     if not entries:
         return None
     peers = [p for p in _peers(entries) if p != "hf_eager"]
@@ -159,22 +166,23 @@ def main_table_plot(plt, data, path):
     for i, peer in enumerate(peers):
         xs, ys = [], []
         for j, e in enumerate(entries):
-            t = _ok_ms(e, peer)
+            t = _ok_ms(e, peer, time)
             if t is not None:
                 xs.append(j + (i - (len(peers) - 1) / 2) * width)
-                ys.append(t / _ok_ms(e, "hf_eager"))
+                ys.append(t / _ok_ms(e, "hf_eager", time))
         label, colour, _ = PEER_STYLE.get(peer, (peer, None, "o"))
         ax.bar(xs, ys, width=width, color=colour, label=label, edgecolor="black" if peer == "ours" else None)
     for j, e in enumerate(entries):
         floor = e.get("floor", {}).get(MODE, {}).get("ms")
         if floor:
-            ax.hlines(floor / _ok_ms(e, "hf_eager"), j - 0.45, j + 0.45, colors="k", linestyles="--", lw=1)
+            ax.hlines(floor / _ok_ms(e, "hf_eager", time), j - 0.45, j + 0.45, colors="k", linestyles="--", lw=1)
     ax.axhline(1.0, color="#7f7f7f", lw=1)
     ax.set_yscale("log")
     ax.set_xticks(range(len(entries)))
     ax.set_xticklabels([_short_case(e["case"]).replace(" ", "\n", 1) for e in entries], fontsize=7, rotation=15)
-    ax.set_ylabel("time / HF eager time (log; lower is better)")
-    ax.set_title(_title(data, "Forward + backward, bf16, relative to HF eager (dashed: floor)"), fontsize=10)
+    ax.set_ylabel(f"{TIME_WORDS[time]} / HF eager's (log; lower is better)")
+    ax.set_title(_title(data, f"Forward + backward, bf16, {TIME_WORDS[time]} relative to HF eager (dashed: floor)"),
+                 fontsize=10)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -222,6 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("json", help="result file, e.g. benchmarks/h200.json")
     ap.add_argument("--out-dir", default=None, help="default: the JSON file's folder")
     ap.add_argument("--prefix", default=None, help="default: the JSON file's name without .json")
+    ap.add_argument("--time", choices=tuple(TIME_KEYS), default="gpu",
+                    help="gpu: the kernels' own durations (default); wall: do_bench's wall time")
     a = ap.parse_args(argv)
     try:
         import matplotlib
@@ -242,11 +252,11 @@ def main(argv=None) -> int:
 
     made = [
         sweep_plot(plt, data, "sweep_rms_norm", "hidden", "hidden size (rows x hidden = 2^26 elements, 128 MiB in bf16)",
-                   "RMSNorm forward + backward, bf16, fixed bytes", p("rms_norm_sweep")),
+                   "RMSNorm forward + backward, bf16, fixed bytes", p("rms_norm_sweep"), a.time),
         sweep_plot(plt, data, "sweep_cross_entropy", "vocab", "vocabulary size (8192 tokens)",
-                   "Cross entropy forward + backward, bf16", p("cross_entropy_sweep")),
+                   "Cross entropy forward + backward, bf16", p("cross_entropy_sweep"), a.time),
         flce_memory_plot(plt, data, p("flce_memory")),
-        main_table_plot(plt, data, p("main_table")),
+        main_table_plot(plt, data, p("main_table"), a.time),
         e2e_plot(plt, data, p("e2e")),
     ]
     for m in made:

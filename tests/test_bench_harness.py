@@ -104,3 +104,22 @@ def test_host_overhead_cpu_stub(tmp_path):
         for peer in ("ours", "host_floor"):
             assert any(line.startswith(op) and f" {peer} " in line and "fwd+bwd" in line
                        for line in proc.stdout.splitlines()), (op, peer, proc.stdout[-1500:])
+
+
+def test_plot_draws_the_time_asked_for():
+    # scripts/plot.py draws GPU time by default (the README's comparison); a peer with no time of that
+    # kind is left out, never drawn with the other kind
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "scripts", "plot.py"))
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    entry = {"peers": {
+        "ours": {"status": "ok", "modes": {"fwdbwd": {"ms": 0.70, "gpu_ms": 0.21}}},
+        "liger": {"status": "ok", "modes": {"fwdbwd": {"ms": 1.14}}},
+        "cutce": {"status": "failed", "modes": {"fwdbwd": {"ms": 9.0, "gpu_ms": 8.0}}},
+    }}
+    assert plot._ok_ms(entry, "ours") == 0.21
+    assert plot._ok_ms(entry, "ours", "wall") == 0.70
+    assert plot._ok_ms(entry, "liger") is None and plot._ok_ms(entry, "liger", "wall") == 1.14
+    assert plot._ok_ms(entry, "cutce") is None and plot._ok_ms(entry, "missing") is None
