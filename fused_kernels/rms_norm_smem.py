@@ -133,6 +133,19 @@ if gluon is not None:
         return buf
 
     @gluon.jit
+    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr):
+        """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
+        ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
+        cluster barrier, then every CTA adds the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
+        gl.store(slot + ranks, part)
+        _smem._claim_row(counter_ptr, claimed_ptr)
+        _smem._cluster_sync()
+        total = gl.load(slot, cache_modifier=".cg")
+        for k in gl.static_range(1, CTAS):
+            total += gl.load(slot + k, cache_modifier=".cg")
+        return total, gl.load(claimed_ptr, cache_modifier=".cg")
+
+    @gluon.jit
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
@@ -191,14 +204,8 @@ if gluon is not None:
             # The CTAs' partial dots meet in one of the cluster's two slots (used in turn): a CTA writes
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
-            slot = partials_ptr + (2 * pid + parity) * CTAS
-            gl.store(slot + ranks, gl.sum(acc, 1))
-            _smem._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
-            _smem._cluster_sync()
-            dot = gl.load(slot, cache_modifier=".cg")
-            for k in gl.static_range(1, CTAS):
-                dot += gl.load(slot + k, cache_modifier=".cg")
-            nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
+            dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
+                                 next_ptr + 3 * pid + 1 + parity, CTAS)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x

@@ -514,13 +514,18 @@ def gpu_main(lengths, rounds) -> None:
             if check(f"{label_of(cfg)} ({run.clusters} clusters)", run, y_ref, r_ref, poison=run, y_lib=y_lib):
                 runs.append((label_of(cfg), run))
         print(f"  compiled and checked [{time.time() - t0:.0f} s]", flush=True)
-        for rnd in range(rounds):
-            for label, fn in runs:
-                ms = queued_ms(fn, reps=15)
-                print(f"  N={n} round {rnd}: {ms:.3f} ms  {copy / ms:6.1%} of a copy  {label}", flush=True)
+        time_rounds(n, runs, copy, rounds, queued_ms)
         x = w = y_ref = r_ref = y_lib = runs = None
         torch.cuda.empty_cache()
     print(f"done [{time.time() - t0:.0f} s]", flush=True)
+
+
+def time_rounds(n, runs, copy, rounds, timer) -> None:
+    """`rounds` rounds of timer medians of each (label, fn), in turn, as a fraction of a copy."""
+    for rnd in range(rounds):
+        for label, fn in runs:
+            ms = timer(fn, reps=15)
+            print(f"  N={n} round {rnd}: {ms:.3f} ms  {copy / ms:6.1%} of a copy  {label}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ changes that took the long-row backward from 0.155 to 0.134 ms this session:
     per chunk, twice per row in the backward an L1 hit only 30 % of the time);
   - one shared allocation per chunk of x (rms_norm_smem._chunk_buffer), so that Triton's barrier pass
     does not put a CTA barrier after every chunk's copy.
-Otherwise session 15's DEPTH 1 scheme: a row split over CTAS CTAs, x's chunks copied in by cp.async while
+Otherwise session 15's DEPTH 1 scheme (its EARLY_CLAIM off): a row split over CTAS CTAs, x's chunks copied in by cp.async while
 the cluster writes the row before, Σx² exchanged through two slots per cluster and one cluster barrier,
 rows claimed from a counter that a launch never resets (claims taken mod n_rows + clusters; Runner).
 Shared memory per CTA: 2 · N / CTAS · 2 bytes (32 KB at 65536 over 8 CTAs: at most 6 per SM).
@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 import exp_rms_fwd_cluster as s15  # noqa: E402  (session 15: case, checks, _y_chunk, _pick, Runner)
 from fused_kernels import cross_entropy_smem as smem_ce  # noqa: E402
-from fused_kernels.rms_norm_smem import _chunk_buffer  # noqa: E402
+from fused_kernels.rms_norm_smem import _chunk_buffer, _exchange, _w_chunk  # noqa: E402  (the backward's helpers)
 
 _pick = s15._pick
 
@@ -52,20 +52,10 @@ def _x_buffers(dtype: gl.constexpr, NCHUNK: gl.constexpr, CTAS: gl.constexpr, T:
 
 
 @gluon.jit
-def _w_eff(wbuf, k: gl.constexpr, OFFSET: gl.constexpr, CASTING: gl.constexpr, REG: gl.constexpr):
-    """Chunk k of w from shared memory; llama casting: offset + w rounded to w's dtype, as torch does."""
-    w = wbuf.index(k).load(REG)
-    if CASTING == 0 and OFFSET != 0.0:
-        w = (w.to(gl.float32) + OFFSET).to(wbuf.dtype)
-    return w
-
-
-@gluon.jit
 def _rms_fwd_wsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
                           n_rows, stride_x, stride_y, eps,
                           OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
-                          WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                          EARLY_CLAIM: gl.constexpr):
+                          WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
     T: gl.constexpr = 32 * WARPS
     CHUNK: gl.constexpr = CTAS * T * 8
     NCHUNK: gl.constexpr = N // CHUNK  # the host checks 2 <= NCHUNK <= 8 and N % CHUNK == 0
@@ -92,22 +82,15 @@ def _rms_fwd_wsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr,
     parity = 0
     while r < n_rows:
         row = r.to(gl.int64)
-        if EARLY_CLAIM:
-            smem_ce._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
         async_copy.wait_group(0)
         acc = gl.zeros([CTAS, T], gl.float32, per_thread)
         for k in gl.static_range(NCHUNK):
             xf = _pick(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
             acc = acc + gl.sum(xf * xf, 2)
-        slot = partials_ptr + (2 * pid + parity) * CTAS  # two slots in turn (session 15's scheme)
-        gl.store(slot + ranks, gl.sum(acc, 1))
-        if not EARLY_CLAIM:
-            smem_ce._claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
-        smem_ce._cluster_sync()
-        ss = gl.load(slot, cache_modifier=".cg")
-        for k in gl.static_range(1, CTAS):
-            ss += gl.load(slot + k, cache_modifier=".cg")
-        nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg") % total
+        # two slots per cluster in turn, and the claimed row (taken mod total: the counter is never reset)
+        ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
+                            next_ptr + 3 * pid + 1 + parity, CTAS)
+        nxt = nxt % total
         rstd = gl.rsqrt(ss / N + eps)
         gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
         yrow = y_ptr + row * stride_y
@@ -116,7 +99,7 @@ def _rms_fwd_wsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr,
             xk = _pick(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG)
             wk = xk  # not read without a weight
             if HAS_WEIGHT:
-                wk = _w_eff(wbuf, k, OFFSET, CASTING, REG)
+                wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
             gl.store(yrow + k * CHUNK + offs,
                      s15._y_chunk(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
             if nxt < n_rows:
@@ -127,28 +110,29 @@ def _rms_fwd_wsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr,
     async_copy.wait_group(0)
 
 
-# (warps, ctas, per_sm, early_claim): 32 KB of shared memory per CTA at 65536, 16 KB at 32768
+# (warps, ctas, per_sm): 32 KB of shared memory per CTA at 65536, 16 KB at 32768. The row is claimed just
+# before the barrier, as in the backward (session 15: claiming at the top of the row made no difference)
 CONFIGS = {
-    65536: [(8, 8, 4, False), (8, 8, 4, True), (8, 8, 6, True), (4, 8, 6, True), (16, 8, 3, True)],
-    32768: [(4, 8, 6, True), (4, 8, 8, True), (4, 8, 12, True), (8, 8, 6, True), (8, 4, 6, True)],
+    65536: [(8, 8, 4), (8, 8, 6), (4, 8, 6), (16, 8, 3)],
+    32768: [(4, 8, 6), (4, 8, 8), (4, 8, 12), (8, 8, 6), (8, 4, 6)],
 }
 
 
 def meta(n, cfg, offset=0.0, casting="llama", has_weight=True) -> dict:
-    warps, ctas, _per_sm, early = cfg
+    warps, ctas, _per_sm = cfg
     chunk = ctas * 32 * warps * 8
     if n % chunk or not 2 <= n // chunk <= 8:
         raise ValueError(f"N={n}: 2-8 chunks of {chunk} columns for {cfg}")
     reg, smem = smem_ce.layouts(warps, ctas)
     return dict(OFFSET=float(offset), CASTING=s15.CASTING_ID[casting], HAS_WEIGHT=has_weight, N=n, WARPS=warps,
-                CTAS=ctas, REG=reg, SMEM=smem, EARLY_CLAIM=early)
+                CTAS=ctas, REG=reg, SMEM=smem)
 
 
 class Runner(s15.Runner):
     """Session 15's Runner (outputs, slots and a never-reset counter allocated once) for this kernel."""
 
     def __init__(self, x, w, cfg, sms, eps=1e-6, offset=0.0, casting="llama"):
-        warps, ctas, per_sm, _early = cfg
+        warps, ctas, per_sm = cfg
         super().__init__(x, w, (warps, ctas, per_sm, 0, False, False, 1), sms, eps, offset, casting)
         self.meta = meta(x.shape[1], cfg, offset, casting, w is not None)
 
@@ -171,7 +155,7 @@ def compile_only() -> None:
     for n, cfgs in CONFIGS.items():
         for cfg in cfgs:
             for casting, offset, has_weight in (("llama", 0.0, True),) + s15.OPTIONS:
-                warps, ctas, per_sm, _ = cfg
+                warps, ctas, per_sm = cfg
                 cap = smem_ce.register_cap(warps, per_sm)
                 res = compile_sm90(_rms_fwd_wsmem_kernel, sig,
                                    dict(meta(n, cfg, offset, casting, has_weight), num_ctas=ctas, maxnreg=cap),
@@ -212,10 +196,7 @@ def gpu_main(rounds: int) -> None:
             run = Runner(x, w, cfg, sms)
             if s15.check(f"{cfg} ({run.clusters} clusters)", run, y_ref, r_ref, poison=run, y_lib=y_lib):
                 runs.append((str(cfg), run))
-        for rnd in range(rounds):
-            for label, fn in runs:
-                ms = queued_ms(fn, reps=15)
-                print(f"  N={n} round {rnd}: {ms:.3f} ms  {copy / ms:6.1%} of a copy  {label}", flush=True)
+        s15.time_rounds(n, runs, copy, rounds, queued_ms)
         x = w = y_ref = r_ref = y_lib = runs = None
         torch.cuda.empty_cache()
     print(f"done [{time.time() - t0:.0f} s]", flush=True)
