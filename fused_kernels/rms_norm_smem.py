@@ -91,13 +91,17 @@ SMEM_BACKWARD_TABLE = (
 if gluon is not None:
 
     @gluon.jit
-    def _w_chunk(wbuf, k: gl.constexpr, OFFSET: gl.constexpr, CASTING: gl.constexpr, REG: gl.constexpr):
-        """Chunk k of this thread's weights in the weight's dtype, from shared memory; for llama casting
-        offset + weight, rounded there as torch does (OFFSET a constexpr: with 0 nothing is added per use)."""
-        w = wbuf.index(k).load(REG)
+    def _offset_weight(w, OFFSET: gl.constexpr, CASTING: gl.constexpr):
+        """w as the llama casting uses it: offset + w rounded to w's dtype, as torch adds them (OFFSET a
+        constexpr: with 0 nothing is added per use); other castings add the offset in fp32 (_terms)."""
         if CASTING == 0 and OFFSET != 0.0:
-            w = (w.to(gl.float32) + OFFSET).to(wbuf.dtype)
+            w = (w.to(gl.float32) + OFFSET).to(w.dtype)
         return w
+
+    @gluon.jit
+    def _w_chunk(wbuf, k: gl.constexpr, OFFSET: gl.constexpr, CASTING: gl.constexpr, REG: gl.constexpr):
+        """Chunk k of this thread's weights in the weight's dtype, from shared memory (_offset_weight)."""
+        return _offset_weight(wbuf.index(k).load(REG), OFFSET, CASTING)
 
     @gluon.jit
     def _terms(x, dy, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr):

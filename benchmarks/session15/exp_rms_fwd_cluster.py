@@ -66,6 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
 _async_load = smem_ce._async_load
+from fused_kernels.rms_norm_smem import _offset_weight  # noqa: E402
 MAX_CHUNKS = 8  # w0-w7 below (held with W_REGS); chunks in shared memory have no such limit
 MAX_IN_REGS = 4  # x0-x3 below
 
@@ -75,10 +76,7 @@ def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.const
     """Chunk k of this thread's weights, loaded from global memory, in the weight's dtype; for llama
     casting offset + weight rounded there as torch does. (rms_norm_smem's, as it was when this ran; since
     session 16 the library's reads w from shared memory.)"""
-    w = gl.load(w_ptr + k * CHUNK + offs)
-    if CASTING == 0 and OFFSET != 0.0:
-        w = (w.to(gl.float32) + OFFSET).to(w_ptr.dtype.element_ty)
-    return w
+    return _offset_weight(gl.load(w_ptr + k * CHUNK + offs), OFFSET, CASTING)
 
 
 @gluon.jit
