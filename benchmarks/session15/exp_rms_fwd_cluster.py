@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
 _async_load = smem_ce._async_load
-from fused_kernels.rms_norm_smem import _offset_weight  # noqa: E402
+from fused_kernels.rms_norm_smem import _offset_weight, _pick as _pick4  # noqa: E402
 MAX_CHUNKS = 8  # w0-w7 below (held with W_REGS); chunks in shared memory have no such limit
 MAX_IN_REGS = 4  # x0-x3 below
 
@@ -81,21 +81,11 @@ def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.const
 
 @gluon.jit
 def _pick(k: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
-    v = a0
-    if k == 1:
-        v = a1
-    if k == 2:
-        v = a2
-    if k == 3:
-        v = a3
-    if k == 4:
-        v = a4
-    if k == 5:
-        v = a5
-    if k == 6:
-        v = a6
-    if k == 7:
-        v = a7
+    """a_k of eight (k a constexpr), through rms_norm_smem's four-way pick."""
+    if k < 4:
+        v = _pick4(k, a0, a1, a2, a3)
+    else:
+        v = _pick4(k - 4, a4, a5, a6, a7)
     return v
 
 
