@@ -80,9 +80,10 @@ class ClusterShape:
         return self.ctas * 32 * self.warps * VEC
 
 
-# Tried in order; the first whose chunk divides N into 2–4 chunks runs. H200 (exp_rms_bwd_regs.txt):
-# 8 warps × 8 CTAs, 4 per SM was the fastest of 8 shapes at 65536 (3 per SM: 0.162; rows strided
-# instead of claimed: 0.209); 4 × 8, 6 per SM of 6 at 32768 (the strided one 0.207).
+# Tried in order; the first whose chunk divides N into 2–4 chunks runs. H200, with w in shared memory
+# (benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): at 65536, 8 warps × 8 CTAs at 4
+# per SM 0.134 ms (3 per SM 0.151; 16 warps × 8 at 2 per SM 0.184); at 32768, 4 × 8 at 6 per SM 0.140
+# (8 × 8 at 4 per SM 0.158). Rows claimed, not strided: 0.156 against 0.209 at 65536 (session 15).
 SMEM_BACKWARD_TABLE = (
     ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 16384, 24576, 32768
     ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 32768, 49152, 65536
