@@ -138,16 +138,19 @@ if gluon is not None:
                                   "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _claim_row(counter_ptr, slot_ptr):
+    def _claim_row(counter_ptr, slot_ptr, last_claim=-1):
         # Thread 0 of CTA 0 of the cluster claims a row for all: *slot = counter++ (published by the
-        # _cluster_sync that follows). Inline PTX: Gluon's atomic would broadcast its result to every
-        # thread of the cluster, with two more cluster barriers.
+        # _cluster_sync that follows). The claim numbered last_claim is a launch's last (every row once,
+        # plus one past the end per cluster: n_rows + clusters claims), so its taker sets the counter back
+        # to 0 for the next launch on the stream (claim_counter); -1 never resets it. Inline PTX: Gluon's atomic would
+        # broadcast its result to every thread of the cluster, with two more cluster barriers.
         gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 who, got;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, got;\n\tmov.u32 who, %cluster_ctarank;\n\t"
             "mov.u32 got, %tid.x;\n\tor.b32 who, who, got;\n\tsetp.eq.u32 lead, who, 0;\n\t"
             "@lead atom.global.add.u32 got, [$1], 1;\n\t@lead st.global.u32 [$2], got;\n\t"
+            "setp.eq.and.u32 last, got, $3, lead;\n\t@last st.global.u32 [$1], 0;\n\t"
             "mov.u32 $0, 0;\n\t}",
-            "=r,l,l", [counter_ptr, slot_ptr], dtype=gl.int32, is_pure=False, pack=1)
+            "=r,l,l,r", [counter_ptr, slot_ptr, last_claim], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _ce_smem_kernel(
@@ -188,7 +191,7 @@ if gluon is not None:
             # next_ptr[3·pid + 1 + parity] the row claimed after its current one): a cluster the GPU
             # cannot hold at first runs when others finish and finds the rows taken, instead of holding
             # one back.
-            _claim_row(counter_ptr, next_ptr + 3 * pid)
+            _claim_row(counter_ptr, next_ptr + 3 * pid, n_rows + n_prog - 1)
             _cluster_sync()
             r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
@@ -261,7 +264,7 @@ if gluon is not None:
                 gl.store(slot + CTAS + ranks, s_cta)
                 if HAS_LS:
                     gl.store(slot + 2 * CTAS + ranks, z_cta)
-                _claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity)
+                _claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity, n_rows + n_prog - 1)
                 _cluster_sync()
                 m_row = gl.load(slot, cache_modifier=".cg")
                 for k in gl.static_range(1, CTAS):
@@ -394,6 +397,26 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+_CLAIM_COUNTERS: dict = {}  # (device index, stream) -> its row counter, zero between launches
+
+
+def claim_counter(device: torch.device) -> torch.Tensor:
+    """A zero int32 row counter for one launch of a row-claiming kernel on the current stream. The launch
+    leaves it zero (its last claim resets it: _claim_row), so one per (device, stream) serves every launch
+    there, in stream order, and no fill kernel runs per launch. While the stream is capturing a CUDA
+    graph, a new zeroed one instead: its fill is part of the graph, and memory allocated during capture
+    belongs to the graph's pool."""
+    index = _index(device)
+    stream = torch.cuda.current_stream(index)
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (index, stream.cuda_stream)
+    counter = _CLAIM_COUNTERS.get(key)
+    if counter is None:
+        counter = _CLAIM_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+    return counter
+
+
 def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1,
                       in_registers: int = 0) -> int:
     """How many CTAs' row buffers one SM's shared memory holds."""
@@ -450,7 +473,7 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     if ctas > 1:  # per cluster: two exchange slots of partials, its first row and two claimed rows; the counter
         partials = torch.empty(grid * 2 * 3 * ctas, dtype=torch.float32, device=x.device)
         next_rows = torch.empty(grid * 3, dtype=torch.int32, device=x.device)
-        counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+        counter = claim_counter(x.device)
     else:  # never touched
         partials, next_rows, counter = coef, flag, flag
     launch(

@@ -1,7 +1,8 @@
-"""RMSNorm backward for long rows with each row read from HBM once: the GPU path of
+"""RMSNorm backward (and forward) for long rows with each row read from HBM once: the GPU path of
 fused_kernels.rms_norm's backward for rows the one-kernel backward cannot hold whole (N > 16384, where
-the split backward reads x and dy twice), on an H100/H200. Written in Gluon, like cross_entropy_smem,
-whose layouts, cluster barrier and row claiming it uses.
+the split backward reads x and dy twice), and of its forward at N = 65536 (where the Triton forward
+sweeps each row twice, the second time from L2), on an H100/H200. Written in Gluon, like
+cross_entropy_smem, whose layouts, cluster barrier and row claiming it uses.
 
 Math: rms_norm's backward (its module docstring), from the input (keep="input"); per row, r = rstd:
     w_eff = offset + w  ("llama": in w's dtype, as torch adds it; otherwise fp32)
@@ -20,7 +21,8 @@ copied once with the first row. Per row:
     in turn), then one cluster barrier (release / acquire) and every CTA adds all CTAS of them;
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
-Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken):
+Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
+the launch's last claim sets it back to zero, so a stream keeps one: cross_entropy_smem.claim_counter):
 which rows a cluster's dw partial row sums differs from run to run, so dw's rounding does too. Under
 torch.use_deterministic_algorithms(True) the split backward runs instead. w stays in shared memory, not
 registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm CTAs
@@ -36,11 +38,20 @@ reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.
 6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. At 4096 × 16384 the one-kernel backward
 matched it (session 15) and keeps that length.
 
-When it runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
+The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
+the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
+next row as it is written. Bytes: x read once, y written once, w once per CTA. H200, triton 3.6, bf16,
+1024 × 65536, queued median (benchmarks/session17/exp_rms_fwd_wsmem.txt, a never-reset counter): 0.077
+ms, 85 % of a copy (0.066), where the Triton forward takes 0.082; at 32768 it lost (0.088 against
+0.075), so it takes 65536 only (SMEM_FORWARD_TABLE, FORWARD_CHUNKS). y and rstd do not depend on which
+cluster claims a row: deterministic.
+
+When the backward runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
 >= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
 saved output recovers xhat per element: the split kernels do that), row strides a multiple of 8
 elements and 16-byte aligned bases (16-byte copies), N a table shape's 2–4 chunks, at least
-MIN_ROWS_PER_CLUSTER rows per cluster, and not deterministic mode. There is no CPU interpreter for
+MIN_ROWS_PER_CLUSTER rows per cluster, and not deterministic mode. The forward (`forward_eligible`):
+the same, less dy and deterministic mode, with or without a weight. There is no CPU interpreter for
 Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_rms_norm.py), the gpu tests check it.
 """
 
@@ -63,8 +74,12 @@ except ImportError:  # pragma: no cover - an older Triton: the split backward se
 
 VEC = _smem.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
 MIN_CHUNKS, MAX_CHUNKS = 2, 4  # dw0-dw3 in the kernel; a one-chunk shared buffer does not build on triton 3.6
-# Fewer rows than this per cluster and the dw partial rows (one per cluster) start to cost as much as
-# the rows themselves; the split backward takes those.
+# The forward's x0-x7 hold up to 8 chunks; it beat rms_norm's Triton forward only at 8 chunks of 8192
+# (N = 65536: 0.077 ms against 0.082; at 32768 in 4 chunks 0.088 against 0.075: benchmarks/
+# session17/exp_rms_fwd_wsmem.txt), so 8 is the only count it takes.
+FORWARD_CHUNKS = (8, 8)
+# Fewer rows than this per cluster and the dw partial rows (one per cluster), or the per-CTA copies of w,
+# start to cost as much as the rows themselves; the Triton kernels take those.
 MIN_ROWS_PER_CLUSTER = 4
 
 
@@ -88,6 +103,9 @@ SMEM_BACKWARD_TABLE = (
     ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 16384, 24576, 32768
     ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 32768, 49152, 65536
 )
+# The forward's: 4 warps × 8 CTAs at 6 per SM 0.077 ms at 65536; 8 × 8 at 4 or 6 per SM 0.083, 16 × 8
+# at 3 per SM 0.107 (benchmarks/session17/exp_rms_fwd_wsmem.txt). Shared memory: x's and w's slices, 32 KB.
+SMEM_FORWARD_TABLE = (ClusterShape(warps=4, ctas=8, per_sm=6),)  # N = 65536
 
 if gluon is not None:
 
@@ -128,6 +146,15 @@ if gluon is not None:
         return v
 
     @gluon.jit
+    def _pick8(k: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
+        """a_k of eight (k a constexpr)."""
+        if k < 4:
+            v = _pick(k, a0, a1, a2, a3)
+        else:
+            v = _pick(k - 4, a4, a5, a6, a7)
+        return v
+
+    @gluon.jit
     def _chunk_buffer(dtype: gl.constexpr, k: gl.constexpr, NCHUNK: gl.constexpr, first, CTAS: gl.constexpr,
                       T: gl.constexpr, SMEM: gl.constexpr):
         """Chunk k's buffer: an allocation of its own (k < NCHUNK), so that Triton's barrier pass does not
@@ -138,12 +165,12 @@ if gluon is not None:
         return buf
 
     @gluon.jit
-    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr):
+    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1):
         """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
         ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
         cluster barrier, then every CTA adds the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
         gl.store(slot + ranks, part)
-        _smem._claim_row(counter_ptr, claimed_ptr)
+        _smem._claim_row(counter_ptr, claimed_ptr, last_claim)
         _smem._cluster_sync()
         total = gl.load(slot, cache_modifier=".cg")
         for k in gl.static_range(1, CTAS):
@@ -185,7 +212,8 @@ if gluon is not None:
         dw3 = dw0
 
         # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
-        _smem._claim_row(counter_ptr, next_ptr + 3 * pid)
+        last_claim = n_rows + gl.num_programs(0) - 1  # _claim_row: each row once, one past the end per cluster
+        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
         _smem._cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
@@ -210,7 +238,7 @@ if gluon is not None:
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
             dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                 next_ptr + 3 * pid + 1 + parity, CTAS)
+                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
@@ -241,25 +269,109 @@ if gluon is not None:
                 gl.store(part + k * CHUNK + offs, _pick(k, dw0, dw1, dw2, dw3))
 
 
+    @gluon.jit
+    def _normalised(x, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr):
+        """y of a chunk in fp32 (stored in y's dtype), as rms_norm._normalised_output; w from _w_chunk."""
+        y = x.to(gl.float32) * rstd
+        if HAS_WEIGHT:
+            if CASTING == 0:
+                y = w.to(gl.float32) * y.to(x.dtype).to(gl.float32)
+            else:
+                w_eff = w.to(gl.float32)
+                if OFFSET != 0.0:
+                    w_eff = w_eff + OFFSET
+                y = y * w_eff
+        return y
+
+    @gluon.jit
+    def _rms_fwd_smem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
+                             n_rows, stride_x, stride_y, eps,
+                             OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+        """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
+        pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
+        T: gl.constexpr = 32 * WARPS
+        CHUNK: gl.constexpr = CTAS * T * 8
+        NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and FORWARD_CHUNKS
+        per_thread: gl.constexpr = gl.SliceLayout(2, REG)
+        per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)
+        x_t: gl.constexpr = x_ptr.dtype.element_ty
+        x0 = gl.allocate_shared_memory(x_t, [CTAS, T, 8], SMEM)
+        x1 = _chunk_buffer(x_t, 1, NCHUNK, x0, CTAS, T, SMEM)
+        x2 = _chunk_buffer(x_t, 2, NCHUNK, x0, CTAS, T, SMEM)
+        x3 = _chunk_buffer(x_t, 3, NCHUNK, x0, CTAS, T, SMEM)
+        x4 = _chunk_buffer(x_t, 4, NCHUNK, x0, CTAS, T, SMEM)
+        x5 = _chunk_buffer(x_t, 5, NCHUNK, x0, CTAS, T, SMEM)
+        x6 = _chunk_buffer(x_t, 6, NCHUNK, x0, CTAS, T, SMEM)
+        x7 = _chunk_buffer(x_t, 7, NCHUNK, x0, CTAS, T, SMEM)
+        wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+
+        pid = gl.program_id(0)  # the cluster
+        ranks = gl.arange(0, CTAS, layout=per_cta)
+        offs = _smem.slice_offsets(CTAS, T, REG)
+
+        last_claim = n_rows + gl.num_programs(0) - 1
+        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
+        _smem._cluster_sync()
+        r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
+        xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
+        for k in gl.static_range(NCHUNK):
+            if HAS_WEIGHT:
+                _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
+        async_copy.commit_group()
+
+        parity = 0
+        while r < n_rows:
+            row = r.to(gl.int64)
+            async_copy.wait_group(0)
+            acc = gl.zeros([CTAS, T], gl.float32, per_thread)
+            for k in gl.static_range(NCHUNK):
+                xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
+                acc = acc + gl.sum(xf * xf, 2)
+            ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
+                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim)
+            rstd = gl.rsqrt(ss / N + eps)
+            gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
+            yrow = y_ptr + row * stride_y
+            nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
+            for k in gl.static_range(NCHUNK):
+                xk = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG)
+                wk = xk  # not read without a weight
+                if HAS_WEIGHT:
+                    wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
+                gl.store(yrow + k * CHUNK + offs,
+                         _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
+                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
+                    _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
+            async_copy.commit_group()
+            r = nxt
+            parity = 1 - parity
+        async_copy.wait_group(0)
+
+
 def available() -> bool:
     """Gluon importable and real kernels (not the interpreter)."""
     return gluon is not None and _smem.available()
 
 
-def _whole_chunks(n_cols: int, shape: ClusterShape) -> bool:
-    """Whether n_cols is MIN_CHUNKS..MAX_CHUNKS whole chunks of shape's."""
-    return n_cols % shape.chunk == 0 and MIN_CHUNKS <= n_cols // shape.chunk <= MAX_CHUNKS
+def _whole_chunks(n_cols: int, shape: ClusterShape, forward: bool = False) -> bool:
+    """Whether n_cols is whole chunks of shape's, as many as the kernel takes (MIN_CHUNKS..MAX_CHUNKS
+    for the backward, FORWARD_CHUNKS for the forward)."""
+    lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
+    return n_cols % shape.chunk == 0 and lo <= n_cols // shape.chunk <= hi
 
 
-def shape_for(n_cols: int) -> ClusterShape | None:
-    """The first SMEM_BACKWARD_TABLE shape whose chunk splits n_cols into MIN_CHUNKS..MAX_CHUNKS whole
-    chunks, or None."""
-    return next((shape for shape in SMEM_BACKWARD_TABLE if _whole_chunks(n_cols, shape)), None)
+def shape_for(n_cols: int, forward: bool = False) -> ClusterShape | None:
+    """The first shape of SMEM_BACKWARD_TABLE (SMEM_FORWARD_TABLE) whose chunk splits n_cols into as
+    many whole chunks as the kernel takes, or None."""
+    table = SMEM_FORWARD_TABLE if forward else SMEM_BACKWARD_TABLE
+    return next((shape for shape in table if _whole_chunks(n_cols, shape, forward)), None)
 
 
-def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int) -> int:
-    """Shared memory of one CTA: its slice of x, of dy and of w."""
-    return 3 * (n_cols // shape.ctas) * element_size
+def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int, forward: bool = False) -> int:
+    """Shared memory of one CTA: its slice of x, of w and (backward) of dy."""
+    return (2 if forward else 3) * (n_cols // shape.ctas) * element_size
 
 
 def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
@@ -271,45 +383,82 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
 
 
-def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> bool:
-    """Whether these 2-D rows may take this path at all (the module docstring's list, less the shape's
-    own conditions, which `shape_for` and rms_norm's dispatch check)."""
+def _runs_here(x2: torch.Tensor, weight) -> bool:
+    """What both kernels need of x and w: 16-bit, 16-byte copies, clusters (compute capability >= 9.0)."""
     return (
-        not from_output
-        and weight is not None
-        and x2.is_cuda
+        x2.is_cuda
         and torch.version.hip is None
         and x2.element_size() == 2
-        and dy2.dtype == x2.dtype == weight.dtype
-        and weight.is_contiguous()
         and _aligned(x2)
-        and _aligned(dy2)
-        and weight.data_ptr() % 16 == 0
-        and not torch.are_deterministic_algorithms_enabled()
+        and (weight is None or (weight.dtype == x2.dtype and weight.is_contiguous() and weight.data_ptr() % 16 == 0))
         and _smem._capability(_smem._index(x2.device)) >= (9, 0)
     )
 
 
+def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> bool:
+    """Whether these 2-D rows may take the backward at all (the module docstring's list, less the
+    shape's own conditions, which `shape_for` and rms_norm's dispatch check)."""
+    return (
+        not from_output
+        and weight is not None
+        and _runs_here(x2, weight)
+        and dy2.dtype == x2.dtype
+        and _aligned(dy2)
+        and not torch.are_deterministic_algorithms_enabled()
+    )
+
+
+def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
+    """Whether these 2-D rows may take the forward (y2 its output rows). Deterministic mode allows it:
+    a row's y and rstd do not depend on which cluster claims it."""
+    return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
+
+
+def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
+    """The constexprs and launch options both kernels share."""
+    if not _whole_chunks(n_cols, shape, forward):
+        lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
+        raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
+                         f"{shape} in the {'forward' if forward else 'backward'}")
+    reg, smem = _smem.layouts(shape.warps, shape.ctas)
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps,
+                num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+
+
+def _claim_scratch(grid: int, shape: ClusterShape, device: torch.device):
+    """(exchange slots, claimed rows, row counter) of a launch: two slots of CTAS partials per cluster,
+    its first row and the two rows claimed after, and the stream's self-resetting counter."""
+    return (torch.empty(grid * 2 * shape.ctas, dtype=torch.float32, device=device),
+            torch.empty(grid * 3, dtype=torch.int32, device=device), _smem.claim_counter(device))
+
+
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
     """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
-    if not _whole_chunks(n_cols, shape):
-        raise ValueError(f"rms_norm_smem: N = {n_cols} must be {MIN_CHUNKS}-{MAX_CHUNKS} whole chunks of {shape.chunk} "
-                         f"columns for {shape}")
-    reg, smem = _smem.layouts(shape.warps, shape.ctas)
-    return dict(OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw, N=n_cols, WARPS=shape.warps,
-                CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps, num_ctas=shape.ctas,
-                maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+    return dict(_launch_meta(n_cols, shape, False), OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw)
+
+
+def forward_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, has_weight: bool) -> dict:
+    """_rms_fwd_smem_kernel's constexprs and launch options."""
+    return dict(_launch_meta(n_cols, shape, True), OFFSET=float(offset), CASTING=casting_id, HAS_WEIGHT=has_weight)
 
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
                     casting_id: int, compute_dw: bool) -> None:
     """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
     n_rows, n_cols = x2.shape
-    device = x2.device
-    exchange = torch.empty(grid * 2 * shape.ctas, dtype=torch.float32, device=device)  # two slots per cluster
-    next_rows = torch.empty(grid * 3, dtype=torch.int32, device=device)
-    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    exchange, next_rows, counter = _claim_scratch(grid, shape, x2.device)
     launch(_rms_bwd_smem_kernel, (grid,),
            (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
            kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
+
+
+def launch_forward(x2, weight, y2, rstd, *, shape: ClusterShape, grid: int, eps: float, offset: float,
+                   casting_id: int) -> None:
+    """y2 (2-D rows, written in place) and rstd (one fp32 per row) of x2's rows."""
+    n_rows, n_cols = x2.shape
+    exchange, next_rows, counter = _claim_scratch(grid, shape, x2.device)
+    launch(_rms_fwd_smem_kernel, (grid,),
+           (x2, x2 if weight is None else weight, y2, rstd, exchange, next_rows, counter, n_rows, x2.stride(0),
+            y2.stride(0), float(eps)),
+           forward_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, has_weight=weight is not None))

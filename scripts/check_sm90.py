@@ -199,7 +199,8 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
 
 def rms_norm_smem_cases(cols: list[int], dtype: str):
     """The long-row backward read once (rms_norm_smem) for each length a table shape covers, in every
-    casting mode, with an offset and without dw; its launch caps registers (maxnreg) for per_sm CTAs."""
+    casting mode, with an offset and without dw, and the long-row forward likewise (with an offset and
+    without a weight); their launches cap registers (maxnreg) for per_sm CTAs."""
     smem = importlib.import_module("fused_kernels.rms_norm_smem")
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
@@ -215,6 +216,19 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
             flags.pop("num_warps")
             label = f"rms_norm_smem N={n} casting {casting_id} offset {offset} dw {compute_dw} {shape}"
             yield label, smem._rms_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
+    fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32",
+               "counter_ptr": "*i32", "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
+    fwd_aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]
+    for n in cols:
+        shape = smem.shape_for(n, forward=True)
+        if shape is None:
+            continue
+        for casting_id, offset, has_weight in ((0, 0.0, True), (0, 1.0, True), (1, 1.0, True), (2, 0.0, True),
+                                               (0, 0.0, False)):
+            flags = smem.forward_constexprs(n, shape, offset=offset, casting_id=casting_id, has_weight=has_weight)
+            flags.pop("num_warps")
+            label = f"rms_norm_smem forward N={n} casting {casting_id} offset {offset} weight {has_weight} {shape}"
+            yield label, smem._rms_fwd_smem_kernel, fwd_sig, flags, fwd_aligned, shape.warps, 1, 0
 
 
 # Spills allowed to a kernel whose launch caps its registers (maxnreg: cross_entropy_smem's shapes holding
