@@ -165,6 +165,20 @@ if gluon is not None:
         return buf
 
     @gluon.jit
+    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
+        """After chunk k's cp.async were issued: each chunk its own group (FINE_WAITS), or one per row."""
+        if FINE_WAITS or k == NCHUNK - 1:
+            async_copy.commit_group()
+
+    @gluon.jit
+    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
+        """Before chunk k is read in pass 1: wait for its group only (FINE_WAITS), or the row's whole."""
+        if FINE_WAITS:
+            async_copy.wait_group(NCHUNK - 1 - k)
+        elif k == 0:
+            async_copy.wait_group(0)
+
+    @gluon.jit
     def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1):
         """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
         ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
@@ -181,7 +195,8 @@ if gluon is not None:
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
+                             FINE_WAITS: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -222,15 +237,15 @@ if gluon is not None:
             _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
             _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
-        async_copy.commit_group()
+            _chunk_committed(k, NCHUNK, FINE_WAITS)
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
             rstd = gl.load(rstd_ptr + row)
-            async_copy.wait_group(0)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
+                _chunk_arrived(k, NCHUNK, FINE_WAITS)
                 xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
                                        _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
@@ -259,7 +274,7 @@ if gluon is not None:
                 if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
                     _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
                     _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
-            async_copy.commit_group()
+                _chunk_committed(k, NCHUNK, FINE_WAITS)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -287,7 +302,8 @@ if gluon is not None:
     def _rms_fwd_smem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
+                             FINE_WAITS: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -319,14 +335,14 @@ if gluon is not None:
             if HAS_WEIGHT:
                 _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
-        async_copy.commit_group()
+            _chunk_committed(k, NCHUNK, FINE_WAITS)
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            async_copy.wait_group(0)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
+                _chunk_arrived(k, NCHUNK, FINE_WAITS)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
@@ -344,7 +360,7 @@ if gluon is not None:
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
                 if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
                     _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
-            async_copy.commit_group()
+                _chunk_committed(k, NCHUNK, FINE_WAITS)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -414,14 +430,18 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
     return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
-def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
+FINE_WAITS = False  # session 17 experiment: each chunk's copies their own cp.async group, waited for alone
+
+
+def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, fine_waits: bool | None = None) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
         lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
-    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps,
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem,
+                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 

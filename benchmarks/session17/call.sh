@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 17's device calls (carry [".whl"]): `bash benchmarks/session17/call.sh STEP...`, each STEP one of
+#   tests      the rms_norm gpu tests and cross_entropy's smem ones (the claim counter changed) -> $OUT/gpu_tests.log
+#   profile    scripts/profile_ops.py, ours and torch.compile, at rms_norm 1024x65536 -> $OUT/profile_rms_long.txt
+#   exp_NAME   benchmarks/session17/exp_NAME.py -> $OUT/exp_NAME.txt
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+source scripts/device_env.sh >/dev/null 2>&1
+export PYTHONPATH=$PWD:$PWD/scripts:$PWD/benchmarks/session8:$PWD/benchmarks/session9:$PWD/benchmarks/session16:$PWD/benchmarks/session17:$PYTHONPATH
+for step in "$@"; do
+  case "$step" in
+    tests) timeout ${TEST_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_rms_norm.py \
+             "tests/test_cross_entropy.py::test_gpu_smem_path_matches_reference" 2>&1 | tail -n 15 | tee "$OUT/gpu_tests.log" ;;
+    profile) timeout ${PROF_S:-120} python3 scripts/profile_ops.py --only "rms_norm 1024x65536" \
+               --peers ${PEERS:-ours} 2>&1 | grep -v Warn | tee "$OUT/profile_rms_long.txt" ;;
+    exp_*) timeout ${EXP_S:-300} python3 "benchmarks/session17/$step.py" 2>&1 | grep -v Warn | tee "$OUT/$step.txt" ;;
+    *) echo "unknown step $step (tests, profile, exp_NAME)"; exit 2 ;;
+  esac
+done
