@@ -165,16 +165,18 @@ if gluon is not None:
         return buf
 
     @gluon.jit
-    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
-        """After chunk k's cp.async were issued: each chunk its own group (FINE_WAITS), or one per row."""
-        if FINE_WAITS or k == NCHUNK - 1:
+    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
+        """After chunk k's cp.async were issued: each LOAD_EVERY chunks their own group (FINE_WAITS), or
+        one group per row."""
+        if (FINE_WAITS and (k + 1) % LOAD_EVERY == 0) or k == NCHUNK - 1:
             async_copy.commit_group()
 
     @gluon.jit
-    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
+    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
         """Before chunk k is read in pass 1: wait for its group only (FINE_WAITS), or the row's whole."""
         if FINE_WAITS:
-            async_copy.wait_group(NCHUNK - 1 - k)
+            if k % LOAD_EVERY == 0:
+                async_copy.wait_group(NCHUNK // LOAD_EVERY - 1 - k // LOAD_EVERY)
         elif k == 0:
             async_copy.wait_group(0)
 
@@ -196,7 +198,7 @@ if gluon is not None:
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -237,7 +239,7 @@ if gluon is not None:
             _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
             _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS)
+            _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
 
         parity = 0
         while r < n_rows:
@@ -245,7 +247,7 @@ if gluon is not None:
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS)
+                _chunk_arrived(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
                 xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
                                        _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
@@ -271,10 +273,14 @@ if gluon is not None:
                     dw1 = dwk if k == 1 else dw1
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
-                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
-                    _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
-                    _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
-                _chunk_committed(k, NCHUNK, FINE_WAITS)
+                if (k + 1) % LOAD_EVERY == 0:  # these chunks of the cluster's next row, into the buffers just read
+                    if nxt < n_rows:  # one branch for all LOAD_EVERY: one barrier before their copies
+                        for j in gl.static_range(LOAD_EVERY):
+                            _smem._async_load(_pick(k + 1 - LOAD_EVERY + j, x0, x1, x2, x3),
+                                              nxrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
+                            _smem._async_load(_pick(k + 1 - LOAD_EVERY + j, dy0, dy1, dy2, dy3),
+                                              ndyrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
+                    _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -303,7 +309,7 @@ if gluon is not None:
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -335,14 +341,14 @@ if gluon is not None:
             if HAS_WEIGHT:
                 _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS)
+            _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS)
+                _chunk_arrived(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
@@ -358,9 +364,12 @@ if gluon is not None:
                     wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
                 gl.store(yrow + k * CHUNK + offs,
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
-                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
-                    _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
-                _chunk_committed(k, NCHUNK, FINE_WAITS)
+                if (k + 1) % LOAD_EVERY == 0:  # these chunks of the cluster's next row, into the buffers just read
+                    if nxt < n_rows:  # one branch for all LOAD_EVERY: one barrier before their copies
+                        for j in gl.static_range(LOAD_EVERY):
+                            _smem._async_load(_pick8(k + 1 - LOAD_EVERY + j, x0, x1, x2, x3, x4, x5, x6, x7),
+                                              nxrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
+                    _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -431,6 +440,7 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
 
 
 FINE_WAITS = False  # session 17 experiment: each chunk's copies their own cp.async group, waited for alone
+LOAD_EVERY = 1  # session 17 experiment: the next row's chunks issued after every LOAD_EVERY chunks of pass 2
 
 
 def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, fine_waits: bool | None = None) -> dict:
@@ -441,7 +451,8 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, fine_waits: bo
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem,
-                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, num_warps=shape.warps,
+                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, LOAD_EVERY=LOAD_EVERY,
+                num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 

@@ -2,6 +2,9 @@
 forward: backward 124.6 µs, forward 75.8, dw sum 5.9; target 0.200), timed queued in alternating rounds:
   - FINE_WAITS (rms_norm_smem.FINE_WAITS): each chunk's cp.async its own group, so pass 1 starts on
     chunk 0 while later chunks are still arriving, in the forward and the backward;
+  - LOAD_EVERY: pass 2 issues the next row's chunks after every LOAD_EVERY chunks under one branch, so
+    Triton's barrier pass puts one CTA barrier before them instead of one per chunk (with FINE_WAITS,
+    groups of LOAD_EVERY chunks);
   - the grid: fewer clusters than fit (the forward's 99 clusters take 10.3 rows each, so the last
     round runs on 31 of them; the backward's 66 take 15.5);
   - _dw_sum_kernel's (columns per program, partial rows per load, warps) over the backward's 66 partial
@@ -53,23 +56,27 @@ def err(got, ref) -> float:
     return ((got.double() - ref).abs().max() / ref.abs().max()).item()
 
 
-def forward(x, w, y, rstd, grid, fine):
-    smem.FINE_WAITS = fine
+def knobs(fine, every):
+    smem.FINE_WAITS, smem.LOAD_EVERY = fine, every
+
+
+def forward(x, w, y, rstd, grid, fine, every=1):
+    knobs(fine, every)
     try:
         smem.launch_forward(x, w, y, rstd, shape=smem.shape_for(N, forward=True), grid=grid, eps=1e-6, offset=0.0,
                             casting_id=0)
     finally:
-        smem.FINE_WAITS = False
+        knobs(False, 1)
     return y
 
 
-def backward(dy, x, w, rstd, dx, partial, grid, fine, dw_cfg=None):
-    smem.FINE_WAITS = fine
+def backward(dy, x, w, rstd, dx, partial, grid, fine, every=1, dw_cfg=None):
+    knobs(fine, every)
     try:
         smem.launch_backward(dy, x, w, rstd, dx, partial, shape=smem.shape_for(N), grid=grid, offset=0.0,
                              casting_id=0, compute_dw=True)
     finally:
-        smem.FINE_WAITS = False
+        knobs(False, 1)
     return dx, dw_sum(partial, grid, w, dw_cfg)
 
 
@@ -102,43 +109,44 @@ def main():
     y = torch.empty_like(x)
     r = torch.empty(ROWS, device="cuda")
     runs = [("library forward (_forward_impl)", lambda: rms._forward_impl(x, w, 1e-6, 0.0, "llama"))]
-    for grid, fine in ((fgrid, False), (fgrid, True), (96, False), (93, False), (93, True), (88, False)):
-        label = f"forward grid {grid} fine_waits {fine}"
+    for grid, fine, every in ((fgrid, False, 1), (fgrid, True, 1), (fgrid, False, 2), (fgrid, True, 2),
+                              (fgrid, False, 4), (fgrid, True, 4), (fgrid, False, 8)):
+        label = f"forward grid {grid} fine_waits {fine} load_every {every}"
         y.fill_(float("nan"))
         r.fill_(float("nan"))
         try:
-            forward(x, w, y, r, grid, fine)
+            forward(x, w, y, r, grid, fine, every)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - an experiment: report and go on
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         ey, er = err(y, y_ref), err(r, rstd)
         print(f"  {label}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
-        runs.append((label, lambda g=grid, f=fine: forward(x, w, y, r, g, f)))
+        runs.append((label, lambda g=grid, f=fine, e=every: forward(x, w, y, r, g, f, e)))
     timed(runs)
 
     dx = torch.empty_like(x)
     partial = torch.empty(bgrid, N, device="cuda")
     runs = [("library backward (_backward_impl)", lambda: rms._backward_impl(dy, x, w, rstd, 0.0, "llama", True))]
-    for grid, fine in ((bgrid, False), (bgrid, True), (64, False), (64, True), (60, False)):
-        label = f"backward + dw sum, grid {grid} fine_waits {fine}"
+    for grid, fine, every in ((bgrid, False, 1), (bgrid, True, 1), (bgrid, False, 2), (bgrid, True, 2),
+                              (bgrid, False, 4), (64, True, 1), (64, True, 2), (64, False, 4)):
+        label = f"backward + dw sum, grid {grid} fine_waits {fine} load_every {every}"
         dx.fill_(float("nan"))
         partial.fill_(float("nan"))
         try:
-            _, dw = backward(dy, x, w, rstd, dx, partial, grid, fine)
+            _, dw = backward(dy, x, w, rstd, dx, partial, grid, fine, every)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         ex, ew = err(dx, dx_ref), err(dw, dw_ref)
         print(f"  {label}: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}", flush=True)
-        runs.append((label, lambda g=grid, f=fine: backward(dy, x, w, rstd, dx, partial, g, f)))
+        runs.append((label, lambda g=grid, f=fine, e=every: backward(dy, x, w, rstd, dx, partial, g, f, e)))
     timed(runs)
 
     backward(dy, x, w, rstd, dx, partial, bgrid, False)
     runs = []
-    for cfg in (None, (64, 16, 2), (32, 32, 2), (32, 64, 4), (64, 64, 4), (128, 32, 4), (256, 16, 4), (32, 16, 1),
-                (64, 32, 2), (128, 64, 8)):
+    for cfg in (None, (64, 16, 2), (64, 32, 2), (32, 32, 2), (64, 16, 1), (32, 64, 2)):
         dw = dw_sum(partial, bgrid, w, cfg)
         ew = err(dw, dw_ref)
         label = f"dw sum {cfg or 'library ' + str(rms.dw_sum_config(N))}"
