@@ -181,13 +181,42 @@ if gluon is not None:
             async_copy.wait_group(0)
 
     @gluon.jit
-    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1):
+    def _store_by_thread0(ptrs, values):
+        # *ptr = value by thread 0 of each CTA alone (one element per CTA: its rank's), so that thread 0's
+        # fence in _cluster_sync_lead_fence orders it. Inline PTX: Triton picks the storing thread of a
+        # replicated value itself (one of warp 0 in triton 3.6, not always thread 0).
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 tid;\n\tmov.u32 tid, %tid.x;\n\tsetp.eq.u32 lead, tid, 0;\n\t"
+            "@lead st.global.b32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+            "=r,l,r", [ptrs.to(gl.int64), values.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cluster_sync_lead_fence():
+        # The cluster barrier with one fence per CTA: thread 0, which stored the CTA's partial (and in CTA
+        # 0 the claimed row: _claim_row), fences; every thread arrives relaxed and waits with acquire. The
+        # other threads' stores (the previous row's output) need no ordering, and a release arrive would
+        # make each of them wait for its own.
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 tid;\n\tmov.u32 tid, %tid.x;\n\tsetp.eq.u32 lead, tid, 0;\n\t"
+            "@lead fence.acq_rel.gpu;\n\tbarrier.cluster.arrive.relaxed.aligned;\n\t"
+            "barrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;\n\t}",
+            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1,
+                  LEAD_FENCE: gl.constexpr = False):
         """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
         ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
         cluster barrier, then every CTA adds the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
-        gl.store(slot + ranks, part)
+        if LEAD_FENCE:
+            _store_by_thread0(slot + ranks, part)
+        else:
+            gl.store(slot + ranks, part)
         _smem._claim_row(counter_ptr, claimed_ptr, last_claim)
-        _smem._cluster_sync()
+        if LEAD_FENCE:
+            _cluster_sync_lead_fence()
+        else:
+            _smem._cluster_sync()
         total = gl.load(slot, cache_modifier=".cg")
         for k in gl.static_range(1, CTAS):
             total += gl.load(slot + k, cache_modifier=".cg")
@@ -198,7 +227,7 @@ if gluon is not None:
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr, LEAD_FENCE: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -255,7 +284,7 @@ if gluon is not None:
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
             dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim)
+                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
@@ -309,7 +338,7 @@ if gluon is not None:
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr, LEAD_FENCE: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -352,7 +381,7 @@ if gluon is not None:
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim)
+                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE)
             rstd = gl.rsqrt(ss / N + eps)
             gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
             yrow = y_ptr + row * stride_y
@@ -440,6 +469,7 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
 
 
 FINE_WAITS = False  # session 17 experiment: each chunk's copies their own cp.async group, waited for alone
+LEAD_FENCE = False  # session 17 experiment: the exchange's partial stored and fenced by thread 0 alone
 LOAD_EVERY = 1  # session 17 experiment: the next row's chunks issued after every LOAD_EVERY chunks of pass 2
 
 
@@ -451,7 +481,7 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, fine_waits: bo
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem,
-                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, LOAD_EVERY=LOAD_EVERY,
+                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, LOAD_EVERY=LOAD_EVERY, LEAD_FENCE=LEAD_FENCE,
                 num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
