@@ -16,9 +16,12 @@ sums in registers for the whole launch (8·NCHUNK per thread), and its slice of 
 copied once with the first row. Per row:
   - x and dy arrive in shared memory by cp.async, issued while the cluster's previous row was being
     written (HBM read once, no register staging), one allocation per chunk (Triton's barrier pass
-    orders accesses per allocation: one buffer for all chunks put a CTA barrier after every copy);
+    orders accesses per allocation: one buffer for all chunks put a CTA barrier after every copy) and
+    one cp.async group per chunk, so pass 1 starts on the first chunks while the last still arrive;
   - pass 1: each CTA's partial Σ g·xhat goes to one of the cluster's two slots in global memory (used
-    in turn), then one cluster barrier (release / acquire) and every CTA adds all CTAS of them;
+    in turn), stored by the CTA's thread 0, which alone fences; then one cluster barrier (every thread
+    arrives relaxed, waits with acquire: a release arrive made each thread wait for its own dx stores
+    of the row before) and every CTA adds all CTAS of them;
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
@@ -36,7 +39,9 @@ rms_norm._dw_sum_kernel. H200, triton 3.6, bf16, backward alone, queued median
 (8 CTAs × 8 warps, 4 per SM; 72 % of 1.5 copies; torch.mul(x, dy, out=dx), the same bytes with no
 reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.142 (8 CTAs × 4 warps,
 6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. At 4096 × 16384 the one-kernel backward
-matched it (session 15) and keeps that length.
+matched it (session 15) and keeps that length. Session 17's per-chunk groups, thread-0 fence and
+64-cluster grid (`clusters`): 1024 × 65536 with the dw sum 0.1277–0.1287 ms against 0.1325–0.1328
+(benchmarks/session17/exp_rms_knobs_run3.txt).
 
 The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
 the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
@@ -165,18 +170,17 @@ if gluon is not None:
         return buf
 
     @gluon.jit
-    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
-        """After chunk k's cp.async were issued: each LOAD_EVERY chunks their own group (FINE_WAITS), or
-        one group per row."""
-        if (FINE_WAITS and (k + 1) % LOAD_EVERY == 0) or k == NCHUNK - 1:
+    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
+        """After chunk k's cp.async were issued: each chunk its own group (FINE_WAITS), or one per row."""
+        if FINE_WAITS or k == NCHUNK - 1:
             async_copy.commit_group()
 
     @gluon.jit
-    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr):
-        """Before chunk k is read in pass 1: wait for its group only (FINE_WAITS), or the row's whole."""
+    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
+        """Before chunk k is read in pass 1: wait for its own group (FINE_WAITS: pass 1 starts on the first
+        chunks while the last are still arriving), or for the whole row."""
         if FINE_WAITS:
-            if k % LOAD_EVERY == 0:
-                async_copy.wait_group(NCHUNK // LOAD_EVERY - 1 - k // LOAD_EVERY)
+            async_copy.wait_group(NCHUNK - 1 - k)
         elif k == 0:
             async_copy.wait_group(0)
 
@@ -227,7 +231,7 @@ if gluon is not None:
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr, LEAD_FENCE: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -268,7 +272,7 @@ if gluon is not None:
             _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
             _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+            _chunk_committed(k, NCHUNK, FINE_WAITS)
 
         parity = 0
         while r < n_rows:
@@ -276,7 +280,7 @@ if gluon is not None:
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+                _chunk_arrived(k, NCHUNK, FINE_WAITS)
                 xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
                                        _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
@@ -302,14 +306,10 @@ if gluon is not None:
                     dw1 = dwk if k == 1 else dw1
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
-                if (k + 1) % LOAD_EVERY == 0:  # these chunks of the cluster's next row, into the buffers just read
-                    if nxt < n_rows:  # one branch for all LOAD_EVERY: one barrier before their copies
-                        for j in gl.static_range(LOAD_EVERY):
-                            _smem._async_load(_pick(k + 1 - LOAD_EVERY + j, x0, x1, x2, x3),
-                                              nxrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
-                            _smem._async_load(_pick(k + 1 - LOAD_EVERY + j, dy0, dy1, dy2, dy3),
-                                              ndyrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
-                    _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
+                    _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
+                    _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
+                _chunk_committed(k, NCHUNK, FINE_WAITS)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -338,7 +338,7 @@ if gluon is not None:
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LOAD_EVERY: gl.constexpr, LEAD_FENCE: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -370,14 +370,14 @@ if gluon is not None:
             if HAS_WEIGHT:
                 _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+            _chunk_committed(k, NCHUNK, FINE_WAITS)
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+                _chunk_arrived(k, NCHUNK, FINE_WAITS)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
@@ -393,12 +393,9 @@ if gluon is not None:
                     wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
                 gl.store(yrow + k * CHUNK + offs,
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
-                if (k + 1) % LOAD_EVERY == 0:  # these chunks of the cluster's next row, into the buffers just read
-                    if nxt < n_rows:  # one branch for all LOAD_EVERY: one barrier before their copies
-                        for j in gl.static_range(LOAD_EVERY):
-                            _smem._async_load(_pick8(k + 1 - LOAD_EVERY + j, x0, x1, x2, x3, x4, x5, x6, x7),
-                                              nxrow + (k + 1 - LOAD_EVERY + j) * CHUNK + offs)
-                    _chunk_committed(k, NCHUNK, FINE_WAITS, LOAD_EVERY)
+                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
+                    _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
+                _chunk_committed(k, NCHUNK, FINE_WAITS)
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -429,8 +426,12 @@ def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int, forward: b
 
 
 def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
-    """The persistent grid: per_sm CTAs on every SM, in clusters of ctas, never more than the rows."""
-    return max(1, min(n_rows, shape.per_sm * sm_count // shape.ctas))
+    """The persistent grid: at most per_sm CTAs on every SM, in clusters of ctas, and no more clusters
+    than it takes to finish the rows in as many rounds (1024 rows over the 66 that fit take 16 rounds;
+    64 take 16 too, evenly, and contend less: the backward 0.5-1 µs faster, session 17)."""
+    fit = max(1, shape.per_sm * sm_count // shape.ctas)
+    rounds = -(-n_rows // fit)
+    return max(1, -(-n_rows // rounds))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -468,21 +469,18 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
     return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
-FINE_WAITS = False  # session 17 experiment: each chunk's copies their own cp.async group, waited for alone
-LEAD_FENCE = False  # session 17 experiment: the exchange's partial stored and fenced by thread 0 alone
-LOAD_EVERY = 1  # session 17 experiment: the next row's chunks issued after every LOAD_EVERY chunks of pass 2
-
-
-def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, fine_waits: bool | None = None) -> dict:
+def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
         lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
-    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem,
-                FINE_WAITS=FINE_WAITS if fine_waits is None else fine_waits, LOAD_EVERY=LOAD_EVERY, LEAD_FENCE=LEAD_FENCE,
-                num_warps=shape.warps,
+    # The backward waits for each chunk alone and fences once per CTA at the exchange: 0.128 ms with its dw
+    # sum against 0.1326 with neither (benchmarks/session17/exp_rms_knobs_run3.txt); the forward's times
+    # with them were within noise of without, so it keeps the plain scheme.
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, FINE_WAITS=not forward,
+                LEAD_FENCE=not forward, num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 

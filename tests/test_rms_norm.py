@@ -727,8 +727,12 @@ def test_smem_backward_table_shapes_fit_an_sm():
         assert n % shape.chunk == 0 and smem.MIN_CHUNKS <= n // shape.chunk <= smem.MAX_CHUNKS
         assert shape.per_sm * (smem.buffer_bytes(n, shape, 2) + 1024 + 256) <= 228 * 1024, (n, shape)
         assert ce_smem.register_cap(shape.warps, shape.per_sm) >= 64
-        assert smem.clusters(1024, shape, 132) == shape.per_sm * 132 // shape.ctas
+        fit = shape.per_sm * 132 // shape.ctas
+        grid = smem.clusters(1024, shape, 132)  # the fewest clusters that take as many rounds as all that fit
+        assert grid <= fit and -(-1024 // grid) == -(-1024 // fit) and -(-1024 // (grid - 1)) > -(-1024 // fit)
+    assert smem.clusters(1024, smem.shape_for(65536), 132) == 64  # 66 fit: 16 rounds either way
     assert smem.clusters(3, smem.shape_for(65536), 132) == 3
+    assert smem.clusters(10_000, smem.shape_for(65536), 132) == 66  # 152 rounds, 66 · 152 - 10 000 = 32 idle
     with pytest.raises(ValueError, match="whole chunks of 16384"):
         smem.kernel_constexprs(40960, smem.shape_for(65536), offset=0.0, casting_id=0, compute_dw=True)
 
