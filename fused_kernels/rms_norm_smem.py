@@ -207,8 +207,28 @@ if gluon is not None:
             "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _claim_issue(counter_ptr):
+        # Thread 0 of CTA 0 of the cluster: counter++ (the others get 0), issued at the top of a row so
+        # that the atomic's round trip overlaps pass 1; _claim_publish stores it at the exchange.
+        return gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\tmov.u32 $0, 0;\n\t"
+            "@lead atom.global.add.u32 $0, [$1], 1;\n\t}",
+            "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _claim_publish(counter_ptr, slot_ptr, got, last_claim):
+        # Thread 0 of CTA 0: *slot = got, and the launch's last claim resets the counter (_claim_row).
+        gl.inline_asm_elementwise(
+            "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
+            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\t"
+            "@lead st.global.u32 [$2], $3;\n\tsetp.eq.and.u32 last, $3, $4, lead;\n\t@last st.global.u32 [$1], 0;\n\t"
+            "mov.u32 $0, 0;\n\t}",
+            "=r,l,l,r,r", [counter_ptr, slot_ptr, got, last_claim], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1,
-                  LEAD_FENCE: gl.constexpr = False):
+                  LEAD_FENCE: gl.constexpr = False, EARLY_CLAIM: gl.constexpr = False, got=0):
         """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
         ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
         cluster barrier, then every CTA adds the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
@@ -216,7 +236,10 @@ if gluon is not None:
             _store_by_thread0(slot + ranks, part)
         else:
             gl.store(slot + ranks, part)
-        _smem._claim_row(counter_ptr, claimed_ptr, last_claim)
+        if EARLY_CLAIM:
+            _claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        else:
+            _smem._claim_row(counter_ptr, claimed_ptr, last_claim)
         if LEAD_FENCE:
             _cluster_sync_lead_fence()
         else:
@@ -231,7 +254,8 @@ if gluon is not None:
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr,
+                             EARLY_CLAIM: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -277,6 +301,9 @@ if gluon is not None:
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
+            got = 0
+            if EARLY_CLAIM:
+                got = _claim_issue(counter_ptr)
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
@@ -288,7 +315,8 @@ if gluon is not None:
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
             dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE)
+                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE,
+                                 EARLY_CLAIM, got)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
@@ -338,7 +366,8 @@ if gluon is not None:
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr):
+                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr,
+                             EARLY_CLAIM: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -375,13 +404,17 @@ if gluon is not None:
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
+            got = 0
+            if EARLY_CLAIM:
+                got = _claim_issue(counter_ptr)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK, FINE_WAITS)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE)
+                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE,
+                                 EARLY_CLAIM, got)
             rstd = gl.rsqrt(ss / N + eps)
             gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
             yrow = y_ptr + row * stride_y
@@ -469,6 +502,9 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
     return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
+EXPERIMENT: dict = {}  # session 17, temporary: "forward" / "backward" -> constexprs overriding _launch_meta's
+
+
 def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
@@ -479,8 +515,9 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     # The backward waits for each chunk alone and fences once per CTA at the exchange: 0.128 ms with its dw
     # sum against 0.1326 with neither (benchmarks/session17/exp_rms_knobs_run3.txt); the forward's times
     # with them were within noise of without, so it keeps the plain scheme.
-    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, FINE_WAITS=not forward,
-                LEAD_FENCE=not forward, num_warps=shape.warps,
+    return dict(dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, FINE_WAITS=not forward,
+                LEAD_FENCE=not forward, EARLY_CLAIM=False), **EXPERIMENT.get("forward" if forward else "backward", {}),
+                num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
