@@ -21,7 +21,8 @@ copied once with the first row. Per row:
   - pass 1: each CTA's partial Σ g·xhat goes to one of the cluster's two slots in global memory (used
     in turn), stored by the CTA's thread 0, which alone fences; then one cluster barrier (every thread
     arrives relaxed, waits with acquire: a release arrive made each thread wait for its own dx stores
-    of the row before) and every CTA adds all CTAS of them;
+    of the row before) and every CTA adds all CTAS of them. The cluster's next row was claimed at the
+    top of the row (an atomic whose round trip overlaps pass 1) and is published at the same barrier;
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
@@ -41,15 +42,17 @@ reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.
 6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. At 4096 × 16384 the one-kernel backward
 matched it (session 15) and keeps that length. Session 17's per-chunk groups, thread-0 fence and
 64-cluster grid (`clusters`): 1024 × 65536 with the dw sum 0.1277–0.1287 ms against 0.1325–0.1328
-(benchmarks/session17/exp_rms_knobs_run3.txt).
+(benchmarks/session17/exp_rms_knobs_run3.txt); the early claim on top, 0.1266–0.1269 against
+0.1266–0.1277 (exp_rms_claim.txt: noise, kept so that both kernels run one scheme).
 
 The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
 the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
 next row as it is written. Bytes: x read once, y written once, w once per CTA. H200, triton 3.6, bf16,
 1024 × 65536, queued median (benchmarks/session17/exp_rms_fwd_wsmem.txt, a never-reset counter): 0.077
 ms, 85 % of a copy (0.066), where the Triton forward takes 0.082; at 32768 it lost (0.088 against
-0.075), so it takes 65536 only (SMEM_FORWARD_TABLE, FORWARD_CHUNKS). y and rstd do not depend on which
-cluster claims a row: deterministic.
+0.075), so it takes 65536 only (SMEM_FORWARD_TABLE, FORWARD_CHUNKS). With the backward's per-chunk
+groups, thread-0 fence and early claim: 0.0781–0.0789 against 0.0792–0.0798 without, timed beside each
+other (exp_rms_claim.txt). y and rstd do not depend on which cluster claims a row: deterministic.
 
 When the backward runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
 >= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
@@ -170,19 +173,10 @@ if gluon is not None:
         return buf
 
     @gluon.jit
-    def _chunk_committed(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
-        """After chunk k's cp.async were issued: each chunk its own group (FINE_WAITS), or one per row."""
-        if FINE_WAITS or k == NCHUNK - 1:
-            async_copy.commit_group()
-
-    @gluon.jit
-    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr, FINE_WAITS: gl.constexpr):
-        """Before chunk k is read in pass 1: wait for its own group (FINE_WAITS: pass 1 starts on the first
-        chunks while the last are still arriving), or for the whole row."""
-        if FINE_WAITS:
-            async_copy.wait_group(NCHUNK - 1 - k)
-        elif k == 0:
-            async_copy.wait_group(0)
+    def _chunk_arrived(k: gl.constexpr, NCHUNK: gl.constexpr):
+        """Before chunk k is read in pass 1: wait for its own cp.async group (one per chunk), so pass 1
+        starts on the first chunks while the last are still arriving."""
+        async_copy.wait_group(NCHUNK - 1 - k)
 
     @gluon.jit
     def _store_by_thread0(ptrs, values):
@@ -197,7 +191,7 @@ if gluon is not None:
     @gluon.jit
     def _cluster_sync_lead_fence():
         # The cluster barrier with one fence per CTA: thread 0, which stored the CTA's partial (and in CTA
-        # 0 the claimed row: _claim_row), fences; every thread arrives relaxed and waits with acquire. The
+        # 0 the claimed row: _claim_publish), fences; every thread arrives relaxed and waits with acquire. The
         # other threads' stores (the previous row's output) need no ordering, and a release arrive would
         # make each of them wait for its own.
         gl.inline_asm_elementwise(
@@ -227,23 +221,14 @@ if gluon is not None:
             "=r,l,l,r,r", [counter_ptr, slot_ptr, got, last_claim], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr, last_claim=-1,
-                  LEAD_FENCE: gl.constexpr = False, EARLY_CLAIM: gl.constexpr = False, got=0):
-        """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA stores its part
-        ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0 claims a row into *claimed_ptr, one
-        cluster barrier, then every CTA adds the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
-        if LEAD_FENCE:
-            _store_by_thread0(slot + ranks, part)
-        else:
-            gl.store(slot + ranks, part)
-        if EARLY_CLAIM:
-            _claim_publish(counter_ptr, claimed_ptr, got, last_claim)
-        else:
-            _smem._claim_row(counter_ptr, claimed_ptr, last_claim)
-        if LEAD_FENCE:
-            _cluster_sync_lead_fence()
-        else:
-            _smem._cluster_sync()
+    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, got, last_claim, CTAS: gl.constexpr):
+        """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA's thread 0 stores
+        its part ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0's publishes the claim `got`
+        (_claim_issue) in *claimed_ptr, one cluster barrier (_cluster_sync_lead_fence), then every CTA adds
+        the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
+        _store_by_thread0(slot + ranks, part)
+        _claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        _cluster_sync_lead_fence()
         total = gl.load(slot, cache_modifier=".cg")
         for k in gl.static_range(1, CTAS):
             total += gl.load(slot + k, cache_modifier=".cg")
@@ -253,9 +238,7 @@ if gluon is not None:
     def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr,
-                             EARLY_CLAIM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
         dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
         T: gl.constexpr = 32 * WARPS
@@ -296,18 +279,16 @@ if gluon is not None:
             _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
             _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS)
+            async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = 0
-            if EARLY_CLAIM:
-                got = _claim_issue(counter_ptr)
+            got = _claim_issue(counter_ptr)  # the row after this one, published at the exchange
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS)
+                _chunk_arrived(k, NCHUNK)
                 xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
                                        _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
@@ -315,8 +296,7 @@ if gluon is not None:
             # a slot again two rows later, after the barrier of the row between, which every CTA reaches
             # only after reading it; .cg loads (L2), so no stale L1 line.
             dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                 next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE,
-                                 EARLY_CLAIM, got)
+                                 next_ptr + 3 * pid + 1 + parity, got, last_claim, CTAS)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
@@ -337,7 +317,7 @@ if gluon is not None:
                 if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
                     _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
                     _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
-                _chunk_committed(k, NCHUNK, FINE_WAITS)
+                async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -345,7 +325,6 @@ if gluon is not None:
             part = dw_part_ptr + pid.to(gl.int64) * N
             for k in gl.static_range(NCHUNK):
                 gl.store(part + k * CHUNK + offs, _pick(k, dw0, dw1, dw2, dw3))
-
 
     @gluon.jit
     def _normalised(x, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr):
@@ -365,9 +344,7 @@ if gluon is not None:
     def _rms_fwd_smem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             FINE_WAITS: gl.constexpr, LEAD_FENCE: gl.constexpr,
-                             EARLY_CLAIM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -399,22 +376,19 @@ if gluon is not None:
             if HAS_WEIGHT:
                 _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
-            _chunk_committed(k, NCHUNK, FINE_WAITS)
+            async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = 0
-            if EARLY_CLAIM:
-                got = _claim_issue(counter_ptr)
+            got = _claim_issue(counter_ptr)  # the row after this one, published at the exchange
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
-                _chunk_arrived(k, NCHUNK, FINE_WAITS)
+                _chunk_arrived(k, NCHUNK)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
             ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                next_ptr + 3 * pid + 1 + parity, CTAS, last_claim, LEAD_FENCE,
-                                 EARLY_CLAIM, got)
+                                next_ptr + 3 * pid + 1 + parity, got, last_claim, CTAS)
             rstd = gl.rsqrt(ss / N + eps)
             gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
             yrow = y_ptr + row * stride_y
@@ -428,7 +402,7 @@ if gluon is not None:
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
                 if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
                     _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
-                _chunk_committed(k, NCHUNK, FINE_WAITS)
+                async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
@@ -502,9 +476,6 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
     return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
-EXPERIMENT: dict = {}  # session 17, temporary: "forward" / "backward" -> constexprs overriding _launch_meta's
-
-
 def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
@@ -512,12 +483,7 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
-    # The backward waits for each chunk alone and fences once per CTA at the exchange: 0.128 ms with its dw
-    # sum against 0.1326 with neither (benchmarks/session17/exp_rms_knobs_run3.txt); the forward's times
-    # with them were within noise of without, so it keeps the plain scheme.
-    return dict(dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, FINE_WAITS=not forward,
-                LEAD_FENCE=not forward, EARLY_CLAIM=False), **EXPERIMENT.get("forward" if forward else "backward", {}),
-                num_warps=shape.warps,
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
