@@ -2,7 +2,12 @@
 # Session 17's device calls (carry [".whl"]): `bash benchmarks/session17/call.sh STEP...`, each STEP one of
 #   tests      the rms_norm gpu tests and cross_entropy's smem ones (the claim counter changed) -> $OUT/gpu_tests.log
 #   profile    scripts/profile_ops.py, ours and torch.compile, at rms_norm 1024x65536 -> $OUT/profile_rms_long.txt
-#   exp_NAME   benchmarks/session17/exp_NAME.py -> $OUT/exp_NAME.txt
+#   exp_NAME   benchmarks/session17/exp_NAME.py -> $OUT/exp_NAME.txt (rms_knobs, rms_claim: run on the commits their
+#              docstrings name; rms_dsmem: prepared, compiled for sm_90a on 3.6 and 3.9, not yet run)
+# The calls as made: 1 (on session 16's call.sh) tests + exp_rms_fwd_wsmem; 2 tests profile (the tests timed out
+# after 48 of 60, all passed); 3-5 exp_rms_knobs (runs 1-3); 6 the rms gpu tests + profile; 7 exp_rms_claim;
+# 8 the table (benchmarks/session12/call_table.sh PART=kernels, GPU_TEST_K=rms_norm); 9-10 the remaining
+# cross_entropy smem gpu tests and the fused linear CE / loss-rule ones.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
