@@ -828,6 +828,14 @@ class _FakeSmem:
             partial[0] = (dy64 * xhat).sum(0)
 
 
+def _use_fake_smem(monkeypatch, fake, only: str) -> None:
+    """rms_norm's dispatch sees `fake` as rms_norm_smem, with only its `only` direction ("forward" or
+    "backward") on and nothing built yet."""
+    monkeypatch.setattr(rms_norm_module, "_SMEM_MODULE", [fake])
+    monkeypatch.setattr(rms_norm_module, "_SMEM_BROKEN", {"forward", "backward"} - {only})
+    monkeypatch.setattr(rms_norm_module, "_SMEM_LAUNCHED", set())
+
+
 @pytest.mark.parametrize("fail", (False, True))
 def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
     """Rows the split backward would take go to rms_norm_smem when it is eligible: its dx and its dw
@@ -835,9 +843,7 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
     fails warns once, turns the path off and the split backward gives the numbers; later calls do not
     try again."""
     fake = _FakeSmem(fail)
-    monkeypatch.setattr(rms_norm_module, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(rms_norm_module, "_SMEM_BROKEN", {"forward"})
-    monkeypatch.setattr(rms_norm_module, "_SMEM_LAUNCHED", set())
+    _use_fake_smem(monkeypatch, fake, "backward")
     monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
     x = randn(11, 150, dtype=torch.float32, scale=2.0)
     w = randn(150, dtype=torch.float32)
@@ -858,8 +864,7 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
 def test_smem_backward_only_replaces_the_split_backward(monkeypatch):
     """Rows the one-kernel backward holds whole never reach rms_norm_smem."""
     fake = _FakeSmem(False)
-    monkeypatch.setattr(rms_norm_module, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(rms_norm_module, "_SMEM_BROKEN", {"forward"})
+    _use_fake_smem(monkeypatch, fake, "backward")
     check_against_reference(randn(5, 64, dtype=torch.float32), randn(64, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 0
 
@@ -870,9 +875,7 @@ def test_smem_forward_dispatch_and_build_failure(monkeypatch, fail):
     forward returns (and the backward reads). A first build that fails warns once, turns the forward
     off (not the backward) and the Triton forward gives the numbers; later calls do not try again."""
     fake = _FakeSmem(False, fail_forward=fail)
-    monkeypatch.setattr(rms_norm_module, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(rms_norm_module, "_SMEM_BROKEN", {"backward"})
-    monkeypatch.setattr(rms_norm_module, "_SMEM_LAUNCHED", set())
+    _use_fake_smem(monkeypatch, fake, "forward")
     x = randn(11, 150, dtype=torch.float32, scale=2.0)
     w = randn(150, dtype=torch.float32)
     if fail:

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")  # layouts, offsets, cluster barrier
 _async_load = smem_ce._async_load
-from fused_kernels.rms_norm_smem import _offset_weight, _pick as _pick4  # noqa: E402
+from fused_kernels.rms_norm_smem import _normalised, _offset_weight, _pick8  # noqa: E402
 MAX_CHUNKS = 8  # w0-w7 below (held with W_REGS); chunks in shared memory have no such limit
 MAX_IN_REGS = 4  # x0-x3 below
 
@@ -79,14 +79,7 @@ def _w_chunk(w_ptr, k: gl.constexpr, CHUNK: gl.constexpr, offs, OFFSET: gl.const
     return _offset_weight(gl.load(w_ptr + k * CHUNK + offs), OFFSET, CASTING)
 
 
-@gluon.jit
-def _pick(k: gl.constexpr, a0, a1, a2, a3, a4, a5, a6, a7):
-    """a_k of eight (k a constexpr), through rms_norm_smem's four-way pick."""
-    if k < 4:
-        v = _pick4(k, a0, a1, a2, a3)
-    else:
-        v = _pick4(k - 4, a4, a5, a6, a7)
-    return v
+_pick = _pick8  # a_k of eight (k a constexpr): the library's since session 17, the same code
 
 
 @gluon.jit
@@ -100,19 +93,9 @@ def _x_chunk(k: gl.constexpr, IN_REGS: gl.constexpr, xbuf, stage, REG: gl.conste
     return xk
 
 
-@gluon.jit
-def _y_chunk(x, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr):
-    """y of a chunk in fp32 (the caller casts to y's dtype), as rms_norm's _normalised_output."""
-    xhat = x.to(gl.float32) * rstd
-    if HAS_WEIGHT:
-        if CASTING == 0:
-            xhat = w.to(gl.float32) * xhat.to(x.dtype).to(gl.float32)
-        else:
-            w_eff = w.to(gl.float32)
-            if OFFSET != 0.0:
-                w_eff = w_eff + OFFSET
-            xhat = xhat * w_eff
-    return xhat
+# y of a chunk in fp32, as rms_norm._normalised_output: the library's copy of session 15's helper since the
+# forward moved into rms_norm_smem (session 17), the same code.
+_y_chunk = _normalised
 
 
 @gluon.jit

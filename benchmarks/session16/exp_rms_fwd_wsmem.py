@@ -37,9 +37,23 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa:
 
 import exp_rms_fwd_cluster as s15  # noqa: E402  (session 15: case, checks, _y_chunk, _pick, Runner)
 from fused_kernels import cross_entropy_smem as smem_ce  # noqa: E402
-from fused_kernels.rms_norm_smem import _chunk_buffer, _exchange, _w_chunk  # noqa: E402  (the backward's helpers)
+from fused_kernels.rms_norm_smem import _chunk_buffer, _w_chunk  # noqa: E402  (the backward's helpers)
 
 _pick = s15._pick
+
+
+@gluon.jit
+def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, CTAS: gl.constexpr):
+    """The library's exchange as this experiment ran it (session 16, before session 17's thread-0 fence and
+    early claim): each CTA stores its part in `slot`, CTA 0 claims a row, one cluster barrier (release /
+    acquire), every CTA adds the CTAS parts in the same order."""
+    gl.store(slot + ranks, part)
+    smem_ce._claim_row(counter_ptr, claimed_ptr)
+    smem_ce._cluster_sync()
+    total = gl.load(slot, cache_modifier=".cg")
+    for k in gl.static_range(1, CTAS):
+        total += gl.load(slot + k, cache_modifier=".cg")
+    return total, gl.load(claimed_ptr, cache_modifier=".cg")
 
 
 @gluon.jit
