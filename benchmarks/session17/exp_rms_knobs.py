@@ -40,16 +40,17 @@ from fused_kernels._launch import launch  # noqa: E402
 ROWS, N = 1024, 65536
 
 
-def case():
+def case(rows: int = ROWS, n: int = N):
+    """(x, dy, w, rstd, y_ref, dx_ref, dw_ref): a bf16 rows x n case (llama casting, offset 0), float64 references."""
     g = torch.Generator(device="cuda").manual_seed(17)
-    x = torch.randn(ROWS, N, device="cuda", generator=g).to(torch.bfloat16)
-    dy = torch.randn(ROWS, N, device="cuda", generator=g).to(torch.bfloat16)
-    w = (1.0 + 0.1 * torch.randn(N, device="cuda", generator=g)).to(torch.bfloat16)
+    x = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1.0 + 0.1 * torch.randn(n, device="cuda", generator=g)).to(torch.bfloat16)
     x64, dy64, w64 = x.double(), dy.double(), w.double()
     r64 = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
     y_ref = (x64 * r64).to(torch.bfloat16).double() * w64
     g64 = dy64 * w64
-    dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / N
+    dx_ref = r64 * g64 - x64 * r64 ** 3 * (g64 * x64).sum(-1, keepdim=True) / n
     dw_ref = (dy64 * (x64 * r64).to(torch.bfloat16).double()).sum(0)
     rstd = r64.float().reshape(-1)
     return x, dy, w, rstd, y_ref, dx_ref, dw_ref
