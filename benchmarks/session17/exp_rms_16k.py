@@ -84,11 +84,9 @@ def compile_only() -> None:
 
 
 def gpu_main(rounds: int) -> None:
-    from exp_rms_knobs import case, err, rms, timed
+    from exp_rms_knobs import case, checked_backward, checked_forward, header, rms, timed
     t0 = time.time()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}",
-          flush=True)
+    sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case(ROWS, N)
     y = torch.empty_like(x)
     r = torch.empty(ROWS, device="cuda")
@@ -96,17 +94,9 @@ def gpu_main(rounds: int) -> None:
     for shape in FORWARD_SHAPES:
         grid = lib.clusters(ROWS, shape, sms)
         label = f"smem forward {shape} grid {grid}"
-        y.fill_(float("nan"))
-        r.fill_(float("nan"))
-        try:
-            launch_forward(x, w, y, r, shape, grid)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - an experiment: report and go on
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ey, er = err(y, y_ref), err(r, rstd)
-        print(f"  {label}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
-        runs.append((label, lambda s=shape, g=grid: launch_forward(x, w, y, r, s, g)))
+        fn = lambda s=shape, g=grid: launch_forward(x, w, y, r, s, g)  # noqa: E731
+        if checked_forward(label, fn, y, r, y_ref, rstd):
+            runs.append((label, fn))
     timed(runs, rounds)
 
     runs = [("library backward (one kernel) + dw sum", lambda: rms._backward_impl(dy, x, w, rstd, 0.0, "llama", True))]
@@ -119,17 +109,8 @@ def gpu_main(rounds: int) -> None:
             lib.launch_backward(dy, x, w, rstd, dx, p, shape=s, grid=g, offset=0.0, casting_id=0, compute_dw=True)
             return rms._sum_partial_rows(p, g, w)
         label = f"smem backward {shape} grid {grid} + dw sum"
-        dx.fill_(float("nan"))
-        partial.fill_(float("nan"))
-        try:
-            dw = bwd()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ex, ew = err(dx, dx_ref), err(dw, dw_ref)
-        print(f"  {label}: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}", flush=True)
-        runs.append((label, bwd))
+        if checked_backward(label, bwd, dx, partial, dx_ref, dw_ref):
+            runs.append((label, bwd))
     timed(runs, rounds)
     print(f"done [{time.time() - t0:.0f} s]", flush=True)
 

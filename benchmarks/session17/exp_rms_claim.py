@@ -14,9 +14,8 @@ from __future__ import annotations
 import time
 
 import torch
-import triton
 
-from exp_rms_knobs import N, ROWS, case, err, rms, smem, timed
+from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, rms, smem, timed
 
 FORWARD = ({}, {"FINE_WAITS": True, "LEAD_FENCE": True}, {"FINE_WAITS": True, "LEAD_FENCE": True, "EARLY_CLAIM": True},
            {"EARLY_CLAIM": True})
@@ -34,9 +33,7 @@ def with_overrides(direction, overrides, fn):
 
 def main():
     t0 = time.time()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}",
-          flush=True)
+    sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
     fshape, bshape = smem.shape_for(N, forward=True), smem.shape_for(N)
     fgrid, bgrid = smem.clusters(ROWS, fshape, sms), smem.clusters(ROWS, bshape, sms)
@@ -48,13 +45,8 @@ def main():
         def fwd(ov=ov):
             return with_overrides("forward", ov, lambda: smem.launch_forward(
                 x, w, y, r, shape=fshape, grid=fgrid, eps=1e-6, offset=0.0, casting_id=0))
-        y.fill_(float("nan"))
-        r.fill_(float("nan"))
-        fwd()
-        torch.cuda.synchronize()
-        ey, er = err(y, y_ref), err(r, rstd)
-        print(f"  forward {ov}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
-        runs.append((f"forward {ov}", fwd))
+        if checked_forward(f"forward {ov}", fwd, y, r, y_ref, rstd):
+            runs.append((f"forward {ov}", fwd))
     timed(runs)
     dx = torch.empty_like(x)
     partial = torch.empty(bgrid, N, device="cuda")
@@ -64,14 +56,8 @@ def main():
             with_overrides("backward", ov, lambda: smem.launch_backward(
                 dy, x, w, rstd, dx, partial, shape=bshape, grid=bgrid, offset=0.0, casting_id=0, compute_dw=True))
             return rms._sum_partial_rows(partial, bgrid, w)
-        dx.fill_(float("nan"))
-        partial.fill_(float("nan"))
-        dw = bwd()
-        torch.cuda.synchronize()
-        ex, ew = err(dx, dx_ref), err(dw, dw_ref)
-        print(f"  backward {ov}: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}",
-              flush=True)
-        runs.append((f"backward + dw sum {ov}", bwd))
+        if checked_backward(f"backward {ov}", bwd, dx, partial, dx_ref, dw_ref):
+            runs.append((f"backward + dw sum {ov}", bwd))
     timed(runs)
     counter = smem._smem.claim_counter(x.device)
     print(f"claim counter after the runs: {int(counter.item())} (0: every launch reset it)", flush=True)

@@ -291,11 +291,9 @@ def compile_only() -> None:
 
 
 def gpu_main(rounds: int) -> None:
-    from exp_rms_knobs import N, ROWS, case, err, rms, timed
+    from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, rms, timed
     t0 = time.time()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}",
-          flush=True)
+    sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
     fshape, bshape = lib.shape_for(N, forward=True), lib.shape_for(N)
     fgrid, bgrid = lib.clusters(ROWS, fshape, sms), lib.clusters(ROWS, bshape, sms)
@@ -305,17 +303,8 @@ def gpu_main(rounds: int) -> None:
     for label, fn in (("library forward", lambda: lib.launch_forward(x, w, y, r, shape=fshape, grid=fgrid, eps=1e-6,
                                                                      offset=0.0, casting_id=0)),
                       ("dsmem forward", lambda: launch_forward(x, w, y, r, shape=fshape, grid=fgrid, eps=1e-6))):
-        y.fill_(float("nan"))
-        r.fill_(float("nan"))
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - an experiment: report and go on
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-            continue
-        ey, er = err(y, y_ref), err(r, rstd)
-        print(f"  {label}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
-        runs.append((label, fn))
+        if checked_forward(label, fn, y, r, y_ref, rstd):
+            runs.append((label, fn))
     timed(runs, rounds)
     dx = torch.empty_like(x)
     partial = torch.empty(bgrid, N, device="cuda")
@@ -326,18 +315,8 @@ def gpu_main(rounds: int) -> None:
         def fn(launcher=launcher):
             launcher()
             return rms._sum_partial_rows(partial, bgrid, w)
-        dx.fill_(float("nan"))
-        partial.fill_(float("nan"))
-        try:
-            dw = fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
-            continue
-        ex, ew = err(dx, dx_ref), err(dw, dw_ref)
-        print(f"  {label} + dw sum: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}",
-              flush=True)
-        runs.append((label + " + dw sum", fn))
+        if checked_backward(label + " + dw sum", fn, dx, partial, dx_ref, dw_ref):
+            runs.append((label + " + dw sum", fn))
     timed(runs, rounds)
     print(f"claim counter after the runs: {int(_smem.claim_counter(x.device).item())} (0: every launch reset it)")
     print(f"done [{time.time() - t0:.0f} s]", flush=True)

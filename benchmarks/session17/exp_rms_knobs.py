@@ -104,6 +104,45 @@ BACKWARD_VARIANTS = ((66, False, 1, False), (66, True, 1, False), (66, True, 1, 
                      (66, False, 1, True))
 
 
+def header() -> int:
+    """Prints the device and stack; the SM count."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}",
+          flush=True)
+    return sms
+
+
+def checked_forward(label, fn, y, r, y_ref, rstd) -> bool:
+    """fn() writes y and r (poisoned first); whether it ran, with its errors against float64 printed."""
+    y.fill_(float("nan"))
+    r.fill_(float("nan"))
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - an experiment: report and go on
+        print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return False
+    ey, er = err(y, y_ref), err(r, rstd)
+    print(f"  {label}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
+    return True
+
+
+def checked_backward(label, fn, dx, partial, dx_ref, dw_ref) -> bool:
+    """fn() writes dx and the dw partial rows (poisoned first) and returns dw; whether it ran, with its
+    errors against float64 printed."""
+    dx.fill_(float("nan"))
+    partial.fill_(float("nan"))
+    try:
+        dw = fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return False
+    ex, ew = err(dx, dx_ref), err(dw, dw_ref)
+    print(f"  {label}: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}", flush=True)
+    return True
+
+
 def timed(runs, rounds=3, reps=15):
     for rnd in range(rounds):
         for label, fn in runs:
@@ -112,9 +151,7 @@ def timed(runs, rounds=3, reps=15):
 
 def main():
     t0 = time.time()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{torch.cuda.get_device_name()} ({sms} SMs) torch {torch.__version__} triton {triton.__version__}",
-          flush=True)
+    sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
     fshape, bshape = smem.shape_for(N, forward=True), smem.shape_for(N)
     fgrid, bgrid = smem.clusters(ROWS, fshape, sms), smem.clusters(ROWS, bshape, sms)
@@ -125,17 +162,9 @@ def main():
     runs = [("library forward (_forward_impl)", lambda: rms._forward_impl(x, w, 1e-6, 0.0, "llama"))]
     for grid, fine, every, lead in FORWARD_VARIANTS:
         label = f"forward grid {grid} fine_waits {fine} load_every {every} lead_fence {lead}"
-        y.fill_(float("nan"))
-        r.fill_(float("nan"))
-        try:
-            forward(x, w, y, r, grid, fine, every, lead)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - an experiment: report and go on
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ey, er = err(y, y_ref), err(r, rstd)
-        print(f"  {label}: y err {ey:.1e} rstd err {er:.1e} {'ok' if ey < 1e-2 and er < 1e-5 else 'WRONG'}", flush=True)
-        runs.append((label, lambda g=grid, f=fine, e=every, ld=lead: forward(x, w, y, r, g, f, e, ld)))
+        fn = lambda g=grid, f=fine, e=every, ld=lead: forward(x, w, y, r, g, f, e, ld)  # noqa: E731
+        if checked_forward(label, fn, y, r, y_ref, rstd):
+            runs.append((label, fn))
     timed(runs)
 
     dx = torch.empty_like(x)
@@ -143,17 +172,9 @@ def main():
     runs = [("library backward (_backward_impl)", lambda: rms._backward_impl(dy, x, w, rstd, 0.0, "llama", True))]
     for grid, fine, every, lead in BACKWARD_VARIANTS:
         label = f"backward + dw sum, grid {grid} fine_waits {fine} load_every {every} lead_fence {lead}"
-        dx.fill_(float("nan"))
-        partial.fill_(float("nan"))
-        try:
-            _, dw = backward(dy, x, w, rstd, dx, partial, grid, fine, every, lead)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            print(f"  {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-            continue
-        ex, ew = err(dx, dx_ref), err(dw, dw_ref)
-        print(f"  {label}: dx err {ex:.1e} dw err {ew:.1e} {'ok' if ex < 1e-2 and ew < 1e-2 else 'WRONG'}", flush=True)
-        runs.append((label, lambda g=grid, f=fine, e=every, ld=lead: backward(dy, x, w, rstd, dx, partial, g, f, e, ld)))
+        fn = lambda g=grid, f=fine, e=every, ld=lead: backward(dy, x, w, rstd, dx, partial, g, f, e, ld)  # noqa: E731
+        if checked_backward(label, lambda fn=fn: fn()[1], dx, partial, dx_ref, dw_ref):
+            runs.append((label, fn))
     timed(runs)
 
     backward(dy, x, w, rstd, dx, partial, bgrid, False)
