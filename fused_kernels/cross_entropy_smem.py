@@ -137,20 +137,49 @@ if gluon is not None:
                                   "barrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
                                   "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
+    # Row claiming (split rows): thread 0 of CTA 0 of the cluster (`lead`) takes counter++ for the
+    # cluster. The claim numbered last_claim is a launch's last (every row once, plus one past the end per
+    # cluster: n_rows + clusters claims), so its taker sets the counter back to 0 for the next launch on
+    # the stream (claim_counter); -1 never resets it. Inline PTX: Gluon's atomic would broadcast its result
+    # to every thread of the cluster, with two more cluster barriers. _claim_row claims and publishes in
+    # one go; _claim_issue / _claim_publish split the two so that the atomic's round trip can overlap work.
+    def _lead_ptx(tid: str) -> str:
+        """lead = thread 0 of CTA 0 of the cluster (register `tid` holds %tid.x afterwards)."""
+        return (f"mov.u32 who, %cluster_ctarank;\n\tmov.u32 {tid}, %tid.x;\n\tor.b32 who, who, {tid};\n\t"
+                "setp.eq.u32 lead, who, 0;\n\t")
+
+    def _publish_ptx(got: str, slot: str, last_claim: str, counter: str) -> str:
+        """lead: *slot = got, and the counter reset when got is the launch's last claim."""
+        return (f"@lead st.global.u32 [{slot}], {got};\n\tsetp.eq.and.u32 last, {got}, {last_claim}, lead;\n\t"
+                f"@last st.global.u32 [{counter}], 0;\n\t")
+
+    _CLAIM_ROW_PTX = gl.constexpr(
+        "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, got;\n\t" + _lead_ptx("got")  # got = %tid.x off lead
+        + "@lead atom.global.add.u32 got, [$1], 1;\n\t" + _publish_ptx("got", "$2", "$3", "$1") + "mov.u32 $0, 0;\n\t}")
+    _CLAIM_ISSUE_PTX = gl.constexpr(
+        "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\t" + _lead_ptx("tid")
+        + "mov.u32 $0, 0;\n\t@lead atom.global.add.u32 $0, [$1], 1;\n\t}")
+    _CLAIM_PUBLISH_PTX = gl.constexpr(
+        "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, tid;\n\t" + _lead_ptx("tid") + _publish_ptx("$3", "$2", "$4", "$1")
+        + "mov.u32 $0, 0;\n\t}")
+
     @gluon.jit
     def _claim_row(counter_ptr, slot_ptr, last_claim=-1):
-        # Thread 0 of CTA 0 of the cluster claims a row for all: *slot = counter++ (published by the
-        # _cluster_sync that follows). The claim numbered last_claim is a launch's last (every row once,
-        # plus one past the end per cluster: n_rows + clusters claims), so its taker sets the counter back
-        # to 0 for the next launch on the stream (claim_counter); -1 never resets it. Inline PTX: Gluon's atomic would
-        # broadcast its result to every thread of the cluster, with two more cluster barriers.
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, got;\n\tmov.u32 who, %cluster_ctarank;\n\t"
-            "mov.u32 got, %tid.x;\n\tor.b32 who, who, got;\n\tsetp.eq.u32 lead, who, 0;\n\t"
-            "@lead atom.global.add.u32 got, [$1], 1;\n\t@lead st.global.u32 [$2], got;\n\t"
-            "setp.eq.and.u32 last, got, $3, lead;\n\t@last st.global.u32 [$1], 0;\n\t"
-            "mov.u32 $0, 0;\n\t}",
-            "=r,l,l,r", [counter_ptr, slot_ptr, last_claim], dtype=gl.int32, is_pure=False, pack=1)
+        # lead: *slot = counter++ (published by the _cluster_sync that follows), with the reset.
+        gl.inline_asm_elementwise(_CLAIM_ROW_PTX, "=r,l,l,r", [counter_ptr, slot_ptr, last_claim], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _claim_issue(counter_ptr):
+        # lead: counter++ (the other threads get 0); _claim_publish stores it later.
+        return gl.inline_asm_elementwise(_CLAIM_ISSUE_PTX, "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _claim_publish(counter_ptr, slot_ptr, got, last_claim):
+        # lead: *slot = got (_claim_issue's), with the reset.
+        gl.inline_asm_elementwise(_CLAIM_PUBLISH_PTX, "=r,l,l,r,r", [counter_ptr, slot_ptr, got, last_claim],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _ce_smem_kernel(

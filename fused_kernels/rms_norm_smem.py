@@ -191,7 +191,7 @@ if gluon is not None:
     @gluon.jit
     def _cluster_sync_lead_fence():
         # The cluster barrier with one fence per CTA: thread 0, which stored the CTA's partial (and in CTA
-        # 0 the claimed row: _claim_publish), fences; every thread arrives relaxed and waits with acquire. The
+        # 0 the claimed row: _smem._claim_publish), fences; every thread arrives relaxed and waits with acquire. The
         # other threads' stores (the previous row's output) need no ordering, and a release arrive would
         # make each of them wait for its own.
         gl.inline_asm_elementwise(
@@ -201,33 +201,13 @@ if gluon is not None:
             "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _claim_issue(counter_ptr):
-        # Thread 0 of CTA 0 of the cluster: counter++ (the others get 0), issued at the top of a row so
-        # that the atomic's round trip overlaps pass 1; _claim_publish stores it at the exchange.
-        return gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
-            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\tmov.u32 $0, 0;\n\t"
-            "@lead atom.global.add.u32 $0, [$1], 1;\n\t}",
-            "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _claim_publish(counter_ptr, slot_ptr, got, last_claim):
-        # Thread 0 of CTA 0: *slot = got, and the launch's last claim resets the counter (_claim_row).
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, tid;\n\tmov.u32 who, %cluster_ctarank;\n\t"
-            "mov.u32 tid, %tid.x;\n\tor.b32 who, who, tid;\n\tsetp.eq.u32 lead, who, 0;\n\t"
-            "@lead st.global.u32 [$2], $3;\n\tsetp.eq.and.u32 last, $3, $4, lead;\n\t@last st.global.u32 [$1], 0;\n\t"
-            "mov.u32 $0, 0;\n\t}",
-            "=r,l,l,r,r", [counter_ptr, slot_ptr, got, last_claim], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, got, last_claim, CTAS: gl.constexpr):
         """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA's thread 0 stores
         its part ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0's publishes the claim `got`
-        (_claim_issue) in *claimed_ptr, one cluster barrier (_cluster_sync_lead_fence), then every CTA adds
+        (_smem._claim_issue) in *claimed_ptr, one cluster barrier (_cluster_sync_lead_fence), then every CTA adds
         the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
         _store_by_thread0(slot + ranks, part)
-        _claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        _smem._claim_publish(counter_ptr, claimed_ptr, got, last_claim)
         _cluster_sync_lead_fence()
         total = gl.load(slot, cache_modifier=".cg")
         for k in gl.static_range(1, CTAS):
@@ -284,7 +264,7 @@ if gluon is not None:
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
@@ -381,7 +361,7 @@ if gluon is not None:
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK)

@@ -43,7 +43,9 @@ from fused_kernels import cross_entropy_smem as _smem  # noqa: E402
 from fused_kernels import rms_norm_smem as lib  # noqa: E402
 from fused_kernels._launch import launch  # noqa: E402
 from fused_kernels.rms_norm_smem import (  # noqa: E402  (the library kernels' helpers, as of 81af050)
-    _chunk_arrived, _chunk_buffer, _claim_issue, _claim_publish, _normalised, _pick, _pick8, _terms, _w_chunk)
+    _chunk_arrived, _chunk_buffer, _normalised, _pick, _pick8, _terms, _w_chunk)
+
+_claim_issue, _claim_publish = _smem._claim_issue, _smem._claim_publish  # row claiming, split in two
 
 SLOT_WORDS = 16  # per parity: CTAS partials, then the claimed row at word CTAS (CTAS <= 15)
 
