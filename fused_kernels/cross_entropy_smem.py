@@ -435,11 +435,10 @@ def claim_counter(device: torch.device) -> torch.Tensor:
     there, in stream order, and no fill kernel runs per launch. While the stream is capturing a CUDA
     graph, a new zeroed one instead: its fill is part of the graph, and memory allocated during capture
     belongs to the graph's pool."""
-    index = _index(device)
-    stream = torch.cuda.current_stream(index)
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
-    key = (index, stream.cuda_stream)
+    index = _index(device)
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
     counter = _CLAIM_COUNTERS.get(key)
     if counter is None:
         counter = _CLAIM_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))

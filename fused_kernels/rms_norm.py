@@ -754,8 +754,7 @@ def _forward_impl(
     if n_rows == 0:
         return y, rstd
     count_launch("rms_norm_fwd")
-    if _smem_forward(x2, weight, y.view(n_rows, n_cols), rstd.view(n_rows), eps, offset, casting_mode,
-                     _sm_count(device)):
+    if _smem_forward(x2, weight, y, rstd, eps, offset, casting_mode):
         return y, rstd
     args = (
         x2, x2 if weight is None else weight, y, rstd,
@@ -903,17 +902,21 @@ def _smem_launched(direction: str, key: tuple, launch_it) -> bool:
     return True
 
 
-def _smem_forward(x2, weight, y2, rstd, eps: float, offset: float, casting_mode: str, sm_count: int) -> bool:
+def _smem_forward(x2, weight, y, rstd, eps: float, offset: float, casting_mode: str) -> bool:
     """The long-row forward over a cluster (rms_norm_smem, 6 % faster than the Triton forward at 65536 on
-    an H200) where it applies; whether it wrote y2 and rstd."""
+    an H200) where it applies; whether it wrote y (new, contiguous) and rstd. Every forward asks, so the
+    row length, the cheap test that turns most of them away, comes first."""
     smem = _smem_module("forward")
     if smem is None:
         return False
     n_rows, n_cols = x2.shape
-    shape = smem.shape_for(n_cols, forward=True)  # first: the cheap test that turns away most calls
-    if shape is None or not smem.forward_eligible(x2, weight, y2):
+    shape = smem.shape_for(n_cols, forward=True)
+    if shape is None:
         return False
-    grid = smem.clusters(n_rows, shape, sm_count)
+    y2, rstd = y.view(n_rows, n_cols), rstd.view(n_rows)
+    if not smem.forward_eligible(x2, weight, y2):
+        return False
+    grid = smem.clusters(n_rows, shape, _sm_count(x2.device))
     if n_rows < smem.MIN_ROWS_PER_CLUSTER * grid:
         return False
     key = (n_cols, x2.dtype, y2.dtype, shape, casting_mode, offset != 0.0, weight is not None)

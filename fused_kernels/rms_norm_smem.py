@@ -393,10 +393,14 @@ def available() -> bool:
     return gluon is not None and _smem.available()
 
 
+def _chunk_range(forward: bool) -> tuple[int, int]:
+    """The chunk counts a kernel takes: MIN_CHUNKS..MAX_CHUNKS for the backward, FORWARD_CHUNKS for the forward."""
+    return FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
+
+
 def _whole_chunks(n_cols: int, shape: ClusterShape, forward: bool = False) -> bool:
-    """Whether n_cols is whole chunks of shape's, as many as the kernel takes (MIN_CHUNKS..MAX_CHUNKS
-    for the backward, FORWARD_CHUNKS for the forward)."""
-    lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
+    """Whether n_cols is whole chunks of shape's, as many as the kernel takes (_chunk_range)."""
+    lo, hi = _chunk_range(forward)
     return n_cols % shape.chunk == 0 and lo <= n_cols // shape.chunk <= hi
 
 
@@ -459,7 +463,7 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
 def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
-        lo, hi = FORWARD_CHUNKS if forward else (MIN_CHUNKS, MAX_CHUNKS)
+        lo, hi = _chunk_range(forward)
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
