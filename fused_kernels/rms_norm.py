@@ -790,8 +790,8 @@ def _backward_impl(
     from_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
-    False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward, unless
-    rms_norm_smem takes them), plus
+    False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward; one
+    where rms_norm_smem takes the rows: the lengths its table names, 16384 to 65536), plus
     _dw_sum_kernel's sum over the dw partial rows; nothing else touches full-size tensors.
     from_output: `x` is the forward's output y (of x's dtype), from which the kernels recover
     xhat = y / (offset + weight)."""
@@ -806,8 +806,7 @@ def _backward_impl(
     count_launch("rms_norm_bwd")
     sm_count = _sm_count(device)
     split = split_backward_config(n_rows, n_cols)
-    in_smem = None if split is None else _smem_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw,
-                                                        from_output, sm_count)
+    in_smem = _smem_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output, sm_count)
     if in_smem is not None:
         partial, programs = in_smem
     elif split is not None:
@@ -889,7 +888,7 @@ def _smem_launched(direction: str, key: tuple, launch_it) -> bool:
             raise
         import warnings
 
-        fallback = "split backward" if direction == "backward" else "Triton forward"
+        fallback = "Triton backward" if direction == "backward" else "Triton forward"
         warnings.warn(
             f"fused_kernels.rms_norm: the long-row {direction} (rms_norm_smem.py) did not build or launch with triton "
             f"{triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); using the {fallback} from now on",
@@ -927,8 +926,9 @@ def _smem_forward(x2, weight, y, rstd, eps: float, offset: float, casting_mode: 
 def _smem_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool, from_output: bool,
                    sm_count: int) -> Optional[tuple[torch.Tensor, int]]:
     """The long-row backward with each row read from HBM once (rms_norm_smem: a row split over a
-    cluster, 12-14 % faster than the split backward on an H200), where it applies: returns the dw partial
-    rows and how many to sum, or None for the split backward."""
+    cluster; on an H200 faster than the split backward from 24576 columns and than the one-kernel backward
+    at 16384), where it applies: returns the dw partial rows and how many to sum, or None for the Triton
+    kernels."""
     smem = _smem_module("backward")
     if smem is None or not smem.eligible(dy2, x2, weight, from_output):
         return None

@@ -103,12 +103,17 @@ class ClusterShape:
         return self.ctas * 32 * self.warps * VEC
 
 
+# Shorter rows: the one-kernel backward holds a row whole in registers; at 16384 the table's first row beat
+# it (4096 x 16384 bf16 with the dw sum 0.1255 ms against 0.1359, benchmarks/session18/exp_rms_16k.txt),
+# below that it was not measured.
+BACKWARD_FROM = 16384
 # Tried in order; the first whose chunk divides N into 2–4 chunks runs. H200, with w in shared memory
 # (benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): at 65536, 8 warps × 8 CTAs at 4
 # per SM 0.134 ms (3 per SM 0.151; 16 warps × 8 at 2 per SM 0.184); at 32768, 4 × 8 at 6 per SM 0.140
 # (8 × 8 at 4 per SM 0.158). Rows claimed, not strided: 0.156 against 0.209 at 65536 (session 15).
 SMEM_BACKWARD_TABLE = (
-    ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 16384, 24576, 32768
+    ClusterShape(warps=4, ctas=4, per_sm=6),  # N = 16384 (8 CTAs in 2 chunks: 0.151 ms)
+    ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 24576, 32768
     ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 32768, 49152, 65536
 )
 # The forward's: 4 warps × 8 CTAs at 6 per SM 0.077 ms at 65536; 8 × 8 at 4 or 6 per SM 0.083, 16 × 8
@@ -179,48 +184,30 @@ if gluon is not None:
         async_copy.wait_group(NCHUNK - 1 - k)
 
     @gluon.jit
-    def _store_by_thread0(ptrs, values):
-        # *ptr = value by thread 0 of each CTA alone (one element per CTA: its rank's), so that thread 0's
-        # fence in _cluster_sync_lead_fence orders it. Inline PTX: Triton picks the storing thread of a
-        # replicated value itself (one of warp 0 in triton 3.6, not always thread 0).
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 tid;\n\tmov.u32 tid, %tid.x;\n\tsetp.eq.u32 lead, tid, 0;\n\t"
-            "@lead st.global.b32 [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-            "=r,l,r", [ptrs.to(gl.int64), values.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=False, pack=1)
+    def _cta_value(v):
+        """A [CTAS] value (one element per CTA) as [CTAS, 1, 1], to broadcast over a chunk."""
+        return gl.expand_dims(gl.expand_dims(v, 1), 2)
 
     @gluon.jit
-    def _cluster_sync_lead_fence():
-        # The cluster barrier with one fence per CTA: thread 0, which stored the CTA's partial (and in CTA
-        # 0 the claimed row: _smem._claim_publish), fences; every thread arrives relaxed and waits with acquire. The
-        # other threads' stores (the previous row's output) need no ordering, and a release arrive would
-        # make each of them wait for its own.
-        gl.inline_asm_elementwise(
-            "{\n\t.reg .pred lead;\n\t.reg .b32 tid;\n\tmov.u32 tid, %tid.x;\n\tsetp.eq.u32 lead, tid, 0;\n\t"
-            "@lead fence.acq_rel.gpu;\n\tbarrier.cluster.arrive.relaxed.aligned;\n\t"
-            "barrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;\n\t}",
-            "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _exchange(slot, ranks, part, counter_ptr, claimed_ptr, got, last_claim, CTAS: gl.constexpr):
-        """(Σ over the cluster's CTAs of `part`, the row claimed for the cluster): each CTA's thread 0 stores
-        its part ([CTAS] over the cluster, one element per CTA) in `slot`, CTA 0's publishes the claim `got`
-        (_smem._claim_issue) in *claimed_ptr, one cluster barrier (_cluster_sync_lead_fence), then every CTA adds
-        the CTAS parts in the same order (.cg loads: L2, no stale L1)."""
-        _store_by_thread0(slot + ranks, part)
+    def _exchange(part, parity, got, counter_ptr, claimed_ptr, last_claim, PTX: gl.constexpr):
+        """(Σ over the cluster's CTAs of `part` and the row claimed for the cluster, both [CTAS, 1, 1];
+        the claimed row again as a scalar, loaded from claimed_ptr): exchange_ptx's block (PTX) on every
+        thread, after CTA 0's thread 0 publishes the claim `got` (_smem._claim_issue) in *claimed_ptr
+        for the loop's scalar row, which only the end of pass 2 needs (and its reset of the counter)."""
         _smem._claim_publish(counter_ptr, claimed_ptr, got, last_claim)
-        _cluster_sync_lead_fence()
-        total = gl.load(slot, cache_modifier=".cg")
-        for k in gl.static_range(1, CTAS):
-            total += gl.load(slot + k, cache_modifier=".cg")
-        return total, gl.load(claimed_ptr, cache_modifier=".cg")
+        total, row = gl.inline_asm_elementwise(PTX, "=r,=r,r,r,r", [part.to(gl.int32, bitcast=True), parity, got],
+                                               dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
+        return (_cta_value(total.to(gl.float32, bitcast=True)), _cta_value(row),
+                gl.load(claimed_ptr, cache_modifier=".cg"))
 
     @gluon.jit
-    def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
+    def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, next_ptr, counter_ptr,
                              n_rows, stride_dy, stride_x, stride_dx,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
+                             PTX: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS)."""
+        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
@@ -241,7 +228,6 @@ if gluon is not None:
         wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
-        ranks = gl.arange(0, CTAS, layout=per_cta)
         offs = _smem.slice_offsets(CTAS, T, REG)
         dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
         dw1 = dw0
@@ -272,15 +258,16 @@ if gluon is not None:
                 xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
                                        _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
                 acc = acc + gl.sum(g * xhat, 2)
-            # The CTAs' partial dots meet in one of the cluster's two slots (used in turn): a CTA writes
-            # a slot again two rows later, after the barrier of the row between, which every CTA reaches
-            # only after reading it; .cg loads (L2), so no stale L1 line.
-            dot, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                 next_ptr + 3 * pid + 1 + parity, got, last_claim, CTAS)
+            # The CTAs' partial dots meet in every CTA's shared memory (exchange_ptx); the refills of
+            # pass 2 address the claimed row from there too ([CTAS, 1, 1], masked past the last row).
+            dot, nxt_row, nxt = _exchange(gl.sum(acc, 1), parity, got, counter_ptr, next_ptr + 3 * pid + 1 + parity,
+                                          last_claim, PTX)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
-            nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
-            ndyrow = dy_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_dy
+            nbase = gl.minimum(nxt_row, n_rows - 1).to(gl.int64)
+            nxrow = x_ptr + nbase * stride_x
+            ndyrow = dy_ptr + nbase * stride_dy
+            more = (offs * 0 + nxt_row) < n_rows
             for k in gl.static_range(NCHUNK):
                 x = _pick(k, x0, x1, x2, x3).load(REG)
                 xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), _w_chunk(wbuf, k, OFFSET, CASTING, REG),
@@ -294,9 +281,9 @@ if gluon is not None:
                     dw1 = dwk if k == 1 else dw1
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
-                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
-                    _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs)
-                    _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs)
+                # this chunk of the cluster's next row, into the buffer just read
+                _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
+                _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
@@ -321,10 +308,11 @@ if gluon is not None:
         return y
 
     @gluon.jit
-    def _rms_fwd_smem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
+    def _rms_fwd_smem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, next_ptr, counter_ptr,
                              n_rows, stride_x, stride_y, eps,
                              OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr):
+                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
+                             PTX: gl.constexpr):
         """y and rstd of the rows a cluster claims: the backward's scheme (module docstring) with one
         pass over x's chunks for Σx², the exchange, then y chunk by chunk."""
         T: gl.constexpr = 32 * WARPS
@@ -344,7 +332,7 @@ if gluon is not None:
         wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
-        ranks = gl.arange(0, CTAS, layout=per_cta)
+        ranks = _cta_value(gl.arange(0, CTAS, layout=per_cta))  # [CTAS, 1, 1]
         offs = _smem.slice_offsets(CTAS, T, REG)
 
         last_claim = n_rows + gl.num_programs(0) - 1
@@ -367,12 +355,13 @@ if gluon is not None:
                 _chunk_arrived(k, NCHUNK)
                 xf = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG).to(gl.float32)
                 acc = acc + gl.sum(xf * xf, 2)
-            ss, nxt = _exchange(partials_ptr + (2 * pid + parity) * CTAS, ranks, gl.sum(acc, 1), counter_ptr,
-                                next_ptr + 3 * pid + 1 + parity, got, last_claim, CTAS)
-            rstd = gl.rsqrt(ss / N + eps)
-            gl.store(rstd_ptr + row + ranks * 0, gl.full([CTAS], 0.0, gl.float32, per_cta) + rstd, mask=ranks == 0)
+            ss, nxt_row, nxt = _exchange(gl.sum(acc, 1), parity, got, counter_ptr, next_ptr + 3 * pid + 1 + parity,
+                                         last_claim, PTX)
+            rstd = gl.rsqrt(ss / N + eps)  # [CTAS, 1, 1]
+            gl.store(rstd_ptr + row + ranks * 0, rstd, mask=ranks == 0)
             yrow = y_ptr + row * stride_y
-            nxrow = x_ptr + gl.minimum(nxt, n_rows - 1).to(gl.int64) * stride_x
+            nxrow = x_ptr + gl.minimum(nxt_row, n_rows - 1).to(gl.int64) * stride_x
+            more = (offs * 0 + nxt_row) < n_rows
             for k in gl.static_range(NCHUNK):
                 xk = _pick8(k, x0, x1, x2, x3, x4, x5, x6, x7).load(REG)
                 wk = xk  # not read without a weight
@@ -380,8 +369,8 @@ if gluon is not None:
                     wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
                 gl.store(yrow + k * CHUNK + offs,
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
-                if nxt < n_rows:  # this chunk of the cluster's next row, into the buffer just read
-                    _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs)
+                # this chunk of the cluster's next row, into the buffer just read
+                _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
@@ -406,7 +395,9 @@ def _whole_chunks(n_cols: int, shape: ClusterShape, forward: bool = False) -> bo
 
 def shape_for(n_cols: int, forward: bool = False) -> ClusterShape | None:
     """The first shape of SMEM_BACKWARD_TABLE (SMEM_FORWARD_TABLE) whose chunk splits n_cols into as
-    many whole chunks as the kernel takes, or None."""
+    many whole chunks as the kernel takes, or None (and None for a backward row shorter than BACKWARD_FROM)."""
+    if not forward and n_cols < BACKWARD_FROM:
+        return None
     table = SMEM_FORWARD_TABLE if forward else SMEM_BACKWARD_TABLE
     return next((shape for shape in table if _whole_chunks(n_cols, shape, forward)), None)
 
@@ -460,6 +451,43 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
     return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
+# Words of each CTA's exchange slots (exchange_ptx) per parity: CTAS partials, then the claimed row.
+EXCHANGE_WORDS = 16
+
+
+def exchange_ptx(ctas: int) -> str:
+    """The row exchange of a cluster of `ctas` CTAs, one inline PTX block run by every thread (Gluon 3.6
+    has no address of another CTA's shared memory, so the slots are a static .shared array of the block,
+    two parities of EXCHANGE_WORDS words):
+      thread 0 of each CTA stores its part ($2, f32 bits) in word `rank` of slot $3 (the parity) of every
+      CTA of the cluster (mapa + st.shared::cluster), CTA 0's also the claimed row ($4) in word `ctas`;
+      thread 0 fences; one cluster barrier (arrive relaxed, wait acquire); every thread then adds the
+      ctas parts of its own slot in rank order ($0: the same sum in every CTA) and reads the row ($1).
+    A CTA writes a slot again two rows later, after the barrier of the row between, which every CTA
+    reaches only after reading it. Against a global slot read back with .cg loads this takes an L2 round
+    trip off every row's path to pass 2: 1024 x 65536 bf16 on an H200, forward 78 -> 74.6 µs, backward
+    with the dw sum 132 -> 120.5 (benchmarks/session18/exp_rms_dsmem.txt)."""
+    if not 1 <= ctas < EXCHANGE_WORDS:
+        raise ValueError(f"rms_norm_smem: a cluster of {ctas} CTAs does not fit the exchange slots "
+                         f"(1 to {EXCHANGE_WORDS - 1} CTAs)")
+    lines = ["{", f".shared .align 16 .b32 xch[{2 * EXCHANGE_WORDS}];", ".reg .pred lead, lead0;",
+             ".reg .b32 tid, rank, base, mine, rowslot, ra;", ".reg .f32 acc, v;",
+             "mov.u32 tid, %tid.x;", "setp.eq.u32 lead, tid, 0;", "mov.u32 rank, %cluster_ctarank;",
+             "setp.eq.and.u32 lead0, rank, 0, lead;", "mov.u32 base, xch;",
+             f"mad.lo.u32 base, $3, {4 * EXCHANGE_WORDS}, base;", "mad.lo.u32 mine, rank, 4, base;",
+             f"add.u32 rowslot, base, {4 * ctas};"]
+    for q in range(ctas):
+        lines += [f"@lead mapa.shared::cluster.u32 ra, mine, {q};", "@lead st.shared::cluster.b32 [ra], $2;"]
+    for q in range(ctas):
+        lines += [f"@lead0 mapa.shared::cluster.u32 ra, rowslot, {q};", "@lead0 st.shared::cluster.b32 [ra], $4;"]
+    lines += ["@lead fence.acq_rel.cluster;", "barrier.cluster.arrive.relaxed.aligned;",
+              "barrier.cluster.wait.acquire.aligned;", "ld.shared.f32 acc, [base];"]
+    for q in range(1, ctas):
+        lines += [f"ld.shared.f32 v, [base+{4 * q}];", "add.f32 acc, acc, v;"]
+    lines += ["mov.b32 $0, acc;", "ld.shared.b32 $1, [rowslot];", "}"]
+    return "\n\t".join(lines)
+
+
 def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
@@ -467,15 +495,14 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
-    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps,
-                num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, PTX=exchange_ptx(shape.ctas),
+                num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
 
 
-def _claim_scratch(grid: int, shape: ClusterShape, device: torch.device):
-    """(exchange slots, claimed rows, row counter) of a launch: two slots of CTAS partials per cluster,
-    its first row and the two rows claimed after, and the stream's self-resetting counter."""
-    return (torch.empty(grid * 2 * shape.ctas, dtype=torch.float32, device=device),
-            torch.empty(grid * 3, dtype=torch.int32, device=device), _smem.claim_counter(device))
+def _claim_scratch(grid: int, device: torch.device):
+    """(claimed rows, row counter) of a launch: each cluster's first row and the two rows claimed after
+    (in turn), and the stream's self-resetting counter."""
+    return torch.empty(grid * 3, dtype=torch.int32, device=device), _smem.claim_counter(device)
 
 
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
@@ -492,9 +519,9 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, 
                     casting_id: int, compute_dw: bool) -> None:
     """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
     n_rows, n_cols = x2.shape
-    exchange, next_rows, counter = _claim_scratch(grid, shape, x2.device)
+    next_rows, counter = _claim_scratch(grid, x2.device)
     launch(_rms_bwd_smem_kernel, (grid,),
-           (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
+           (dy2, x2, weight, rstd, dx, partial, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
            kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
 
@@ -503,8 +530,8 @@ def launch_forward(x2, weight, y2, rstd, *, shape: ClusterShape, grid: int, eps:
                    casting_id: int) -> None:
     """y2 (2-D rows, written in place) and rstd (one fp32 per row) of x2's rows."""
     n_rows, n_cols = x2.shape
-    exchange, next_rows, counter = _claim_scratch(grid, shape, x2.device)
+    next_rows, counter = _claim_scratch(grid, x2.device)
     launch(_rms_fwd_smem_kernel, (grid,),
-           (x2, x2 if weight is None else weight, y2, rstd, exchange, next_rows, counter, n_rows, x2.stride(0),
+           (x2, x2 if weight is None else weight, y2, rstd, next_rows, counter, n_rows, x2.stride(0),
             y2.stride(0), float(eps)),
            forward_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, has_weight=weight is not None))

@@ -204,8 +204,8 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
     smem = importlib.import_module("fused_kernels.rms_norm_smem")
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
-           "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32", "stride_dy": "i32",
-           "stride_x": "i32", "stride_dx": "i32"}
+           "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32", "stride_dy": "i32", "stride_x": "i32",
+           "stride_dx": "i32"}
     aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
         shape = smem.shape_for(n)
@@ -216,8 +216,8 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
             flags.pop("num_warps")
             label = f"rms_norm_smem N={n} casting {casting_id} offset {offset} dw {compute_dw} {shape}"
             yield label, smem._rms_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
-    fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32",
-               "counter_ptr": "*i32", "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
+    fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32",
+               "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
     fwd_aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
         shape = smem.shape_for(n, forward=True)
@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,151936,262144",
                     help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
-    ap.add_argument("--smem-cols", default="24576,32768,49152,65536", help="rms_norm_smem row lengths")
+    ap.add_argument("--smem-cols", default="16384,24576,32768,49152,65536", help="rms_norm_smem row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = ap.parse_args()

@@ -717,12 +717,13 @@ def test_smem_backward_table_shapes_fit_an_sm():
     thread (8 fp32 dw sums per chunk live in registers)."""
     smem = pytest.importorskip("fused_kernels.rms_norm_smem")
     ce_smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    assert smem.shape_for(16384).chunk == 8192 and smem.shape_for(32768).warps == 4  # measured at 32768
+    assert smem.shape_for(16384) == smem.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
+    assert smem.shape_for(24576).chunk == 8192 and smem.shape_for(32768).warps == 4  # measured at 32768
     assert smem.shape_for(65536) == smem.ClusterShape(warps=8, ctas=8, per_sm=4)
     assert smem.shape_for(49152).chunk == 16384
-    for n in (40960, 65537, 131072, 4096, 8192 * 3 + 8):
+    for n in (40960, 65537, 131072, 4096, 8192, 12288, 8192 * 3 + 8):  # below 16384: the one-kernel backward
         assert smem.shape_for(n) is None, n
-    for n in range(8192, 65536 + 1, 8192):
+    for n in range(4096, 65536 + 1, 4096):
         shape = smem.shape_for(n)
         if shape is None:
             continue
@@ -769,7 +770,7 @@ def test_smem_kernels_compile_for_sm90():
                           capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "21 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    assert "25 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
     for line in out.splitlines():
         if "rms_norm_smem " in line and " N=" in line:
             n = int(line.split("N=")[1].split()[0])
@@ -786,6 +787,7 @@ class _FakeSmem:
     over `grid` partial rows is what is checked); launch_forward likewise, y and rstd."""
 
     MIN_ROWS_PER_CLUSTER = 1
+    shortest = 100  # shape_for: None for shorter rows
 
     def __init__(self, fail: bool, fail_forward: bool = False):
         self.fail = fail
@@ -801,7 +803,7 @@ class _FakeSmem:
         return weight is not None
 
     def shape_for(self, n_cols, forward=False):
-        return self.shape
+        return self.shape if n_cols >= self.shortest else None
 
     def launch_forward(self, x2, weight, y2, rstd, *, shape, grid, eps, offset, casting_id):
         self.forward_calls += 1
@@ -850,7 +852,7 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
     x = randn(11, 150, dtype=torch.float32, scale=2.0)
     w = randn(150, dtype=torch.float32)
     if fail:
-        with pytest.warns(RuntimeWarning, match="rms_norm_smem.py.*did not build.*PassManager.*split backward"):
+        with pytest.warns(RuntimeWarning, match="rms_norm_smem.py.*did not build.*PassManager.*Triton backward"):
             check_against_reference(x, w, 1e-6, 0.0, "llama")
         assert rms_norm_module._SMEM_BROKEN == {"forward", "backward"}
         check_against_reference(x, w, 1e-6, 0.0, "llama")
@@ -863,12 +865,17 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
         assert fake.calls == 1
 
 
-def test_smem_backward_only_replaces_the_split_backward(monkeypatch):
-    """Rows the one-kernel backward holds whole never reach rms_norm_smem."""
+def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch):
+    """rms_norm_smem's table (shape_for) decides which lengths its backward takes, whether or not the split
+    backward would take them: a length it has no shape for never reaches it; one it has, under the split
+    backward's threshold (the one-kernel backward's lengths), does."""
     fake = _FakeSmem(False)
     _use_fake_smem(monkeypatch, fake, "backward")
     check_against_reference(randn(5, 64, dtype=torch.float32), randn(64, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 0
+    assert rms_norm_module.split_backward_config(11, 150) is None
+    check_against_reference(randn(11, 150, dtype=torch.float32), randn(150, dtype=torch.float32), 1e-6, 0.0, "llama")
+    assert fake.calls == 1
 
 
 @pytest.mark.parametrize("fail", (False, True))
@@ -916,6 +923,8 @@ def _smem_backward_calls(monkeypatch, launcher="launch_backward"):
         (2048, 32768, torch.bfloat16, "llama", 0.0, 0, False),  # no dw
         (300, 49152, torch.float16, "llama", 0.0, 0, True),  # few rows: ~4.5 per cluster
         (4000, 24576, torch.bfloat16, "gemma", 1.0, 0, True),
+        (4096, 16384, torch.bfloat16, "llama", 0.0, 0, True),  # 4 CTAs a cluster, 4 chunks
+        (1000, 16384, torch.float16, "gemma", 1.0, 64, True),
     ],
 )
 def test_gpu_smem_backward_matches_reference(monkeypatch, device, rows, hidden, dtype, casting_mode, offset, row_pad,
