@@ -1,6 +1,6 @@
 """RMSNorm backward (and forward) for long rows with each row read from HBM once: the GPU path of
-fused_kernels.rms_norm's backward for rows the one-kernel backward cannot hold whole (N > 16384, where
-the split backward reads x and dy twice), and of its forward at N = 65536 (where the Triton forward
+fused_kernels.rms_norm's backward for rows of 16384 columns and more (beyond 16384 the one-kernel
+backward cannot hold a row whole and the split backward reads x and dy twice), and of its forward at N = 65536 (where the Triton forward
 sweeps each row twice, the second time from L2), on an H100/H200. Written in Gluon, like
 cross_entropy_smem, whose layouts, cluster barrier and row claiming it uses.
 
@@ -18,11 +18,13 @@ copied once with the first row. Per row:
     written (HBM read once, no register staging), one allocation per chunk (Triton's barrier pass
     orders accesses per allocation: one buffer for all chunks put a CTA barrier after every copy) and
     one cp.async group per chunk, so pass 1 starts on the first chunks while the last still arrive;
-  - pass 1: each CTA's partial Σ g·xhat goes to one of the cluster's two slots in global memory (used
-    in turn), stored by the CTA's thread 0, which alone fences; then one cluster barrier (every thread
-    arrives relaxed, waits with acquire: a release arrive made each thread wait for its own dx stores
-    of the row before) and every CTA adds all CTAS of them. The cluster's next row was claimed at the
-    top of the row (an atomic whose round trip overlaps pass 1) and is published at the same barrier;
+  - pass 1: each CTA's thread 0 writes its partial Σ g·xhat into one of two slots (used in turn) in
+    the shared memory of every CTA of the cluster, and alone fences; then one cluster barrier (every
+    thread arrives relaxed, waits with acquire: a release arrive made each thread wait for its own dx
+    stores of the row before) and every CTA adds all CTAS of them from its own shared memory
+    (exchange_ptx). The cluster's next row was claimed at the top of the row (an atomic whose round
+    trip overlaps pass 1) and travels with the partials (and through global memory for the loop's
+    scalar row, needed only at the end of pass 2);
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
@@ -39,11 +41,13 @@ rms_norm._dw_sum_kernel. H200, triton 3.6, bf16, backward alone, queued median
 (benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): 1024 × 65536 0.133–0.135 ms
 (8 CTAs × 8 warps, 4 per SM; 72 % of 1.5 copies; torch.mul(x, dy, out=dx), the same bytes with no
 reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.142 (8 CTAs × 4 warps,
-6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. At 4096 × 16384 the one-kernel backward
-matched it (session 15) and keeps that length. Session 17's per-chunk groups, thread-0 fence and
-64-cluster grid (`clusters`): 1024 × 65536 with the dw sum 0.1277–0.1287 ms against 0.1325–0.1328
-(benchmarks/session17/exp_rms_knobs_run3.txt); the early claim on top, 0.1266–0.1269 against
-0.1266–0.1277 (exp_rms_claim.txt: noise, kept so that both kernels run one scheme).
+6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. Session 17's per-chunk groups,
+thread-0 fence and 64-cluster grid (`clusters`): 1024 × 65536 with the dw sum 0.1277–0.1287 ms against
+0.1325–0.1328 (benchmarks/session17/exp_rms_knobs_run3.txt); the early claim on top, 0.1266–0.1269
+against 0.1266–0.1277 (exp_rms_claim.txt: noise, kept so that both kernels run one scheme). Session 18's
+exchange through shared memory instead of global slots: 0.1203–0.1218 against 0.1318–0.1323
+(benchmarks/session18/exp_rms_dsmem.txt). At 4096 × 16384, 4 CTAs × 4 warps in 4 chunks with the dw sum
+0.1254–0.1266 against the one-kernel backward's 0.1358–0.1359 (global exchange; exp_rms_16k.txt).
 
 The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
 the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
@@ -52,7 +56,8 @@ next row as it is written. Bytes: x read once, y written once, w once per CTA. H
 ms, 85 % of a copy (0.066), where the Triton forward takes 0.082; at 32768 it lost (0.088 against
 0.075), so it takes 65536 only (SMEM_FORWARD_TABLE, FORWARD_CHUNKS). With the backward's per-chunk
 groups, thread-0 fence and early claim: 0.0781–0.0789 against 0.0792–0.0798 without, timed beside each
-other (exp_rms_claim.txt). y and rstd do not depend on which cluster claims a row: deterministic.
+other (exp_rms_claim.txt); with the exchange through shared memory 0.0746–0.0747 against 0.0774–0.0786
+(session 18, exp_rms_dsmem.txt). y and rstd do not depend on which cluster claims a row: deterministic.
 
 When the backward runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
 >= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
