@@ -928,13 +928,14 @@ def _smem_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, 
     """The long-row backward with each row read from HBM once (rms_norm_smem: a row split over a
     cluster; on an H200 faster than the split backward from 24576 columns and than the one-kernel backward
     at 16384), where it applies: returns the dw partial rows and how many to sum, or None for the Triton
-    kernels."""
+    kernels. Every backward asks, so the row length, the cheap test that turns most of them away, comes
+    first."""
     smem = _smem_module("backward")
-    if smem is None or not smem.eligible(dy2, x2, weight, from_output):
+    if smem is None:
         return None
     n_rows, n_cols = x2.shape
     shape = smem.shape_for(n_cols)
-    if shape is None:
+    if shape is None or not smem.eligible(dy2, x2, weight, from_output):
         return None
     grid = smem.clusters(n_rows, shape, sm_count)
     if n_rows < smem.MIN_ROWS_PER_CLUSTER * grid:
