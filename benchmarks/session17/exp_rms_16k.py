@@ -1,5 +1,6 @@
-"""Experiment (session 17, prepared on the CPU, compiled for sm_90a on triton 3.6 and 3.9; NOT yet run on a
-GPU): RMSNorm 4096 x 16384, the table row at its 0.20 ms line (0.199-0.202 over sessions 11-17), with
+"""Experiment (session 17, prepared on the CPU, compiled for sm_90a on triton 3.6 and 3.9; run in session 18
+on df9b16d, before the library's exchange moved into shared memory: benchmarks/session18/exp_rms_16k.txt;
+updated to the library's launch arguments since, so later runs time the shared-memory exchange): RMSNorm 4096 x 16384, the table row at its 0.20 ms line (0.199-0.202 over sessions 11-17), with
 rms_norm_smem's kernels as session 17 left them (per-chunk waits, thread-0 fence, early claim,
 self-resetting counter) against the library's Triton kernels that serve 16384 today:
   - forward: the cluster forward at 16384 in 2 or 4 chunks (rms_norm_smem takes only 8 chunks of 8192:
@@ -47,19 +48,19 @@ def forward_meta(n: int, shape: lib.ClusterShape) -> dict:
     reg, smem = _smem.layouts(shape.warps, shape.ctas)
     return dict(N=n, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, num_warps=shape.warps,
                 num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm), OFFSET=0.0, CASTING=0,
-                HAS_WEIGHT=True)
+                HAS_WEIGHT=True, PTX=lib.exchange_ptx(shape.ctas))
 
 
 def launch_forward(x2, w, y2, rstd, shape, grid):
-    exchange, next_rows, counter = lib._claim_scratch(grid, shape, x2.device)
+    next_rows, counter = lib._claim_scratch(grid, x2.device)
     launch(lib._rms_fwd_smem_kernel, (grid,),
-           (x2, w, y2, rstd, exchange, next_rows, counter, x2.shape[0], x2.stride(0), y2.stride(0), 1e-6),
+           (x2, w, y2, rstd, next_rows, counter, x2.shape[0], x2.stride(0), y2.stride(0), 1e-6),
            forward_meta(x2.shape[1], shape))
 
 
 def compile_only() -> None:
     from check_sm90 import compile_sm90, rms_norm_smem_cases
-    fwd_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "partials_ptr": "*fp32",
+    fwd_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32",
                "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32", "stride_x": "i32", "stride_y": "i32",
                "eps": "fp32"}
     aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]

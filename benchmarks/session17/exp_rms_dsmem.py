@@ -1,6 +1,7 @@
 """Experiment (session 17, prepared on the CPU: it compiles for sm_90a on triton 3.6 and 3.9; NOT yet run on
-a GPU): rms_norm_smem's two kernels with the row exchange through the cluster's shared memory (DSMEM)
-instead of global memory.
+a GPU; run in session 18: benchmarks/session18/exp_rms_dsmem.txt, then adopted into the library, so on
+later commits "library" and "dsmem" below are the same scheme): rms_norm_smem's two kernels with the row
+exchange through the cluster's shared memory (DSMEM) instead of global memory.
 
 In the library (81af050) a row's exchange is: thread 0 of each CTA stores its partial in a global slot,
 CTA 0's also the claimed row; thread 0 fences; one cluster barrier; then every thread loads the CTAS
@@ -47,37 +48,9 @@ from fused_kernels.rms_norm_smem import (  # noqa: E402  (the library kernels' h
 
 _claim_issue, _claim_publish = _smem._claim_issue, _smem._claim_publish  # row claiming, split in two
 
-SLOT_WORDS = 16  # per parity: CTAS partials, then the claimed row at word CTAS (CTAS <= 15)
-
-
-def dsmem_exchange_ptx(ctas: int) -> str:
-    """Inline PTX of _exchange_dsmem: outputs $0 (Σ of the parts, f32 bits) and $1 (the claimed row);
-    inputs $2 (this CTA's part, f32 bits), $3 (parity), $4 (the claim, meaningful in CTA 0's thread 0)."""
-    lines = [
-        "{",
-        f".shared .align 16 .b32 xch[{2 * SLOT_WORDS}];",
-        ".reg .pred lead, lead0;",
-        ".reg .b32 tid, rank, base, mine, rowslot, ra;",
-        ".reg .f32 acc, v;",
-        "mov.u32 tid, %tid.x;",
-        "setp.eq.u32 lead, tid, 0;",
-        "mov.u32 rank, %cluster_ctarank;",
-        "setp.eq.and.u32 lead0, rank, 0, lead;",
-        "mov.u32 base, xch;",
-        f"mad.lo.u32 base, $3, {4 * SLOT_WORDS}, base;",
-        "mad.lo.u32 mine, rank, 4, base;",
-        f"add.u32 rowslot, base, {4 * ctas};",
-    ]
-    for q in range(ctas):
-        lines += [f"@lead mapa.shared::cluster.u32 ra, mine, {q};", "@lead st.shared::cluster.b32 [ra], $2;"]
-    for q in range(ctas):
-        lines += [f"@lead0 mapa.shared::cluster.u32 ra, rowslot, {q};", "@lead0 st.shared::cluster.b32 [ra], $4;"]
-    lines += ["@lead fence.acq_rel.cluster;", "barrier.cluster.arrive.relaxed.aligned;",
-              "barrier.cluster.wait.acquire.aligned;", "ld.shared.f32 acc, [base];"]
-    for q in range(1, ctas):
-        lines += [f"ld.shared.f32 v, [base+{4 * q}];", "add.f32 acc, acc, v;"]
-    lines += ["mov.b32 $0, acc;", "ld.shared.b32 $1, [rowslot];", "}"]
-    return "\n\t".join(lines)
+# The exchange's PTX, as this experiment wrote it, is the library's since session 18 (byte-identical):
+# rms_norm_smem.exchange_ptx (two parities of 16 words: CTAS partials, then the claimed row).
+dsmem_exchange_ptx = lib.exchange_ptx
 
 
 @gluon.jit
@@ -90,7 +63,7 @@ def _exchange_dsmem(part, parity, got, PTX: gl.constexpr):
 
 
 @gluon.jit
-def _rms_bwd_dsmem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, partials_ptr, next_ptr, counter_ptr,
+def _rms_bwd_dsmem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, next_ptr, counter_ptr,
                           n_rows, stride_dy, stride_x, stride_dx,
                           OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
                           WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
@@ -178,7 +151,7 @@ def _rms_bwd_dsmem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, p
 
 
 @gluon.jit
-def _rms_fwd_dsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr, counter_ptr,
+def _rms_fwd_dsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, next_ptr, counter_ptr,
                           n_rows, stride_x, stride_y, eps,
                           OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr, N: gl.constexpr,
                           WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
@@ -249,9 +222,9 @@ def _rms_fwd_dsmem_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, partials_ptr, next_ptr,
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape, grid):
     n_rows, n_cols = x2.shape
-    exchange, next_rows, counter = lib._claim_scratch(grid, shape, x2.device)
+    next_rows, counter = lib._claim_scratch(grid, x2.device)
     launch(_rms_bwd_dsmem_kernel, (grid,),
-           (dy2, x2, weight, rstd, dx, partial, exchange, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
+           (dy2, x2, weight, rstd, dx, partial, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0)),
            dict(lib.kernel_constexprs(n_cols, shape, offset=0.0, casting_id=0, compute_dw=True),
                 PTX=dsmem_exchange_ptx(shape.ctas)))
@@ -259,9 +232,9 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape, grid):
 
 def launch_forward(x2, weight, y2, rstd, *, shape, grid, eps):
     n_rows, n_cols = x2.shape
-    exchange, next_rows, counter = lib._claim_scratch(grid, shape, x2.device)
+    next_rows, counter = lib._claim_scratch(grid, x2.device)
     launch(_rms_fwd_dsmem_kernel, (grid,),
-           (x2, weight, y2, rstd, exchange, next_rows, counter, n_rows, x2.stride(0), y2.stride(0), float(eps)),
+           (x2, weight, y2, rstd, next_rows, counter, n_rows, x2.stride(0), y2.stride(0), float(eps)),
            dict(lib.forward_constexprs(n_cols, shape, offset=0.0, casting_id=0, has_weight=True),
                 PTX=dsmem_exchange_ptx(shape.ctas)))
 
@@ -270,9 +243,9 @@ def compile_only() -> None:
     from check_sm90 import compile_sm90
     t = "*bf16"
     bwd_sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
-               "partials_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",
+               "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",
                "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"}
-    fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "partials_ptr": "*fp32", "next_ptr": "*i32",
+    fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "next_ptr": "*i32",
                "counter_ptr": "*i32", "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
     print(f"triton {triton.__version__}, sm_90a", flush=True)
     for n in (65536, 32768):
