@@ -33,10 +33,11 @@ held whole in registers (x read once per kernel); longer rows are swept twice in
 second sweep reading from L2. The backward of rows longer than 16 K is split across programs instead
 (SplitBackwardConfig): the row sums of g·xhat by column block, then dx and dw by row group and column
 block; x and dy are read twice from HBM (5 passes in all where the floor counts 3), but every SM works.
-On an H100/H200, rows of 16-bit x, dy and weight whose length is 2-4 chunks of a table shape (24576,
-32768, 49152, 65536) are read once instead: each row split over a thread-block cluster and held in
-shared memory, the dw sums in registers (fused_kernels/rms_norm_smem.py, `_smem_backward`); so is the
-forward's at 65536 (`_smem_forward`), where the Triton forward sweeps each row twice.
+On an H100/H200, the backward of rows of 16-bit x, dy and weight whose length is 2-4 chunks of a table
+shape (16384, 24576, 32768, 49152, 65536) reads them once instead: each row split over a thread-block
+cluster and held in shared memory, the dw sums in registers (fused_kernels/rms_norm_smem.py,
+`_smem_backward`; at 16384 it beats the one-kernel backward too); so does the forward at 65536
+(`_smem_forward`), where the Triton forward sweeps each row twice.
 
 Launch shapes. On a GPU, triton.autotune picks among `candidate_configs`: rows per tile, warps,
 single pass vs chunked, and (forward) one program per tile vs a persistent grid; persistent grids (the
