@@ -71,6 +71,7 @@ Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_rms_norm.py), th
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -460,6 +461,7 @@ def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
 EXCHANGE_WORDS = 16
 
 
+@functools.lru_cache(maxsize=None)  # every launch asks (_launch_meta): one string per cluster size
 def exchange_ptx(ctas: int) -> str:
     """The row exchange of a cluster of `ctas` CTAs, one inline PTX block run by every thread (Gluon 3.6
     has no address of another CTA's shared memory, so the slots are a static .shared array of the block,
