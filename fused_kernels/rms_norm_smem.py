@@ -1,8 +1,8 @@
 """RMSNorm backward (and forward) for long rows with each row read from HBM once: the GPU path of
 fused_kernels.rms_norm's backward for rows of 16384 columns and more (beyond 16384 the one-kernel
-backward cannot hold a row whole and the split backward reads x and dy twice), and of its forward at N = 65536 (where the Triton forward
-sweeps each row twice, the second time from L2), on an H100/H200. Written in Gluon, like
-cross_entropy_smem, whose layouts, cluster barrier and row claiming it uses.
+backward cannot hold a row whole and the split backward reads x and dy twice), and of its forward at
+N = 65536 (where the Triton forward sweeps each row twice, the second time from L2), on an H100/H200.
+Written in Gluon, like cross_entropy_smem, whose layouts, cluster barrier and row claiming it uses.
 
 Math: rms_norm's backward (its module docstring), from the input (keep="input"); per row, r = rstd:
     w_eff = offset + w  ("llama": in w's dtype, as torch adds it; otherwise fp32)
@@ -120,7 +120,7 @@ BACKWARD_FROM = 16384
 SMEM_BACKWARD_TABLE = (
     ClusterShape(warps=4, ctas=4, per_sm=6),  # N = 16384 (8 CTAs in 2 chunks: 0.151 ms)
     ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 24576, 32768
-    ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 32768, 49152, 65536
+    ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 49152, 65536 (32768 takes the row above)
 )
 # The forward's: 4 warps × 8 CTAs at 6 per SM 0.077 ms at 65536; 8 × 8 at 4 or 6 per SM 0.083, 16 × 8
 # at 3 per SM 0.107 (benchmarks/session17/exp_rms_fwd_wsmem.txt). Shared memory: x's and w's slices, 32 KB.
