@@ -5,7 +5,7 @@
 #   stalls     Nsight Compute warp stall reasons of this session's forward, backward and dw sum at 1024x65536
 #              (session 16's method; not run this session) -> $OUT/ncu_rms_stalls.txt
 #   exp_NAME   benchmarks/session17/exp_NAME.py -> $OUT/exp_NAME.txt (rms_knobs, rms_claim: run on the commits their
-#              docstrings name; rms_dsmem, rms_16k: prepared, compiled for sm_90a on 3.6 and 3.9, not yet run)
+#              docstrings name; rms_dsmem, rms_16k: run in session 18, see benchmarks/session18/README.md)
 # The calls as made: 1 (on session 16's call.sh) tests + exp_rms_fwd_wsmem; 2 tests profile (the tests timed out
 # after 48 of 60, all passed); 3-5 exp_rms_knobs (runs 1-3); 6 the rms gpu tests + profile; 7 exp_rms_claim;
 # 8 the table (benchmarks/session12/call_table.sh PART=kernels, GPU_TEST_K=rms_norm); 9-10 the remaining
