@@ -1,6 +1,7 @@
 """Experiment (session 17, prepared on the CPU, compiled for sm_90a on triton 3.6 and 3.9; run in session 18
 on df9b16d, before the library's exchange moved into shared memory: benchmarks/session18/exp_rms_16k.txt;
-updated to the library's launch arguments since, so later runs time the shared-memory exchange): RMSNorm 4096 x 16384, the table row at its 0.20 ms line (0.199-0.202 over sessions 11-17), with
+updated to the library's launch arguments since, so later runs time the shared-memory exchange):
+RMSNorm 4096 x 16384, the table row at its 0.20 ms line (0.199-0.202 over sessions 11-17), with
 rms_norm_smem's kernels as session 17 left them (per-chunk waits, thread-0 fence, early claim,
 self-resetting counter) against the library's Triton kernels that serve 16384 today:
   - forward: the cluster forward at 16384 in 2 or 4 chunks (rms_norm_smem takes only 8 chunks of 8192:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, rms, smem, timed
+from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, library_shapes, rms, smem, timed
 
 FORWARD = ({}, {"FINE_WAITS": True, "LEAD_FENCE": True}, {"FINE_WAITS": True, "LEAD_FENCE": True, "EARLY_CLAIM": True},
            {"EARLY_CLAIM": True})
@@ -35,9 +35,7 @@ def main():
     t0 = time.time()
     sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
-    fshape, bshape = smem.shape_for(N, forward=True), smem.shape_for(N)
-    fgrid, bgrid = smem.clusters(ROWS, fshape, sms), smem.clusters(ROWS, bshape, sms)
-    print(f"forward {fshape} grid {fgrid}; backward {bshape} grid {bgrid}", flush=True)
+    fshape, bshape, fgrid, bgrid = library_shapes(sms)
     y = torch.empty_like(x)
     r = torch.empty(ROWS, device="cuda")
     runs = []

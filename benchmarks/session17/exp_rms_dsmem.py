@@ -40,12 +40,11 @@ from fused_kernels import rms_norm_smem as lib  # noqa: E402
 
 
 def gpu_main(rounds: int) -> None:
-    from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, rms, timed
+    from exp_rms_knobs import N, ROWS, case, checked_backward, checked_forward, header, library_shapes, rms, timed
     t0 = time.time()
     sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
-    fshape, bshape = lib.shape_for(N, forward=True), lib.shape_for(N)
-    fgrid, bgrid = lib.clusters(ROWS, fshape, sms), lib.clusters(ROWS, bshape, sms)
+    fshape, bshape, fgrid, bgrid = library_shapes(sms)
     y = torch.empty_like(x)
     r = torch.empty(ROWS, device="cuda")
 

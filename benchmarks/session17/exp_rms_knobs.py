@@ -112,6 +112,15 @@ def header() -> int:
     return sms
 
 
+def library_shapes(sms: int):
+    """(forward shape, backward shape, forward grid, backward grid) the library launches at ROWS x N,
+    printed."""
+    fshape, bshape = smem.shape_for(N, forward=True), smem.shape_for(N)
+    fgrid, bgrid = smem.clusters(ROWS, fshape, sms), smem.clusters(ROWS, bshape, sms)
+    print(f"forward {fshape} grid {fgrid}; backward {bshape} grid {bgrid}", flush=True)
+    return fshape, bshape, fgrid, bgrid
+
+
 def checked_forward(label, fn, y, r, y_ref, rstd) -> bool:
     """fn() writes y and r (poisoned first); whether it ran, with its errors against float64 printed."""
     y.fill_(float("nan"))
@@ -153,9 +162,7 @@ def main():
     t0 = time.time()
     sms = header()
     x, dy, w, rstd, y_ref, dx_ref, dw_ref = case()
-    fshape, bshape = smem.shape_for(N, forward=True), smem.shape_for(N)
-    fgrid, bgrid = smem.clusters(ROWS, fshape, sms), smem.clusters(ROWS, bshape, sms)
-    print(f"forward {fshape} grid {fgrid}; backward {bshape} grid {bgrid}", flush=True)
+    fshape, bshape, fgrid, bgrid = library_shapes(sms)
 
     y = torch.empty_like(x)
     r = torch.empty(ROWS, device="cuda")
