@@ -90,8 +90,10 @@ def main() -> int:
             copy.append(s.elapsed_time(e))
         copy_ms = sorted(copy[3:])[10]
         med, lo, loss_ref, grad_ref = run(x0, t, None)
+        smem = ce._smem_module()
+        chosen = ce.launch_config(v, (lambda c: ce.smem_shape_fits(smem, x0, c)) if smem is not None else None)
         print(f"{rows}x{v}: copy of the bytes {copy_ms * 1e3:.1f} us; dispatch "
-              f"({ce.launch_config(v)}) med {med * 1e3:.1f} min {lo * 1e3:.1f} us", flush=True)
+              f"({chosen}) med {med * 1e3:.1f} min {lo * 1e3:.1f} us", flush=True)
         for label, cfg in CANDIDATES.items():
             try:
                 med, lo, loss, grad = run(x0, t, cfg)
