@@ -2,26 +2,27 @@
 
     python3 benchmarks/session19/prof_flce.py [--json PATH]      (on the H200)
 
-For each shape: two warm-up steps, then torch.profiler over three forward+backward steps of
-fused_kernels.fused_linear_cross_entropy on the benchmark's inputs (bf16, N(0,1) hidden, weight scaled
-by 1/sqrt(H)); the kernels' durations are summed by name and divided by three. Beside it, the chunk's
+For each shape: the benchmark's own inputs (scripts/bench_kernels.flce_case) and its per-kernel profile
+(bench_kernels.kernel_times: a warm-up step, then torch.profiler over three forward+backward steps of
+fused_kernels.fused_linear_cross_entropy, durations summed by name and divided by three). Beside it, the chunk's
 cross-entropy launch alone (do_bench) and a copy of the same bytes (read + write of the chunk's logits).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts")]
 
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+import bench_kernels  # noqa: E402
 import fused_kernels  # noqa: E402
 
 _flce = sys.modules["fused_kernels.fused_linear_cross_entropy"]
@@ -32,18 +33,8 @@ STEPS = 3
 
 
 def inputs(n, h, v):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    hid = torch.randn((n, h), device="cuda", generator=g).to(torch.bfloat16).requires_grad_(True)
-    w = (torch.randn((v, h), device="cuda", generator=g) / math.sqrt(h)).to(torch.bfloat16).requires_grad_(True)
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    t[:: max(1, min(2048, n // 4))] = -100
-    return hid, w, t
-
-
-def step(hid, w, t):
-    hid.grad = None
-    w.grad = None
-    fused_kernels.fused_linear_cross_entropy(hid, w, t).backward()
+    """(hidden, weight, target) as the benchmark's FLCE case makes them (seed 0)."""
+    return bench_kernels.flce_case(n, h, v, ()).make(torch.device("cuda"), 0).args
 
 
 def main() -> int:
@@ -53,26 +44,16 @@ def main() -> int:
     out = []
     for n, h, v in SHAPES:
         hid, w, t = inputs(n, h, v)
-        for _ in range(2):
-            step(hid, w, t)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(STEPS):
-                step(hid, w, t)
-            torch.cuda.synchronize()
-        per_name = collections.defaultdict(lambda: [0.0, 0])
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_name[ev.name][0] += ev.device_time_total / 1e3 / STEPS
-                per_name[ev.name][1] += 1
-        total = sum(x[0] for x in per_name.values())
+        per_name = bench_kernels.kernel_times(lambda: fused_kernels.fused_linear_cross_entropy(hid, w, t).backward(),
+                                              torch.device("cuda"), [hid, w], calls=STEPS)
+        total = sum(us for us, _ in per_name.values()) / 1e3
         rows = _flce.chunk_rows(n, v, 2)
         print(f"\n== FLCE {n}x{h}->{v}: chunk rows {rows}, {math.ceil(n / rows)} chunks; GPU time per step "
               f"{total:.2f} ms; 3 GEMMs at 676 TFLOP/s: {6 * n * h * v / 676e12 * 1e3:.2f} ms")
         kernels = []
-        for name, (ms, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0]):
-            print(f"  {ms:8.3f} ms  {count // STEPS:4d}x  {name[:150]}")
-            kernels.append({"name": name, "ms_per_step": ms, "launches_per_step": count // STEPS})
+        for name, (us, count) in sorted(per_name.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {us / 1e3:8.3f} ms  {round(count):4d}x  {name[:150]}")
+            kernels.append({"name": name, "ms_per_step": us / 1e3, "launches_per_step": round(count)})
         # The chunk's cross entropy alone, in place, against a copy of the same bytes.
         buf = torch.randn((rows, v), device="cuda").to(torch.bfloat16)
         tgt = t[:rows].contiguous()
