@@ -1,0 +1,83 @@
+"""What every op's `plan()` returns, and the one mechanism that turns a path off after it fails to build.
+
+Each op file has one `plan(...)` function: given the shape, dtypes and device of a call, it returns a
+`Plan` naming the implementation that runs (`path`), its launch shape (`config`) and why (`reason`).
+Nothing else in the op decides which kernel runs, so the dispatch of an op is read in one place and
+tested on the CPU by asserting the plan for named shapes (a plan can be asked for a device it is not
+running on: `plan()` takes the device's facts, not a tensor).
+
+Some paths use experimental Triton APIs (Gluon: thread-block clusters, shared-memory layouts) that
+change between Triton releases. Such a launch goes through `run_path`: when its first build for a given
+key fails, the path is turned off for the process with one warning, and `plan()` (which asks
+`path_on`) then picks the next path, which computes the same numbers. A launch that has run before and
+then fails, or one whose path was forced, raises: that is a real error, not an unsupported build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from typing import Any, Callable, Hashable
+
+import triton
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The implementation an op runs for one call: `path` (a name the op's docs list), `config` (its
+    launch shape, or None) and `reason` (why this path, for people and for `explain`)."""
+
+    path: str
+    config: Any = None
+    reason: str = ""
+
+
+_LOCK = threading.Lock()
+_OFF: dict[tuple[str, str], str] = {}  # (op, path) -> why it was turned off
+_BUILT: set[tuple] = set()  # (op, path, key) that built and launched at least once
+
+
+def path_on(op: str, path: str) -> bool:
+    """False once `path` of `op` failed its first build in this process (see run_path)."""
+    return (op, path) not in _OFF
+
+
+def run_path(op: str, path: str, key: Hashable, launch: Callable[[], None], *, instead: str,
+             forced: bool = False) -> bool:
+    """Run `launch()` for `path` of `op`; True when it ran. A first build of `key` that fails turns the
+    path off (one RuntimeWarning naming `instead`, what runs from now on) and returns False, so the
+    caller plans again. A key that ran before, or a forced path, re-raises the error."""
+    try:
+        launch()
+    except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
+        with _LOCK:
+            seen = (op, path, key) in _BUILT
+        if seen or forced:
+            raise
+        why = f"{type(exc).__name__}: {str(exc)[:300]}"
+        with _LOCK:
+            _OFF[(op, path)] = why
+        warnings.warn(
+            f"fused_kernels.{op}: the {path} kernel did not build or launch with triton {triton.__version__} "
+            f"({why}); {instead} from now on (same results)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    with _LOCK:
+        _BUILT.add((op, path, key))
+    return True
+
+
+def turned_off() -> dict[str, str]:
+    """{"op/path": why} for every path turned off in this process."""
+    with _LOCK:
+        return {f"{op}/{path}": why for (op, path), why in _OFF.items()}
+
+
+def reset() -> None:
+    """Forget every failure and build (tests)."""
+    with _LOCK:
+        _OFF.clear()
+        _BUILT.clear()
