@@ -1,0 +1,128 @@
+"""The README's performance tables, made from one results file.
+
+    python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json            # print
+    python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json --update README.md
+
+With --update the text between the README's `<!-- perf-table:begin -->` and `<!-- perf-table:end -->`
+lines is replaced; tests/test_readme_table.py checks that the committed README holds exactly what this
+script makes from the committed results file, so the README never shows a number no file holds.
+
+Kernel rows (forward + backward, bf16): our GPU time (the kernels' own durations, torch.profiler), the
+fastest peer's GPU time, their ratio, our fraction of the ceiling measured in the same run (copy
+bandwidth for memory-bound ops, bf16 matmul for the fused linear cross entropy), then the do_bench wall
+time and our peak memory beyond inputs and gradients. Training-step rows: tokens/s and peak GiB per peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+BEGIN, END = "<!-- perf-table:begin -->", "<!-- perf-table:end -->"
+MODE = "fwdbwd"
+
+# The headline cases, in the order shown: (case name in the results file, label in the README).
+KERNEL_ROWS = (
+    ("rms_norm 16384x4096", "RMSNorm 16384×4096"),
+    ("rms_norm 65536x1024", "RMSNorm 65536×1024"),
+    ("rms_norm 4096x16384", "RMSNorm 4096×16384"),
+    ("rms_norm 1024x65536", "RMSNorm 1024×65536"),
+    ("rope 4x32/8x4096x128", "RoPE q 4×32×4096×128, k 8 heads"),
+    ("swiglu 16384x14336", "SwiGLU 16384×14336"),
+    ("cross_entropy 8192x32000", "Cross entropy 8192×32000"),
+    ("cross_entropy 8192x128256", "Cross entropy 8192×128256"),
+    ("cross_entropy 8192x262144", "Cross entropy 8192×262144"),
+    ("flce 8192x4096->128256", "Fused linear CE 8192×4096 → 128256"),
+    ("flce 16384x2304->262144", "Fused linear CE 16384×2304 → 262144"),
+)
+PEER_NAMES = {"hf_eager": "HF eager", "torch_compile": "torch.compile", "liger": "Liger", "cutce": "Cut-CE",
+              "cutce_exact": "Cut-CE exact", "ours": "autopatch", "ours_compile": "autopatch + compile"}
+NOT_PEERS = ("ours", "host_floor")  # host_floor launches empty kernels: what Python costs any eager op
+E2E_PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile")
+E2E_MODELS = {"qwen3_0.6b": "Qwen3-0.6B", "llama3_8b_4layers": "Llama-3-8B, 4 layers"}
+
+
+def _mode(case: dict, peer: str):
+    entry = case["peers"].get(peer, {})
+    return entry.get("modes", {}).get(MODE) if entry.get("status") == "ok" else None
+
+
+def kernel_table(results: dict) -> list[str]:
+    cases = {c["case"]: c for c in results["kernels"]}
+    lines = ["| case | autopatch GPU ms | best peer GPU ms | ratio | % of ceiling | autopatch wall ms / peak MiB |",
+             "|---|---|---|---|---|---|"]
+    for name, label in KERNEL_ROWS:
+        case = cases.get(name)
+        ours = _mode(case, "ours") if case else None
+        if ours is None:
+            continue
+        others = [(m["gpu_ms"], p) for p in case["peers"] if p not in NOT_PEERS
+                  for m in [_mode(case, p)] if m and m.get("gpu_ms")]
+        best_ms, best = min(others)
+        ceiling = ours.get("gpu_frac_ceiling")
+        mine, theirs = f"{ours['gpu_ms']:.3f}", f"{best_ms:.3f}"
+        if ours["gpu_ms"] <= best_ms:  # the faster of the two in bold
+            mine = f"**{mine}**"
+        else:
+            theirs = f"**{theirs}**"
+        lines.append(f"| {label} | {mine} | {theirs} ({PEER_NAMES.get(best, best)}) | "
+                     f"{ours['gpu_ms'] / best_ms:.2f} | {100 * ceiling:.0f} % | "
+                     f"{ours['ms']:.3f} / {ours['peak_mib']:.0f} |")
+    return lines
+
+
+def e2e_table(results: dict) -> list[str]:
+    runs = {(r["model"], r["peer"]): r for r in results.get("e2e", []) if r.get("status") == "ok"}
+    peers = [p for p in E2E_PEERS if any(key[1] == p for key in runs)]
+    lines = ["| training step | " + " | ".join(PEER_NAMES[p] for p in peers) + " |",
+             "|---|" + "---|" * len(peers)]
+    for model, label in E2E_MODELS.items():
+        cells = []
+        for p in peers:
+            r = runs.get((model, p))
+            cells.append("–" if r is None else
+                         f"{r['tokens_per_s'] / 1000:.1f}k tok/s, {r['peak_gib']:.1f} GiB")
+        if any(c != "–" for c in cells):
+            r0 = next(runs[(model, p)] for p in peers if (model, p) in runs)
+            lines.append(f"| {label} ({r0['batch']}×{r0['seq']} tokens) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(results: dict, path: str) -> str:
+    meta, ceil = results["meta"], results["ceilings"]
+    head = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, "
+            f"Liger-Kernel {meta.get('liger_kernel', '–')}, Cut-CE {meta.get('cut_cross_entropy', '–')}; "
+            f"commit {meta.get('git_commit', '?')}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
+            f"{ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s. "
+            f"From [{path}]({path}).")
+    return "\n".join([head, "", *kernel_table(results), "", *e2e_table(results)])
+
+
+def update(readme: str, table: str) -> str:
+    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
+        raise SystemExit(f"readme_table: the README needs one '{BEGIN}' line followed by one '{END}' line")
+    head, rest = readme.split(BEGIN)
+    _, tail = rest.split(END)
+    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="The README's performance tables from one results file.")
+    ap.add_argument("results", help="a results JSON written by benchmarks/bench.py")
+    ap.add_argument("--update", metavar="README", help="replace the table block of this file")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
+        table = render(json.load(f), args.results)
+    if args.update:
+        with open(args.update) as f:
+            text = f.read()
+        with open(args.update, "w") as f:
+            f.write(update(text, table))
+    else:
+        sys.stdout.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
