@@ -7,8 +7,8 @@
     TRITON_INTERPRET=1 python3 scripts/bench.py --device cpu --tiny --out /tmp/b.json   # CPU dry run
 
 Parts (each inside its own wall-clock budget; what the budget does not reach is recorded as skipped):
-  kernels  bench_kernels.py: RMSNorm, RoPE, SwiGLU, cross entropy, fused linear CE; the rows of issue 6's
-           two tables first, then the sweeps (RMSNorm hidden 1k-64k at fixed bytes, CE vocab 32k-256k,
+  kernels  bench_kernels.py: RMSNorm, RoPE, SwiGLU, cross entropy, fused linear CE; the README table's
+           rows first, then the sweeps (RMSNorm hidden 1k-64k at fixed bytes, CE vocab 32k-256k,
            FLCE memory over tokens and vocab). Peers: HF eager, torch.compile, Liger-Kernel, Cut-CE, ours.
   e2e      bench_e2e.py: training-step tokens/s and peak memory, Qwen3-0.6B shape and Llama-3-8B shape cut
            to 4 layers; peers HF eager, torch.compile, Liger, ours, ours + torch.compile.

@@ -15,7 +15,7 @@ Peers: hf_eager, torch_compile (torch.compile(model), or each decoder layer with
 layers), liger (rope, rms_norm, swiglu, fused_linear_cross_entropy), ours
 (autopatch.apply(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)),
 ours_compile (ours, then torch.compile), ours_keep_input (ours with the rules' memory trade-offs off:
-RMSNorm keeps its input, the gated MLP keeps act(gate)·up, as in session 1; for A/B of speed and memory).
+RMSNorm keeps its input, the gated MLP keeps act(gate)·up, the library's behaviour before those trade-offs; for A/B of speed and memory).
 
 Per run: a few warm-up steps (they include compilation), then timed steps; tokens/s from the median
 step; peak = torch.cuda.max_memory_allocated over the timed steps (weights, AdamW state, activations:
@@ -109,7 +109,7 @@ def _compile(model, mode, torch):
 def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     """(model, info): the model of `spec` as `peer` trains it (Liger's class patches before it is built,
     autopatch after, torch.compile last); info holds the parameter count and what was patched. Used by
-    worker, scripts/step_diagnosis.py and the session experiments, so that every script runs a peer the
+    worker, scripts/step_diagnosis.py and experiments, so that every script runs a peer the
     same way."""
     info = {}
     if peer == "liger":

@@ -9,7 +9,7 @@ peers in this process:
   liger          Liger-Kernel's functional ops, when its wheel is importable
   cutce          cut_cross_entropy.linear_cross_entropy (FLCE only; default filter_eps="high", which
                  skips small gradient entries: approximate gradients), and cutce_exact (filter_eps=None)
-  ours           fused_kernels.* (the functional API in DESIGN.md)
+  ours           fused_kernels.* (the functional API, docs/architecture.md)
   host_floor     not a peer: one autograd node launching one empty Triton kernel each way (_HostFloor);
                  its wall time is what this host's Python costs any eager fused op, its GPU time ~0
 
@@ -20,7 +20,7 @@ byte/FLOP floor, the fraction of the ceiling measured in this run, and the relat
 and input gradients against hf_eager (a peer computing something else shows up there, not only in its
 speed).
 
-Floors (issue 6): RMSNorm fwd 2 passes over x-sized tensors (read x, write y), bwd 3 (read x, dy;
+Floors: RMSNorm fwd 2 passes over x-sized tensors (read x, write y), bwd 3 (read x, dy;
 write dx), fwd+bwd 5; RoPE 2 passes over q and k each way; SwiGLU fwd 3 (gate, up, y), bwd 5
 (dy, gate, up -> dgate, dup), fwd+bwd 8; cross entropy fwd 1 (read logits), bwd and fwd+bwd 2 (read
 logits, write their gradient); FLCE 2*N*H*V FLOPs forward, 4*N*H*V backward, 6*N*H*V together.
@@ -349,7 +349,7 @@ def flce_case(tokens, hidden, vocab, tags, modes=MODES, min_reps=5, max_ms=600.0
 
 
 def real_cases() -> list[Case]:
-    """Issue 6's two tables first (so a budget cut loses sweep points, not table rows), then sweeps."""
+    """The README table's cases first (so a budget cut loses sweep points, not table rows), then sweeps."""
     sweep_only = ("fwdbwd",)
     cases = [
         rms_norm_case(16384, 4096, ("main", "sweep_rms_norm")),
@@ -605,7 +605,7 @@ def run_case(case: Case, device: torch.device, ceilings: dict, deadline: Deadlin
 
 
 def _ratios(entry: dict) -> None:
-    """Each peer's time over the best other peer's, per mode; and ours over the best peer (issue 6)."""
+    """Each peer's time over the best other peer's, per mode; and ours over the best peer."""
     entry["best"] = {}
     for mode in entry["modes"]:
         times = {p: r["modes"][mode]["ms"] for p, r in entry["peers"].items()
@@ -625,7 +625,7 @@ def _ratios(entry: dict) -> None:
 def run_kernels(device: torch.device, ceilings: dict, deadline: Deadline, tiny: bool, only=None, peers=None,
                 on_case_done=None, cpu_compile: bool = False, modes=None) -> list[dict]:
     """modes: measure only these of a case's modes (fwd, bwd, fwdbwd); a case left with none is dropped.
-    fwdbwd alone is what issue 6's tables compare, in about a third of the time."""
+    fwdbwd alone is what the README table compares, in about a third of the time."""
     cases = tiny_cases() if tiny else real_cases()
     if only:
         cases = [c for c in cases if any(s in c.name for s in only)]

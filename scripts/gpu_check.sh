@@ -1,39 +1,37 @@
 #!/usr/bin/env bash
-# One call on the H200: the gpu-marked tests at real sizes, then the benchmark, inside ~8 minutes.
+# On a GPU machine: the gpu-marked tests at real sizes, then the benchmark, each time-boxed, in one command.
 #
-#   bash scripts/gpu_check.sh              (run by the lead through the device tool, carry [".whl"])
+#   bash dev/gpu_check.sh                     tests, then kernels and training steps (as the budget allows)
+#   PART=tests   bash dev/gpu_check.sh        every gpu test                                (~450 s on an H200)
+#   PART=kernels bash dev/gpu_check.sh        the kernel table, forward+backward only        (~270 s)
+#   PART=e2e     bash dev/gpu_check.sh        the training steps, each peer in a fresh process (~470 s)
 #
-# What it does:
-#   (a) installs the carried wheels (.whl/: pydantic-settings & co., liger-kernel, cut-cross-entropy)
-#       into /tmp/site; the repository itself is used from PYTHONPATH, not installed
-#   (b) prints nvidia-smi and the versions of the stack
-#   (c) runs `pytest -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log), time-boxed
-#   (d) runs scripts/bench.py (JSON: $OUT/bench.json, log: $OUT/bench.log), time-boxed per part
-#   (e) prints the compact table last
-# Everything in one call fits only in part (the budget drops the sweep tail and the compiled e2e peers).
-# The full set takes two calls, each followed by fetching $OUT/bench.json. The gpu tests take ~200 s of
-# a 330 s box (session 8: 45 passed in 198 s); with every mode measured the kernel part then ran out at
-# the Gemma-like FLCE case (session 8), so the table call measures only fwdbwd, the targets' mode:
-#   TOTAL_BUDGET_S=560 TEST_BUDGET_S=330 BENCH_PARTS=kernels BENCH_MODES=fwdbwd bash scripts/gpu_check.sh -> k.json
-#   GPU_TESTS=0 TOTAL_BUDGET_S=520 BENCH_PARTS=e2e bash scripts/gpu_check.sh   (~420 s)              -> e.json
-#   then here: python3 scripts/bench.py --merge k.json e.json --out benchmarks/h200-DATE.json
-#              .venv/bin/python scripts/plot.py benchmarks/h200-DATE.json
-# A failing or timed-out test run does not stop the benchmark. Exit status: 1 if the tests failed or
-# timed out, else 2 if the benchmark failed, else 0.
+# The README table comes from the kernels and e2e parts on one commit, merged:
+#   python benchmarks/bench.py --merge k.json e.json --out benchmarks/results/<gpu>-<stack>.json
+#   python benchmarks/plot.py benchmarks/results/<gpu>-<stack>.json
+#   python benchmarks/readme_table.py benchmarks/results/<gpu>-<stack>.json --update README.md
 #
-# Knobs (environment):
-#   TOTAL_BUDGET_S=480     wall-clock budget of the whole script (the device tool's limit is 600 s)
-#   GPU_TESTS=1            0 skips the tests (e.g. a second call that only runs the e2e part)
-#   GPU_TEST_K             pytest -k expression selecting some of the gpu tests (default: all)
-#   TEST_BUDGET_S=100      time box of the test run
-#   BENCH_PARTS=kernels,e2e   (empty: the tests only)
-#   BENCH_KERNEL_BUDGET_S, BENCH_E2E_BUDGET_S   default: what is left, split 55 % / 45 %
-#   BENCH_ONLY, BENCH_PEERS, BENCH_MODES (fwdbwd: the targets' mode only, ~1/3 of the time),
-#   BENCH_E2E_MODELS, BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers),
-#   BENCH_E2E_RUN_CAP_S (240: the longest one model/peer run may take)
-#   HYPOTHESIS_PROFILE=gpu (tests/conftest.py)
+# What it does: (a) installs carried wheels from .whl/ (pydantic-settings & co., liger-kernel,
+# cut-cross-entropy: dev/device_env.sh) and uses the repository from PYTHONPATH; (b) prints the GPU and
+# the stack; (c) `pytest -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log); (d)
+# benchmarks/bench.py (JSON: $OUT/bench.json, log: $OUT/bench.log); (e) the table of what was measured.
+# A failing test run does not stop the benchmark. Exit status: 1 if the tests failed or timed out, else
+# 2 if the benchmark failed, else 0.
+#
+# Knobs (environment): PART (above; default all), TOTAL_BUDGET_S=480 (wall clock of the whole script),
+#   GPU_TESTS=1, GPU_TEST_K (pytest -k), TEST_BUDGET_S=100, BENCH_PARTS=kernels,e2e (empty: tests only),
+#   BENCH_KERNEL_BUDGET_S / BENCH_E2E_BUDGET_S (default: what is left, 55 % / 45 %), BENCH_ONLY,
+#   BENCH_PEERS, BENCH_MODES (fwdbwd: the table's mode, ~1/3 of the time), BENCH_E2E_MODELS,
+#   BENCH_E2E_PEERS, BENCH_COMPILE_MODE (model|layers), BENCH_E2E_RUN_CAP_S=240, HYPOTHESIS_PROFILE=gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${PART:-all}" in
+  all) ;;
+  tests) : "${TOTAL_BUDGET_S:=570}" "${TEST_BUDGET_S:=520}"; BENCH_PARTS=${BENCH_PARTS-} ;;
+  kernels) : "${TOTAL_BUDGET_S:=560}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=kernels; BENCH_MODES=${BENCH_MODES:-fwdbwd} ;;
+  e2e) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=e2e ;;
+  *) echo "gpu_check: PART must be all, tests, kernels or e2e; got '$PART'" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -44,7 +42,7 @@ PARTS=${BENCH_PARTS-kernels,e2e}  # set but empty: tests only
 since() { echo $((SECONDS - START)); }
 
 echo "== (a) wheels"
-source scripts/device_env.sh
+source dev/device_env.sh
 
 echo "== (b) machine and stack"
 nvidia-smi 2>&1 | tee "$OUT/env.txt"
@@ -100,12 +98,12 @@ else
     *,e2e,*) EB=${BENCH_E2E_BUDGET_S:-$LEFT} ;;
   esac
   echo "== (d) benchmark: parts $PARTS, kernels ${KB} s, e2e ${EB} s"
-  timeout --kill-after=10 $((KB + EB + 45)) python3 scripts/bench.py --out "$OUT/bench.json" --parts "$PARTS" \
+  timeout --kill-after=10 $((KB + EB + 45)) python3 benchmarks/bench.py --out "$OUT/bench.json" --parts "$PARTS" \
     --kernel-budget-s "$KB" --e2e-budget-s "$EB" 2>&1 | tee "$OUT/bench.log"
   BENCH_RC=${PIPESTATUS[0]}
   if [ "$BENCH_RC" != 0 ] && [ -s "$OUT/bench.json" ]; then
     echo "== (e) table of what was measured before the benchmark stopped (exit $BENCH_RC)"
-    python3 scripts/bench.py --table "$OUT/bench.json"
+    python3 benchmarks/bench.py --table "$OUT/bench.json"
   fi
 fi
 

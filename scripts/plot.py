@@ -11,7 +11,7 @@ Plots (forward+backward, bf16; one line or bar per peer; missing peers and faile
   <prefix>_rms_norm_sweep.png       time vs hidden size at fixed bytes (16384x4096 elements), with the floor
   <prefix>_cross_entropy_sweep.png  time vs vocabulary size (8192 tokens), with the floor
   <prefix>_flce_memory.png          fused linear CE peak memory beyond inputs and grads, vs tokens and vs vocab
-  <prefix>_main_table.png           issue 6's table as time relative to HF eager (lower is better)
+  <prefix>_main_table.png           the README table's cases as time relative to HF eager (lower is better)
   <prefix>_e2e.png                  training tokens/s and peak memory per peer, per model
 
 matplotlib is a benchmark-only tool, not a dependency of autopatch: it is on the GPU image; here

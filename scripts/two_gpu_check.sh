@@ -2,7 +2,7 @@
 # Two GPUs (nvidia-h200-x2), one call: data-parallel training of a small Llama-shaped model (~120M
 # parameters, vocab 32000) with torchrun, plain vs patched by the environment alone, loss curves compared.
 #
-#   bash scripts/two_gpu_check.sh          (run by the lead through the device tool, kind nvidia-h200-x2,
+#   bash scripts/two_gpu_check.sh          (on a machine with two GPUs,
 #                                           carry [".whl"]; results under $OUT)
 #
 # How the ranks get patched here: the repository is not installed on that machine (it is on PYTHONPATH),
