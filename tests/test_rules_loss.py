@@ -195,7 +195,8 @@ def test_llama_edges(kernels):
     assert torch.equal(out_train_nolabels.logits, ref_train_nolabels.logits)
     with torch.enable_grad():
         fused_tuple = model(input_ids=ids, labels=labels, return_dict=False)
-    assert len(fused_tuple) == len(ref_tuple) - 1, "the stand-in logits must leave the tuple output"
+    assert len(fused_tuple) == len(ref_tuple), "every tuple position stays where the plain model has it"
+    assert fused_tuple[1] is None, "the logits slot holds None in the fused training path"
     assert_close(fused_tuple[0], ref_tuple[0], FP32, "tuple loss")
     with pytest.raises(ValueError):
         model(input_ids=ids, labels=labels, logits_to_keep=3)
@@ -237,6 +238,34 @@ def _train_step_positional(model, ids, positional):
     out = model(ids, *positional)
     out.loss.backward()
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_tuple_output_keeps_every_position(arch, kernels):
+    """return_dict=False in training with labels: the fused path returns a tuple of the plain model's
+    length, None where the logits were, and every other element where the plain model puts it (so
+    `loss, logits = out[:2]` never silently gets the cache or the router logits)."""
+    model = _build(arch)
+    ids, labels = _inputs()
+    model.train()
+    ref = model(input_ids=ids, labels=labels, return_dict=False)
+    loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    flce_before = _launches(kernels, "fused_linear_cross_entropy")
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    assert _launches(kernels, "fused_linear_cross_entropy") > flce_before, "fused kernel did not run"
+    assert isinstance(out, tuple) and len(out) == len(ref), (len(out), len(ref))
+    logits_at = [i for i, x in enumerate(ref) if isinstance(x, torch.Tensor) and x.shape == (BATCH, SEQ, VOCAB)]
+    assert len(logits_at) == 1, "the plain tuple has one logits element"
+    assert out[logits_at[0]] is None, "the logits slot holds None in the fused training path"
+    assert_close(out[0], ref[0], FP32, f"{arch} tuple loss")
+    for i, (mine, theirs) in enumerate(zip(out, ref)):
+        if i in (0, logits_at[0]):
+            continue
+        assert type(mine) is type(theirs), f"{arch}: tuple element {i} is {type(mine)}, plain {type(theirs)}"
+        if isinstance(theirs, torch.Tensor):
+            assert_close(mine, theirs, FP32, f"{arch} tuple element {i}")
+    out_dict = model(input_ids=ids, labels=labels)
+    assert out_dict.logits is None and list(out_dict.keys())[0] == "loss"
 
 
 def test_kernels_toggle_separately(kernels):

@@ -19,7 +19,7 @@ architecture; no forward is copied):
   - otherwise `loss_function` returns what transformers would (a user-set loss included), with
     ForCausalLMLoss replaced by `fused_causal_lm_loss` when the cross_entropy kernel is on.
 
-In that fused case the output's `logits` is None (a tuple output loses that element): the full
+In that fused case the output's `logits` is None (a tuple output holds None at its position): the full
 logits are exactly what the fused kernel avoids materialising. With AUTOPATCH_RETURN_LOGITS=true (or
 auto, the default, while `trl` is loaded: TRL's SFTTrainer reads the logits in training) the stand-in
 returns the real lm_head output computed without a graph instead, the forward's own transformations run
@@ -239,12 +239,13 @@ class FusedLinearLossCall:
         self.lm_head_stand_in = None
 
     def drop_logits(self, output):
-        """The forward's output without the stand-in logits (logits=None), unless they are real."""
+        """The forward's output with None for the stand-in logits, unless they are real. A tuple keeps
+        its length: every later element stays at the position the plain model gives it."""
         stand_in = self.stand_in_logits
         if stand_in is None or self.keep_logits:
             return output
         if isinstance(output, tuple):
-            return tuple(x for x in output if x is not stand_in)
+            return tuple(None if x is stand_in else x for x in output)
         fields = {k: v for k, v in output.items() if v is not stand_in}
         return type(output)(**fields)
 
