@@ -57,7 +57,6 @@ the custom ops fused_kernels::rms_norm_fwd / rms_norm_bwd; both run `_forward_im
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 from typing import Optional
@@ -66,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._gpu import sm_count as _sm_count
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -344,15 +344,6 @@ def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col
     """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
     return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count,
                      cfg.l2_cap)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a device, looked up once per device."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index if device.index is not None else 0).multi_processor_count
-    # The CPU interpreter runs programs one after another: few persistent programs keep it cheap.
-    return 2
 
 
 def _cdiv(a: int, b: int) -> int:

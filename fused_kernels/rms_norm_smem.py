@@ -28,11 +28,11 @@ copied once with the first row. Per row:
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
-the launch's last claim sets it back to zero, so a stream keeps one: cross_entropy_smem.claim_counter):
+the launch's last claim sets it back to zero, so a stream keeps one: cross_entropy_gpu.claim_counter):
 which rows a cluster's dw partial row sums differs from run to run, so dw's rounding does too. Under
 torch.use_deterministic_algorithms(True) the split backward runs instead. w stays in shared memory, not
 registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm CTAs
-share an SM, cross_entropy_smem.register_cap); read from global memory twice per row instead, it hit L1
+share an SM, cross_entropy_gpu.register_cap); read from global memory twice per row instead, it hit L1
 only 30 % of the time and waiting on L2 was the kernel's largest stall (ncu, benchmarks/session16).
 
 Bytes moved (rows × N, B bytes per element): x and dy read once, dx written once (3·rows·N·B, the floor),
@@ -76,7 +76,7 @@ import functools
 import torch
 import triton
 
-from fused_kernels import cross_entropy_smem as _smem
+from fused_kernels import _gpu
 from fused_kernels._launch import launch
 
 try:
@@ -86,7 +86,7 @@ try:
 except ImportError:  # pragma: no cover - an older Triton: the split backward serves every length
     gluon = None
 
-VEC = _smem.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
+VEC = _gpu.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
 MIN_CHUNKS, MAX_CHUNKS = 2, 4  # dw0-dw3 in the kernel; a one-chunk shared buffer does not build on triton 3.6
 # The forward's x0-x7 hold up to 8 chunks; it beat rms_norm's Triton forward only at 8 chunks of 8192
 # (N = 65536: 0.077 ms against 0.082; at 32768 in 4 chunks 0.088 against 0.075: benchmarks/
@@ -198,9 +198,9 @@ if gluon is not None:
     def _exchange(part, parity, got, counter_ptr, claimed_ptr, last_claim, PTX: gl.constexpr):
         """(Σ over the cluster's CTAs of `part` and the row claimed for the cluster, both [CTAS, 1, 1];
         the claimed row again as a scalar, loaded from claimed_ptr): exchange_ptx's block (PTX) on every
-        thread, after CTA 0's thread 0 publishes the claim `got` (_smem._claim_issue) in *claimed_ptr
+        thread, after CTA 0's thread 0 publishes the claim `got` (_gpu.claim_issue) in *claimed_ptr
         for the loop's scalar row, which only the end of pass 2 needs (and its reset of the counter)."""
-        _smem._claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        _gpu.claim_publish(counter_ptr, claimed_ptr, got, last_claim)
         total, row = gl.inline_asm_elementwise(PTX, "=r,=r,r,r,r", [part.to(gl.int32, bitcast=True), parity, got],
                                                dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
         return (_cta_value(total.to(gl.float32, bitcast=True)), _cta_value(row),
@@ -213,7 +213,7 @@ if gluon is not None:
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
                              PTX: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
+        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
@@ -234,7 +234,7 @@ if gluon is not None:
         wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
-        offs = _smem.slice_offsets(CTAS, T, REG)
+        offs = _gpu.slice_offsets(CTAS, T, REG)
         dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
         dw1 = dw0
         dw2 = dw0
@@ -242,21 +242,21 @@ if gluon is not None:
 
         # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
         last_claim = n_rows + gl.num_programs(0) - 1  # _claim_row: each row once, one past the end per cluster
-        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
-        _smem._cluster_sync()
+        _gpu.claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
+        _gpu.cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
         for k in gl.static_range(NCHUNK):
-            _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
-            _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
-            _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
+            _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _gpu.async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
+            _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
             async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _gpu.claim_issue(counter_ptr)  # the row after this one, published at the exchange
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
@@ -288,8 +288,8 @@ if gluon is not None:
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
                 # this chunk of the cluster's next row, into the buffer just read
-                _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
-                _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
@@ -339,23 +339,23 @@ if gluon is not None:
 
         pid = gl.program_id(0)  # the cluster
         ranks = _cta_value(gl.arange(0, CTAS, layout=per_cta))  # [CTAS, 1, 1]
-        offs = _smem.slice_offsets(CTAS, T, REG)
+        offs = _gpu.slice_offsets(CTAS, T, REG)
 
         last_claim = n_rows + gl.num_programs(0) - 1
-        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
-        _smem._cluster_sync()
+        _gpu.claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
+        _gpu.cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         for k in gl.static_range(NCHUNK):
             if HAS_WEIGHT:
-                _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
-            _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
+                _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _gpu.async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
             async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _gpu.claim_issue(counter_ptr)  # the row after this one, published at the exchange
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK)
@@ -376,7 +376,7 @@ if gluon is not None:
                 gl.store(yrow + k * CHUNK + offs,
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
                 # this chunk of the cluster's next row, into the buffer just read
-                _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
@@ -385,7 +385,7 @@ if gluon is not None:
 
 def available() -> bool:
     """Gluon importable and real kernels (not the interpreter)."""
-    return gluon is not None and _smem.available()
+    return gluon is not None and _gpu.gluon_available()
 
 
 def _chunk_range(forward: bool) -> tuple[int, int]:
@@ -434,7 +434,7 @@ def _runs_here(x2: torch.Tensor, weight) -> bool:
         and x2.element_size() == 2
         and _aligned(x2)
         and (weight is None or (weight.dtype == x2.dtype and weight.is_contiguous() and weight.data_ptr() % 16 == 0))
-        and _smem._capability(_smem._index(x2.device)) >= (9, 0)
+        and _gpu.capability(_gpu.device_index(x2.device)) >= (9, 0)
     )
 
 
@@ -501,15 +501,15 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
         lo, hi = _chunk_range(forward)
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
-    reg, smem = _smem.layouts(shape.warps, shape.ctas)
+    reg, smem = _gpu.layouts(shape.warps, shape.ctas)
     return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, PTX=exchange_ptx(shape.ctas),
-                num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+                num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_gpu.register_cap(shape.warps, shape.per_sm))
 
 
 def _claim_scratch(grid: int, device: torch.device):
     """(claimed rows, row counter) of a launch: each cluster's first row and the two rows claimed after
     (in turn), and the stream's self-resetting counter."""
-    return torch.empty(grid * 3, dtype=torch.int32, device=device), _smem.claim_counter(device)
+    return torch.empty(grid * 3, dtype=torch.int32, device=device), _gpu.claim_counter(device)
 
 
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:

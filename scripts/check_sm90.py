@@ -182,6 +182,7 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     is the CTAs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    _gpu = importlib.import_module("fused_kernels._gpu")
     sig, aligned = ce_smem_signature(dtype)
     for v in vocabs:
         bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
@@ -190,7 +191,7 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
                                                 has_ls=extras, has_row_scale=extras, in_registers=cfg.in_registers),
                          num_ctas=cfg.ctas)
             if cfg.in_registers:  # the launch caps ptxas so that per_sm CTAs fit (launch_ce_smem)
-                flags["maxnreg"] = smem.register_cap(cfg.warps, cfg.per_sm)
+                flags["maxnreg"] = _gpu.register_cap(cfg.warps, cfg.per_sm)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
             # split rows are claimed from a counter: CTAs beyond what fits only wait, and find the rows taken
             per_sm = int(cfg.per_sm) if cfg.ctas == 1 else 0

@@ -716,7 +716,7 @@ def test_smem_backward_table_shapes_fit_an_sm():
     H100/H200 SM's shared memory (228 KB, 1 KB reserved per CTA) and the register cap keeps >= 64 per
     thread (8 fp32 dw sums per chunk live in registers)."""
     smem = pytest.importorskip("fused_kernels.rms_norm_smem")
-    ce_smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    ce_smem = importlib.import_module("fused_kernels._gpu")
     assert smem.shape_for(16384) == smem.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
     assert smem.shape_for(24576).chunk == 8192 and smem.shape_for(32768).warps == 4  # measured at 32768
     assert smem.shape_for(65536) == smem.ClusterShape(warps=8, ctas=8, per_sm=4)
@@ -999,7 +999,7 @@ def test_gpu_claim_counter_resets_itself_and_graphs_capture(device):
     """The row-claiming kernels leave their stream's counter at zero (no fill per launch), so a second
     launch claims every row again and gives the same y bit for bit; launches captured in a CUDA graph use
     a counter of their own and replay to the same numbers."""
-    smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")
+    smem_ce = importlib.import_module("fused_kernels._gpu")
     x = randn(1024, 65536, dtype=torch.bfloat16, device=device)
     w = randn(65536, dtype=torch.bfloat16, device=device)
     y1 = rms_norm(x, w)
