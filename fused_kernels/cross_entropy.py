@@ -63,7 +63,6 @@ bytes for nothing, the kernel computes in fp32.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple, Optional
 
@@ -71,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._gpu import device_guard, sm_count
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -405,13 +405,6 @@ def _loss_epilogue_kernel(loss_rows_ptr, n_rows, coef_ptr, flag_ptr, loss_ptr, o
 # Host side: buffers, launch shapes
 
 
-def _device_guard(t: torch.Tensor):
-    """Launch on the tensor's GPU (Triton launches on the current device)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """Every output buffer comes from here; tests poison it so an element never written shows up,
     and follow it (on_buffer) to check that autograd adopts it as .grad without a copy."""
@@ -423,18 +416,13 @@ def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def _sm_count(device: torch.device) -> Optional[int]:
+    """SMs the grid is sized for: the forced count, else the GPU's; None off the GPU (one program per row)."""
     if _CONFIG["sm_count"]:
         return int(_CONFIG["sm_count"])
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return sm_count(device)
 
 
 def launch_config(v: int, smem_fits=None) -> LaunchConfig:
@@ -538,7 +526,7 @@ def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -
         key = (v, x.dtype, cfg, row_scale is not None, options["softcap"] is not None,
                options["logit_scale"] != 1.0, options["label_smoothing"] > 0)
         try:
-            with _device_guard(x):
+            with device_guard(x):
                 smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
                                     ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device),
                                     in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
@@ -586,7 +574,7 @@ def launch_ce(
                float(label_smoothing), float(z_loss))
     options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
                    has_row_scale=row_scale is not None)
-    with _device_guard(x):
+    with device_guard(x):
         launch(
             _ce_kernel, (grid_programs(cfg, n, x.device),),
             (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag) + scalars,
@@ -623,7 +611,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
     per = triton.cdiv(row_len, block)
     n_blocks = rows * per
     cap = 8 * _sm_count(t.device) if t.is_cuda else 16
-    with _device_guard(t):
+    with device_guard(t):
         launch(_scale_kernel, (min(n_blocks, cap),), (t, g, row_len, per, n_blocks),
                dict(PER_ROW=per_row, BLOCK=block, EXACT_BF16=_INTERPRETED, num_warps=8))
 
@@ -653,7 +641,7 @@ def start_loss(target: torch.Tensor, ignore_index: int, reduction: str, divisor:
         mode, value = 1, 0.0
     else:
         mode, value = 0, 1.0
-    with _device_guard(coef):
+    with device_guard(coef):
         launch(_loss_prologue_kernel, (1,), (target, target.numel(), ignore_index, div, value, coef, flag),
                dict(MODE=mode, BLOCK=_LOSS_BLOCK, num_warps=4))
     return coef, flag
@@ -670,7 +658,7 @@ def finish_loss(loss_rows: torch.Tensor, coef: torch.Tensor, flag: torch.Tensor,
     reduce = reduction != "none"
     loss = torch.empty((), dtype=torch.float32, device=loss_rows.device) if reduce else loss_rows
     ok = torch.empty((1,), dtype=torch.int32, device=loss_rows.device)
-    with _device_guard(loss_rows):
+    with device_guard(loss_rows):
         launch(_loss_epilogue_kernel, (1,), (loss_rows, loss_rows.numel(), coef, flag, loss, ok),
                dict(REDUCE=reduce, BLOCK=_LOSS_BLOCK, num_warps=4))
     if ok.is_cuda:

@@ -53,13 +53,11 @@ the gpu tests check its numbers.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
+from fused_kernels import _gpu
 from fused_kernels._launch import launch
-from fused_kernels._utils import interpreter_on
 from fused_kernels.cross_entropy import _capped, _dlogits, _row_loss
 
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
@@ -69,13 +67,10 @@ try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
 except ImportError:  # pragma: no cover - an older Triton: the table's Triton kernel serves every V
     gluon = None
 
-VEC = 8  # 16-bit classes per thread per chunk: one 16-byte cp.async and one 16-byte shared-memory read
-_SMEM_RESERVED = 1024  # shared memory the driver reserves per program (CTA) on sm_80+
+VEC = _gpu.VEC  # 16-bit classes per thread per chunk: one 16-byte cp.async and one 16-byte shared-memory read
 _SMEM_SLACK = 256  # the compiler's own scratch (reductions) beside the row buffer
 
 if gluon is not None:
-    # Triton 3.6 names it async_copy_global_to_shared; later versions async_load.
-    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     LOG2E = gl.constexpr(1.4426950408889634)
 
     @gluon.jit
@@ -119,69 +114,6 @@ if gluon is not None:
         return gl.load(nxt_row + k * CHUNK + offs)
 
     @gluon.jit
-    def slice_offsets(CTAS: gl.constexpr, T: gl.constexpr, REG: gl.constexpr):
-        """[CTAS, T, 8] offsets within a chunk of CTAS·T·8 classes (columns) in layout REG: CTA k's slice
-        is k·T·8 onwards, thread t's 8 consecutive ones t·8 onwards within it."""
-        per_thread: gl.constexpr = gl.SliceLayout(2, REG)
-        ranks = gl.arange(0, CTAS, layout=gl.SliceLayout(1, per_thread))
-        threads = gl.arange(0, T, layout=gl.SliceLayout(0, per_thread))
-        lanes = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, REG)))
-        return gl.expand_dims(gl.expand_dims(ranks, 1), 2) * (T * 8) + \
-            gl.expand_dims(gl.expand_dims(threads, 0), 2) * 8 + gl.expand_dims(gl.expand_dims(lanes, 0), 1)
-
-    @gluon.jit
-    def _cluster_sync():
-        # barrier.cluster with release / acquire semantics: each CTA's global stores before it are seen
-        # by every CTA of the cluster after it. Inline PTX: Triton 3.6's Gluon has no cluster barrier.
-        gl.inline_asm_elementwise("barrier.cluster.arrive.release.aligned;\n\t"
-                                  "barrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
-                                  "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    # Row claiming (split rows): thread 0 of CTA 0 of the cluster (`lead`) takes counter++ for the
-    # cluster. The claim numbered last_claim is a launch's last (every row once, plus one past the end per
-    # cluster: n_rows + clusters claims), so its taker sets the counter back to 0 for the next launch on
-    # the stream (claim_counter); -1 never resets it. Inline PTX: Gluon's atomic would broadcast its result
-    # to every thread of the cluster, with two more cluster barriers. _claim_row claims and publishes in
-    # one go; _claim_issue / _claim_publish split the two so that the atomic's round trip can overlap work.
-    def _lead_ptx(tid: str) -> str:
-        """lead = thread 0 of CTA 0 of the cluster (register `tid` holds %tid.x afterwards)."""
-        return (f"mov.u32 who, %cluster_ctarank;\n\tmov.u32 {tid}, %tid.x;\n\tor.b32 who, who, {tid};\n\t"
-                "setp.eq.u32 lead, who, 0;\n\t")
-
-    def _publish_ptx(got: str, slot: str, last_claim: str, counter: str) -> str:
-        """lead: *slot = got, and the counter reset when got is the launch's last claim."""
-        return (f"@lead st.global.u32 [{slot}], {got};\n\tsetp.eq.and.u32 last, {got}, {last_claim}, lead;\n\t"
-                f"@last st.global.u32 [{counter}], 0;\n\t")
-
-    _CLAIM_ROW_PTX = gl.constexpr(
-        "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, got;\n\t" + _lead_ptx("got")  # got = %tid.x off lead
-        + "@lead atom.global.add.u32 got, [$1], 1;\n\t" + _publish_ptx("got", "$2", "$3", "$1") + "mov.u32 $0, 0;\n\t}")
-    _CLAIM_ISSUE_PTX = gl.constexpr(
-        "{\n\t.reg .pred lead;\n\t.reg .b32 who, tid;\n\t" + _lead_ptx("tid")
-        + "mov.u32 $0, 0;\n\t@lead atom.global.add.u32 $0, [$1], 1;\n\t}")
-    _CLAIM_PUBLISH_PTX = gl.constexpr(
-        "{\n\t.reg .pred lead, last;\n\t.reg .b32 who, tid;\n\t" + _lead_ptx("tid") + _publish_ptx("$3", "$2", "$4", "$1")
-        + "mov.u32 $0, 0;\n\t}")
-
-    @gluon.jit
-    def _claim_row(counter_ptr, slot_ptr, last_claim=-1):
-        # lead: *slot = counter++ (published by the _cluster_sync that follows), with the reset.
-        gl.inline_asm_elementwise(_CLAIM_ROW_PTX, "=r,l,l,r", [counter_ptr, slot_ptr, last_claim], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-    @gluon.jit
-    def _claim_issue(counter_ptr):
-        # lead: counter++ (the other threads get 0); _claim_publish stores it later.
-        return gl.inline_asm_elementwise(_CLAIM_ISSUE_PTX, "=r,l", [counter_ptr], dtype=gl.int32, is_pure=False,
-                                         pack=1)
-
-    @gluon.jit
-    def _claim_publish(counter_ptr, slot_ptr, got, last_claim):
-        # lead: *slot = got (_claim_issue's), with the reset.
-        gl.inline_asm_elementwise(_CLAIM_PUBLISH_PTX, "=r,l,l,r,r", [counter_ptr, slot_ptr, got, last_claim],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
     def _ce_smem_kernel(
         x_ptr, x_stride, tgt_ptr, grad_ptr, grad_stride, loss_ptr, coef_ptr, row_scale_ptr, flag_ptr,
         partials_ptr, next_ptr, counter_ptr,
@@ -206,7 +138,7 @@ if gluon is not None:
         pid = gl.program_id(0)  # the cluster's index when CTAS > 1
         n_prog = gl.num_programs(0)
         ranks = gl.arange(0, CTAS, layout=per_cta)
-        offs = slice_offsets(CTAS, T, REG)
+        offs = _gpu.slice_offsets(CTAS, T, REG)
         tail = offs < V - NFULL * CHUNK
         inv_v = 1.0 / V
         coef_all = gl.load(coef_ptr)
@@ -220,8 +152,8 @@ if gluon is not None:
             # next_ptr[3·pid + 1 + parity] the row claimed after its current one): a cluster the GPU
             # cannot hold at first runs when others finish and finds the rows taken, instead of holding
             # one back.
-            _claim_row(counter_ptr, next_ptr + 3 * pid, n_rows + n_prog - 1)
-            _cluster_sync()
+            _gpu.claim_row(counter_ptr, next_ptr + 3 * pid, n_rows + n_prog - 1)
+            _gpu.cluster_sync()
             r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         first = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * x_stride
         if IN_REGS > 0:  # the register chunks by plain loads (r1-r3 unused below IN_REGS = 4)
@@ -236,9 +168,9 @@ if gluon is not None:
             if IN_REGS > 3:
                 r3 = gl.load(first + 3 * CHUNK + offs)
         for i in range(IN_REGS, NFULL):
-            _async_load(buf.index(i - IN_REGS), first + i * CHUNK + offs)
+            _gpu.async_load(buf.index(i - IN_REGS), first + i * CHUNK + offs)
         if TAIL:
-            _async_load(buf.index(NFULL - IN_REGS), first + NFULL * CHUNK + offs, mask=tail)
+            _gpu.async_load(buf.index(NFULL - IN_REGS), first + NFULL * CHUNK + offs, mask=tail)
         async_copy.commit_group()
 
         parity = 0  # split rows: which of the cluster's two exchange slots this row uses
@@ -293,8 +225,8 @@ if gluon is not None:
                 gl.store(slot + CTAS + ranks, s_cta)
                 if HAS_LS:
                     gl.store(slot + 2 * CTAS + ranks, z_cta)
-                _claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity, n_rows + n_prog - 1)
-                _cluster_sync()
+                _gpu.claim_row(counter_ptr, next_ptr + 3 * pid + 1 + parity, n_rows + n_prog - 1)
+                _gpu.cluster_sync()
                 m_row = gl.load(slot, cache_modifier=".cg")
                 for k in gl.static_range(1, CTAS):
                     m_row = gl.maximum(m_row, gl.load(slot + k, cache_modifier=".cg"))
@@ -338,11 +270,11 @@ if gluon is not None:
                 if i < NFULL:
                     gl.store(g_row + i * CHUNK + offs, d)
                     if nxt < n_rows:
-                        _async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs)
+                        _gpu.async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs)
                 else:
                     gl.store(g_row + i * CHUNK + offs, d, mask=tail)
                     if nxt < n_rows:
-                        _async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs, mask=tail)
+                        _gpu.async_load(buf.index(i - IN_REGS), nxt_row + i * CHUNK + offs, mask=tail)
             async_copy.commit_group()
             r = nxt
             parity = 1 - parity
@@ -351,7 +283,7 @@ if gluon is not None:
 
 def available() -> bool:
     """Gluon importable and real kernels (not the interpreter)."""
-    return gluon is not None and not interpreter_on()
+    return _gpu.gluon_available()
 
 
 def chunk_classes(warps: int, ctas: int = 1) -> int:
@@ -379,27 +311,6 @@ def registers_allowed(v: int, warps: int, ctas: int, in_registers: int) -> bool:
         in_registers <= min(MAX_IN_REGISTERS, v // chunk) and triton.cdiv(v, chunk) - in_registers >= MIN_SHARED_CHUNKS)
 
 
-def register_cap(warps: int, per_sm: float) -> int:
-    """Registers per thread that let per_sm CTAs of `warps` warps share an SM's 65536 (allocated in units
-    of 8; at most 255): the `maxnreg` a launch holding chunks in registers gives ptxas."""
-    return min(255, 65536 // (int(per_sm) * 32 * warps) // 8 * 8)
-
-
-def _cta_bases(ctas: int) -> list:
-    """A cga_layout splitting dim 0 of a [CTAS, T, 8] tensor over the cluster: bit b of the CTA's rank
-    steps dim 0 by 2**b, so CTA k holds slice k of every chunk."""
-    return [[1 << b, 0, 0] for b in range(ctas.bit_length() - 1)]
-
-
-@functools.lru_cache(maxsize=None)
-def layouts(warps: int, ctas: int):
-    """(REG, SMEM) of _ce_smem_kernel: each thread owns 8 consecutive classes ([CTAS, T, 8], order
-    2, 1, 0), in registers and in its 16-byte shared-memory slot; over a cluster when ctas > 1."""
-    split = {} if ctas == 1 else {"cga_layout": _cta_bases(ctas)}
-    return (gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, warps, 1], [2, 1, 0], **split),
-            gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0], **split))
-
-
 def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
                       has_row_scale: bool, in_registers: int = 0) -> dict:
     """_ce_smem_kernel's constexprs (launch_ce_smem, and scripts/check_sm90.py, which compiles the same
@@ -408,48 +319,16 @@ def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_sof
         raise ValueError(f"cross_entropy_smem: in_registers={in_registers} must lie in 0..{MAX_IN_REGISTERS}, cover "
                          f"only full chunks of {chunk_classes(warps, ctas)} classes and leave {MIN_SHARED_CHUNKS} "
                          f"chunks in shared memory (V = {v}: {triton.cdiv(v, chunk_classes(warps, ctas))} chunks)")
-    reg, smem = layouts(warps, ctas)
+    reg, smem = _gpu.layouts(warps, ctas)
     return dict(V=v, HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
                 WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_per_sm(device_index: int) -> int:
-    """Shared memory one SM offers its programs: the per-block opt-in maximum plus the driver's
-    per-block reservation (228 KB on an H100/H200, 164 KB on an A100)."""
-    from triton.runtime import driver
-
-    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"]) + _SMEM_RESERVED
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-_CLAIM_COUNTERS: dict = {}  # (device index, stream) -> its row counter, zero between launches
-
-
-def claim_counter(device: torch.device) -> torch.Tensor:
-    """A zero int32 row counter for one launch of a row-claiming kernel on the current stream. The launch
-    leaves it zero (its last claim resets it: _claim_row), so one per (device, stream) serves every launch
-    there, in stream order, and no fill kernel runs per launch. While the stream is capturing a CUDA
-    graph, a new zeroed one instead: its fill is part of the graph, and memory allocated during capture
-    belongs to the graph's pool."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    index = _index(device)
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counter = _CLAIM_COUNTERS.get(key)
-    if counter is None:
-        counter = _CLAIM_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
-    return counter
 
 
 def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1,
                       in_registers: int = 0) -> int:
     """How many CTAs' row buffers one SM's shared memory holds."""
-    need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _SMEM_RESERVED + _SMEM_SLACK
-    return _smem_per_sm(_index(device)) // need
+    need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _gpu.SMEM_RESERVED + _SMEM_SLACK
+    return _gpu.smem_per_sm(device) // need
 
 
 def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device,
@@ -457,16 +336,11 @@ def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: 
     """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, a row split over a
     cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
     portable cluster size), and in_registers chunks may live in registers (registers_allowed)."""
-    if ctas > 1 and (ctas > 8 or _capability(_index(device)) < (9, 0)):
+    if ctas > 1 and (ctas > 8 or _gpu.capability(device) < (9, 0)):
         return False
     if not registers_allowed(v, warps, ctas, in_registers):
         return False
     return programs_that_fit(v, warps, element_size, device, ctas, in_registers) >= per_sm
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -485,7 +359,7 @@ def eligible(x: torch.Tensor, grad) -> bool:
         and x.shape[0] > 0
         and _aligned(x)
         and _aligned(grad)
-        and _capability(_index(x.device)) >= (8, 0)
+        and _gpu.capability(x.device) >= (8, 0)
     )
 
 
@@ -501,7 +375,7 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     if ctas > 1:  # per cluster: two exchange slots of partials, its first row and two claimed rows; the counter
         partials = torch.empty(grid * 2 * 3 * ctas, dtype=torch.float32, device=x.device)
         next_rows = torch.empty(grid * 3, dtype=torch.int32, device=x.device)
-        counter = claim_counter(x.device)
+        counter = _gpu.claim_counter(x.device)
     else:  # never touched
         partials, next_rows, counter = coef, flag, flag
     launch(
@@ -512,5 +386,5 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
         dict(kernel_constexprs(v, warps, ctas, has_scale=logit_scale != 1.0, has_softcap=softcap is not None,
                                has_ls=label_smoothing > 0.0, has_row_scale=row_scale is not None,
                                in_registers=in_registers),
-             num_warps=warps, num_ctas=ctas, **({"maxnreg": register_cap(warps, per_sm)} if in_registers else {})),
+             num_warps=warps, num_ctas=ctas, **({"maxnreg": _gpu.register_cap(warps, per_sm)} if in_registers else {})),
     )

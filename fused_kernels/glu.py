@@ -38,13 +38,13 @@ Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block chosen by `_block_con
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
 
@@ -230,13 +230,6 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
-def _device_guard(t: torch.Tensor):
-    """Launch on the tensor's GPU (Triton launches on the current device)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], act: int):
     """Run `kernel` over same-shaped `inputs` (read) and `outputs` (written): fresh contiguous tensors,
     or (the in-place backward) views that `_writable_rows` accepted, all with one row stride."""
@@ -259,7 +252,7 @@ def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[to
     padded_rows = n_row_blocks * cfg.block_m
     max_offset = max(abs(s) for s in [*in_strides, out_stride]) * padded_rows + n_col_blocks * cfg.block_n
     wide = max_offset >= _INT32_LIMIT or n_row_blocks * n_col_blocks >= _INT32_LIMIT
-    with _device_guard(outputs[0]):
+    with device_guard(outputs[0]):
         launch(kernel, (n_row_blocks * n_col_blocks,),
                (*ins, *outputs, n_rows, n_cols, n_col_blocks, *in_strides, out_stride),
                dict(ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=even, WIDE_INDEX=wide,

@@ -28,30 +28,34 @@ memory is freed (per decoder layer, two hidden-sized activations).
 Bytes moved (rows × N elements of B bytes): forward reads x, writes y (2·rows·N·B, plus rows·4 for r);
 backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of dw per persistent program
 (programs × N × 4 bytes, written once, then summed and cast by _dw_sum_kernel). 16384×4096 bf16: 256 MiB
-forward+backward, 0.158 ms at the H200's ~4.25 TB/s copy rate. Rows up to the table's last entry are
-held whole in registers (x read once per kernel); longer rows are swept twice in column chunks, the
-second sweep reading from L2. The backward of rows longer than 16 K is split across programs instead
-(SplitBackwardConfig): the row sums of g·xhat by column block, then dx and dw by row group and column
-block; x and dy are read twice from HBM (5 passes in all where the floor counts 3), but every SM works.
-On an H100/H200, the backward of rows of 16-bit x, dy and weight whose length is 2-4 chunks of a table
-shape (16384, 24576, 32768, 49152, 65536) reads them once instead: each row split over a thread-block
-cluster and held in shared memory, the dw sums in registers (fused_kernels/rms_norm_smem.py,
-`_smem_backward`; at 16384 it beats the one-kernel backward too); so does the forward at 65536
-(`_smem_forward`), where the Triton forward sweeps each row twice.
+forward+backward.
 
-Launch shapes. On a GPU, triton.autotune picks among `candidate_configs`: rows per tile, warps,
-single pass vs chunked, and (forward) one program per tile vs a persistent grid; persistent grids (the
-backward always) get their tile loop software-pipelined by Triton (num_stages: later tiles' loads in
-flight through shared memory while this one computes and stores) and as many programs per SM as
-surely fit. The key is the row length, the casting mode, the dtypes and the row count's power-of-two
-bucket; the first call per key times the candidates (about a second), later calls launch the winner
-directly. Under the CPU interpreter the small tables
-_FWD_TABLE/_BWD_TABLE/_FWD_LONG/_BWD_LONG give one config per row length (`heuristic_config`).
-`launch_config` says which applies; replacing it forces a config (tests, scripts/tune_rms_norm.py).
+Which implementation runs is decided in one place, `plan()` (section "Dispatch" below, with every
+threshold it uses); it returns a `fused_kernels._dispatch.Plan` whose `path` is one of:
+  "cluster"  fused_kernels/rms_norm_smem.py (Gluon, H100/H200): each row split over a thread-block
+             cluster and held in shared memory, so x and dy are read from HBM once. Backward: rows of
+             16384, 24576, 32768, 49152 or 65536 16-bit columns with a weight, from the input; forward:
+             rows of 65536 (where the Triton forward sweeps each row twice). A first build that fails
+             turns it off for the process (`_dispatch.run_path`) and the call is planned again.
+  "split"    backward rows longer than SPLIT_BACKWARD_FROM (16 K), split across programs
+             (SplitBackwardConfig): the row sums of g·xhat by column block, then dx and dw by row group
+             and column block; x and dy are read twice from HBM (5 passes where the floor counts 3),
+             but every SM works however few the rows.
+  "triton"   one kernel. Rows up to the table's last entry are held whole in registers (x read once
+             per kernel); longer rows are swept twice in column chunks, the second sweep reading from L2.
 
-Dispatch: eager calls go through a torch.autograd.Function (a few µs of Python), torch.compile traces
-the custom ops fused_kernels::rms_norm_fwd / rms_norm_bwd; both run `_forward_impl` / `_backward_impl`.
-"none" casting: see above; weight None: y = x·r in x.dtype, no dw.
+Launch shapes of the one-kernel path. On a GPU, triton.autotune picks among `candidate_configs`: rows
+per tile, warps, single pass vs chunked, and (forward) one program per tile vs a persistent grid;
+persistent grids (the backward always) get their tile loop software-pipelined by Triton (num_stages:
+later tiles' loads in flight through shared memory while this one computes and stores) and as many
+programs per SM as surely fit. The key is the row length, the casting mode, the dtypes and the row
+count's power-of-two bucket; the first call per key times the candidates (about a second), later calls
+launch the winner directly. Under the CPU interpreter the small tables _FWD_TABLE/_BWD_TABLE/_FWD_LONG/
+_BWD_LONG give one config per row length (`heuristic_config`); plan() says which applies.
+
+Entry points: eager calls go through a torch.autograd.Function (a few µs of Python), torch.compile traces
+the custom ops fused_kernels::rms_norm_fwd / rms_norm_bwd; both run `_forward_impl` / `_backward_impl`,
+which execute plan()'s choice. "none" casting: see above; weight None: y = x·r in x.dtype, no dw.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels import _dispatch, _gpu
+from fused_kernels._dispatch import Plan
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -161,25 +167,9 @@ class SplitBackwardConfig:
     num_stages: int = 3  # software pipelining of the dx/dw kernel's row loop
 
 
-# Backward rows longer than this go through the split kernels (no backward config holds them whole).
-# H200, bf16 (benchmarks/session5/tune_rms_norm_split.txt), backward kernel time, one kernel -> split:
-# 1024x65536 0.297 -> 0.181 ms, 2048x32768 0.229 -> 0.179, 8192x32768 0.852 -> 0.669; at 4096x16384
-# the whole-row kernel stays ahead (0.136 against 0.177). The defaults above are that run's best shape
-# within noise (2048 columns, 4 warps); programs per SM moved it by <= 5 %. 3 pipelining stages beat 2
-# by 3-4 % in all four runs of sessions 5-6 at 1024x65536, 2048x32768 and 8192x32768 (e.g. 0.1753
-# against 0.1824 ms; 0.6450 against 0.6654), more than the runs' spread (benchmarks/session6).
-SPLIT_BACKWARD_FROM = 16384
-
-
-def split_backward_config(n_rows: int, n_cols: int) -> Optional[SplitBackwardConfig]:
-    """The split backward's config for this shape, or None for the one-kernel backward. Tests and
-    scripts/tune_rms_norm.py replace this function to force (or forbid) the split path."""
-    return SplitBackwardConfig() if n_cols > SPLIT_BACKWARD_FROM else None
-
-
 def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
-    from the tables above."""
+    from the tables above: the one-kernel path's config under the CPU interpreter."""
     block_n = max(16, _next_pow2(n_cols))
     if backward:
         for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
@@ -192,13 +182,158 @@ def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     return _FWD_LONG
 
 
-def launch_config(n_cols: int, backward: bool) -> Optional[LaunchConfig]:
-    """The config a launch must use, or None to let triton.autotune choose among `candidate_configs`
-    (on a GPU, where the best choice depends on the chip). The interpreter always gets the heuristic
-    config: one program shape per row length keeps CPU tests fast. Tests and scripts/tune_rms_norm.py
-    replace this function to force a config."""
-    return heuristic_config(n_cols, backward) if _INTERPRETED else None
+@dataclasses.dataclass(frozen=True)
+class ClusterShape:
+    """A launch shape of rms_norm_smem's kernels: a row split over a cluster of `ctas` CTAs of `warps`
+    warps, each thread 8 consecutive 16-bit columns of every chunk."""
+    warps: int  # per CTA
+    ctas: int  # CTAs per cluster (one row)
+    per_sm: int  # CTAs per SM the launch sizes its grid and register cap for
 
+    @property
+    def chunk(self) -> int:
+        """Columns per chunk: 8 per thread of the cluster (one 16-byte copy each)."""
+        return self.ctas * 32 * self.warps * _gpu.VEC
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterLaunch:
+    """The "cluster" path's config: the shape and how many clusters the persistent grid has."""
+    shape: ClusterShape
+    clusters: int
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch: plan() decides the path and config of every call; all of its thresholds are here
+# ----------------------------------------------------------------------------------------------
+
+# Backward rows longer than this take the split kernels (no one-kernel config holds them whole).
+SPLIT_BACKWARD_FROM = 16384
+# The row lengths rms_norm_smem's kernels take, and their shape for each: every length is whole chunks
+# of its shape (2-4 in the backward, 8 in the forward: the kernels' dw0-dw3 and x0-x7). Shorter backward
+# rows: the one-kernel backward holds them whole in registers. The forward takes 65536 only: at 32768
+# (4 chunks) the Triton forward, which holds such a row whole, is faster.
+CLUSTER_BACKWARD_SHAPES = {
+    16384: ClusterShape(warps=4, ctas=4, per_sm=6),  # 4 chunks of 4096
+    24576: ClusterShape(warps=4, ctas=8, per_sm=6),  # 3 chunks of 8192
+    32768: ClusterShape(warps=4, ctas=8, per_sm=6),  # 4 chunks of 8192
+    49152: ClusterShape(warps=8, ctas=8, per_sm=4),  # 3 chunks of 16384
+    65536: ClusterShape(warps=8, ctas=8, per_sm=4),  # 4 chunks of 16384
+}
+CLUSTER_FORWARD_SHAPES = {
+    65536: ClusterShape(warps=4, ctas=8, per_sm=6),  # 8 chunks of 8192
+}
+# Fewer rows than this per cluster and the dw partial rows (one per cluster), or the per-CTA copies of w,
+# start to cost as much as the rows themselves: the other paths take those calls.
+MIN_ROWS_PER_CLUSTER = 4
+_CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters: H100/H200 and later
+_16BIT = (torch.bfloat16, torch.float16)  # the cluster kernels copy 8 columns in 16 bytes
+_OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What plan() needs to know of the device a call runs on (`device_facts` gives a real device's)."""
+    sm_count: int
+    capability: Optional[tuple[int, int]] = None  # an NVIDIA GPU's compute capability; None: CPU or ROCm
+    gluon: bool = False  # Gluon kernels can be built here (Gluon importable, real kernels)
+    interpreted: bool = False  # Triton's CPU interpreter: the heuristic tables instead of autotuning
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The facts of a device, looked up once per device."""
+    nvidia = device.type == "cuda" and torch.version.hip is None
+    return DeviceFacts(sm_count=_gpu.sm_count(device), capability=_gpu.capability(device) if nvidia else None,
+                       gluon=_gpu.gluon_available(), interpreted=_INTERPRETED)
+
+
+def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
+    """The cluster kernels' shape for rows of n_cols (CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES),
+    or None for a length they do not take."""
+    return (CLUSTER_BACKWARD_SHAPES if backward else CLUSTER_FORWARD_SHAPES).get(n_cols)
+
+
+def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
+    """The cluster path's persistent grid: at most per_sm CTAs on every SM, in clusters of ctas, and no
+    more clusters than it takes to finish the rows in as many rounds (1024 rows over the 66 clusters
+    that fit take 16 rounds; 64 clusters take 16 too, evenly, and contend less for the row counter)."""
+    fit = max(1, shape.per_sm * sm_count // shape.ctas)
+    rounds = -(-n_rows // fit)
+    return max(1, -(-n_rows // rounds))
+
+
+def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype],
+                   direction: str, *, device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None,
+                   from_output: bool = False, aligned: bool = True,
+                   deterministic: bool = False) -> tuple[Optional[ClusterLaunch], str]:
+    """(the "cluster" path's config, why) for a call, or (None, why not): plan()'s conditions for
+    rms_norm_smem's kernels. Both directions: a length of its table, Gluon, an NVIDIA GPU with
+    thread-block clusters (compute capability >= 9.0), x and the weight (if any) of one 16-bit dtype,
+    16-byte aligned rows (`aligned`), at least MIN_ROWS_PER_CLUSTER rows per cluster. The backward also:
+    a weight, dy of x's dtype, from the input (the backward from the saved output recovers xhat per
+    element, which the other paths do), and not deterministic mode (which rows a cluster's dw partial
+    row sums varies between runs; a row's y and rstd do not, so the forward runs there)."""
+    backward = direction == "backward"
+    shape = cluster_shape(n_cols, backward)
+    if shape is None:
+        return None, f"the cluster kernels take no rows of {n_cols}"
+    if not device.gluon:
+        return None, "no Gluon here"
+    if device.capability is None or device.capability < _CLUSTER_CAPABILITY:
+        return None, f"no thread-block clusters (compute capability {device.capability}, not >= 9.0)"
+    if x_dtype not in _16BIT or weight_dtype not in (None, x_dtype):
+        return None, f"x ({x_dtype}) and the weight ({weight_dtype}) are not of one 16-bit dtype"
+    if backward:
+        if weight_dtype is None:
+            return None, "no weight"
+        if dy_dtype != x_dtype:
+            return None, f"dy ({dy_dtype}) is not of x's dtype ({x_dtype})"
+        if from_output:
+            return None, "the backward from the saved output"
+        if deterministic:
+            return None, "deterministic mode (dw's rounding would depend on which cluster claims a row)"
+    if not aligned:
+        return None, "rows not 16-byte aligned at a stride of a multiple of 8 elements"
+    grid = clusters(n_rows, shape, device.sm_count)
+    if n_rows < MIN_ROWS_PER_CLUSTER * grid:
+        return None, f"{n_rows} rows: fewer than {MIN_ROWS_PER_CLUSTER} per cluster"
+    return ClusterLaunch(shape, grid), (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over "
+                                        f"{grid} clusters of {shape.ctas} CTAs x {shape.warps} warps")
+
+
+def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], direction: str, *,
+         device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None, from_output: bool = False,
+         aligned: bool = True, deterministic: bool = False) -> Plan:
+    """The path and config of one forward or backward call (`direction`) on n_rows rows of n_cols:
+    "cluster" (a ClusterLaunch) where `cluster_launch` allows it and `_dispatch` has not turned it off,
+    else for the backward of rows longer than SPLIT_BACKWARD_FROM "split" (a SplitBackwardConfig), else
+    "triton": the one kernel, with the heuristic table's LaunchConfig under the CPU interpreter or None
+    (triton.autotune chooses) on a GPU. The facts: x's and the weight's dtypes (weight None: no weight),
+    the device's (DeviceFacts), and for the cluster path dy's dtype, whether the backward starts from the
+    saved output, whether every row is 16-byte aligned and whether deterministic mode is on."""
+    if direction not in _OP:
+        raise ValueError(f"direction must be 'forward' or 'backward'; got {direction!r}")
+    backward = direction == "backward"
+    if _dispatch.path_on(_OP[direction], "cluster"):
+        config, why = cluster_launch(n_rows, n_cols, x_dtype, weight_dtype, direction, device=device,
+                                     dy_dtype=dy_dtype, from_output=from_output, aligned=aligned,
+                                     deterministic=deterministic)
+        if config is not None:
+            return Plan("cluster", config, why)
+    else:
+        why = "the cluster kernel is off (its first build failed here)"
+    if backward and n_cols > SPLIT_BACKWARD_FROM:
+        return Plan("split", SplitBackwardConfig(),
+                    f"rows of {n_cols} > {SPLIT_BACKWARD_FROM} columns, split across programs; not cluster: {why}")
+    if device.interpreted:
+        return Plan("triton", heuristic_config(n_cols, backward), f"one kernel, heuristic table; not cluster: {why}")
+    return Plan("triton", None, f"one kernel, autotuned among candidate_configs; not cluster: {why}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The one-kernel path on a GPU: the autotuner's candidates; grid sizes
+# ----------------------------------------------------------------------------------------------
 
 # Autotuning: the candidate space. Rows up to these lengths may be held whole in registers (the
 # backward holds ~4 arrays per element, the forward ~2); longer rows go through the chunked path,
@@ -344,15 +479,6 @@ def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col
     """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
     return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count,
                      cfg.l2_cap)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a device, looked up once per device."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index if device.index is not None else 0).multi_processor_count
-    # The CPU interpreter runs programs one after another: few persistent programs keep it cheap.
-    return 2
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -614,14 +740,11 @@ def _rms_norm_bwd_split_kernel(
 
 
 # dw's last step: the sum over the backward's fp32 partial rows, cast to the weight's dtype, one column
-# block per program. One launch where torch took two (a reduce, then the cast): 4.8-5.5 µs where torch
-# took 8.4-12.7 on the H200 (queued GPU time, benchmarks/session11/exp_rms_dw_sum.txt). Rows: (largest
-# n_cols, columns per program, partial rows per load, num_warps); narrow blocks give enough programs.
+# block per program: one launch where torch takes two (a reduce, then the cast). Rows: (largest n_cols,
+# columns per program, partial rows per load, num_warps); narrow blocks give enough programs.
 _DW_SUM_TABLE = (
     (16384, 32, 16, 8),
-    # 64 partial rows of 65536 (rms_norm_smem's backward): 6.3 µs against 7.2 for (128, 16, 2)
-    # (benchmarks/session17/exp_rms_knobs_run3.txt; session 16 saw 6.2 against 6.7)
-    (None, 64, 16, 1),
+    (None, 64, 16, 1),  # e.g. the cluster backward's 64 partial rows of 65536
 )
 
 
@@ -745,7 +868,8 @@ def _row_stride(t2: torch.Tensor) -> int:
 def _forward_impl(
     x: torch.Tensor, weight: Optional[torch.Tensor], eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32, shape x.shape[:-1]."""
+    """(y, rstd): y like x in the output dtype, rstd = 1/sqrt(mean(x²)+eps) in fp32, shape x.shape[:-1].
+    Runs plan()'s path."""
     out_dtype = output_dtype(x.dtype, None if weight is None else weight.dtype, casting_mode)
     device = x.device
     y = _new_output(x.shape, out_dtype, device)
@@ -755,17 +879,34 @@ def _forward_impl(
     if n_rows == 0:
         return y, rstd
     count_launch("rms_norm_fwd")
-    if _smem_forward(x2, weight, y, rstd, eps, offset, casting_mode):
-        return y, rstd
+    facts = device_facts(device)
+    y2 = y.view(n_rows, n_cols)
+    # alignment only matters (and is only looked at) for the lengths the cluster kernels take
+    aligned = (cluster_shape(n_cols, False) is not None and _aligned_rows(x2) and _aligned_rows(y2)
+               and _aligned_weight(weight))
+
+    def plan_now() -> Plan:
+        return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward", device=facts,
+                    aligned=aligned)
+
+    p = plan_now()
+    if p.path == "cluster":
+        cfg, kernels = p.config, _cluster_kernels()
+        key = (n_cols, x2.dtype, y2.dtype, cfg.shape, casting_mode, offset != 0.0, weight is not None)
+        if _dispatch.run_path(_OP["forward"], "cluster", key, lambda: kernels.launch_forward(
+                x2, weight, y2, rstd.view(n_rows), shape=cfg.shape, grid=cfg.clusters, eps=eps, offset=offset,
+                casting_id=_CASTING_ID[casting_mode]), instead="the Triton forward"):
+            return y, rstd
+        p = _planned_again(plan_now())
     args = (
         x2, x2 if weight is None else weight, y, rstd,
         n_rows, n_cols, _row_stride(x2), n_cols,
         eps, offset, _row_bucket(n_rows),
     )
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None)
-    cfg = launch_config(n_cols, backward=False)
+    cfg = p.config
     if cfg is None:
-        sm_count = _sm_count(device)
+        sm_count = facts.sm_count
 
         def grid(meta):
             return (_programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], False, n_rows, n_cols, 0, sm_count),)
@@ -773,7 +914,7 @@ def _forward_impl(
         key = ("fwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], x.dtype, args[1].dtype, out_dtype)
         _launch_tuned(_rms_norm_fwd_tuned, _rms_norm_fwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
     else:
-        programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, _sm_count(device))
+        programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, facts.sm_count)
         launch(_rms_norm_fwd_kernel, (programs,), args,
                dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
     return y, rstd
@@ -791,8 +932,7 @@ def _backward_impl(
     from_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw). dw has weight's shape and dtype, or is empty when weight is None or compute_dw is
-    False. One kernel launch (two for rows longer than SPLIT_BACKWARD_FROM: the split backward; one
-    where rms_norm_smem takes the rows: the lengths its table names, 16384 to 65536), plus
+    False. Runs plan()'s path: one kernel launch ("cluster", "triton") or two ("split"), plus
     _dw_sum_kernel's sum over the dw partial rows; nothing else touches full-size tensors.
     from_output: `x` is the forward's output y (of x's dtype), from which the kernels recover
     xhat = y / (offset + weight)."""
@@ -805,30 +945,70 @@ def _backward_impl(
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else x.new_empty(0, dtype=torch.float32)
     count_launch("rms_norm_bwd")
-    sm_count = _sm_count(device)
-    split = split_backward_config(n_rows, n_cols)
-    in_smem = _smem_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output, sm_count)
-    if in_smem is not None:
-        partial, programs = in_smem
-    elif split is not None:
+    facts = device_facts(device)
+    # alignment only matters (and is only looked at) for the lengths the cluster kernels take
+    aligned = (cluster_shape(n_cols, True) is not None and _aligned_rows(x2) and _aligned_rows(dy2)
+               and _aligned_weight(weight))
+
+    def plan_now() -> Plan:
+        return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward", device=facts,
+                    dy_dtype=dy2.dtype, from_output=from_output, aligned=aligned,
+                    deterministic=torch.are_deterministic_algorithms_enabled())
+
+    p = plan_now()
+    if p.path == "cluster":
+        cfg, kernels = p.config, _cluster_kernels()
+        partial = _new_output((cfg.clusters, n_cols) if compute_dw else (1, 1), torch.float32, device)
+        key = (n_cols, x2.dtype, cfg.shape, casting_mode, offset != 0.0, compute_dw)
+        if _dispatch.run_path(_OP["backward"], "cluster", key, lambda: kernels.launch_backward(
+                dy2, x2, weight, rstd.contiguous().reshape(-1), dx, partial, shape=cfg.shape, grid=cfg.clusters,
+                offset=offset, casting_id=_CASTING_ID[casting_mode], compute_dw=compute_dw),
+                instead="the Triton backward"):
+            programs = cfg.clusters
+        else:
+            p = _planned_again(plan_now())
+    if p.path == "split":
         partial, programs = _split_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output,
-                                            split, sm_count)
-    else:
+                                            p.config, facts.sm_count)
+    elif p.path == "triton":
         partial, programs = _one_kernel_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw,
-                                                 from_output, sm_count)
+                                                 from_output, p.config, facts.sm_count)
     if compute_dw:
         return dx, _sum_partial_rows(partial, programs, weight)
     return dx, partial.new_empty(0)
 
 
+def _planned_again(p: Plan) -> Plan:
+    """The plan after a forgiven first build of the cluster kernel (which turned its path off)."""
+    if p.path == "cluster":
+        raise RuntimeError(f"rms_norm: plan() chose the cluster path again after it was turned off ({p})")
+    return p
+
+
+def _cluster_kernels():
+    """fused_kernels.rms_norm_smem, the "cluster" path's launchers: imported on its first launch (plan()
+    never picks it under the CPU interpreter, which has no Gluon)."""
+    from fused_kernels import rms_norm_smem
+
+    return rms_norm_smem
+
+
+def _aligned_rows(t2: torch.Tensor) -> bool:
+    """Whether every row of t2 may be copied 16 bytes at a time by the cluster kernels (16-bit elements)."""
+    return t2.stride(-1) == 1 and t2.stride(0) % 8 == 0 and t2.data_ptr() % 16 == 0
+
+
+def _aligned_weight(weight: Optional[torch.Tensor]) -> bool:
+    return weight is None or (weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+
+
 def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool,
-                         from_output: bool, sm_count: int) -> tuple[torch.Tensor, int]:
-    """_rms_norm_bwd_kernel's launch (autotuned on a GPU); dx is written in place. Returns the dw
-    partial rows and how many of them to sum."""
+                         from_output: bool, cfg: Optional[LaunchConfig], sm_count: int) -> tuple[torch.Tensor, int]:
+    """_rms_norm_bwd_kernel's launch with `cfg` (None: autotuned); dx is written in place. Returns the
+    dw partial rows and how many of them to sum."""
     n_rows, n_cols = x2.shape
     device = x2.device
     bytes_per_col = 4 + x2.element_size() + dy2.element_size()
-    cfg = launch_config(n_cols, backward=True)
     if cfg is None:  # the autotuner picks rows per tile and programs per SM: room for the most
         max_programs = min(n_rows, _MAX_PROGRAMS_PER_SM * sm_count)
     else:
@@ -858,95 +1038,6 @@ def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode:
     launch(_rms_norm_bwd_kernel, (max_programs,), args,
            dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))
     return partial, max_programs
-
-
-_SMEM_MODULE: list = []  # [fused_kernels.rms_norm_smem, or None where it cannot run here], on first use
-_SMEM_BROKEN: set = set()  # "forward" / "backward": its kernel failed a first build here, so it is off
-_SMEM_LAUNCHED: set = set()  # the shapes and options its kernels have built and run for
-
-
-def _smem_module(direction: str):
-    """fused_kernels.rms_norm_smem where its `direction` kernel can run (Gluon, real kernels, and it has
-    not failed to build), else None. Not imported under the interpreter (Triton's compiler bindings)."""
-    if not _SMEM_MODULE:
-        if _INTERPRETED:
-            _SMEM_MODULE.append(None)
-        else:
-            from fused_kernels import rms_norm_smem
-
-            _SMEM_MODULE.append(rms_norm_smem if rms_norm_smem.available() else None)
-    return None if direction in _SMEM_BROKEN else _SMEM_MODULE[0]
-
-
-def _smem_launched(direction: str, key: tuple, launch_it) -> bool:
-    """Runs one rms_norm_smem launch (`launch_it()`); whether it ran. Gluon is an experimental API that
-    changes between Triton releases: a first build that fails warns once and turns that direction's
-    kernel off (the Triton kernels give the same numbers); one that has run before and then fails raises."""
-    try:
-        launch_it()
-    except Exception as exc:  # noqa: BLE001 - only a first build is forgiven
-        if (direction,) + key in _SMEM_LAUNCHED:
-            raise
-        import warnings
-
-        fallback = "Triton backward" if direction == "backward" else "Triton forward"
-        warnings.warn(
-            f"fused_kernels.rms_norm: the long-row {direction} (rms_norm_smem.py) did not build or launch with triton "
-            f"{triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); using the {fallback} from now on",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-        _SMEM_BROKEN.add(direction)
-        return False
-    _SMEM_LAUNCHED.add((direction,) + key)
-    return True
-
-
-def _smem_forward(x2, weight, y, rstd, eps: float, offset: float, casting_mode: str) -> bool:
-    """The long-row forward over a cluster (rms_norm_smem, 6 % faster than the Triton forward at 65536 on
-    an H200) where it applies; whether it wrote y (new, contiguous) and rstd. Every forward asks, so the
-    row length, the cheap test that turns most of them away, comes first."""
-    smem = _smem_module("forward")
-    if smem is None:
-        return False
-    n_rows, n_cols = x2.shape
-    shape = smem.shape_for(n_cols, forward=True)
-    if shape is None:
-        return False
-    y2, rstd = y.view(n_rows, n_cols), rstd.view(n_rows)
-    if not smem.forward_eligible(x2, weight, y2):
-        return False
-    grid = smem.clusters(n_rows, shape, _sm_count(x2.device))
-    if n_rows < smem.MIN_ROWS_PER_CLUSTER * grid:
-        return False
-    key = (n_cols, x2.dtype, y2.dtype, shape, casting_mode, offset != 0.0, weight is not None)
-    return _smem_launched("forward", key, lambda: smem.launch_forward(
-        x2, weight, y2, rstd, shape=shape, grid=grid, eps=eps, offset=offset, casting_id=_CASTING_ID[casting_mode]))
-
-
-def _smem_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool, from_output: bool,
-                   sm_count: int) -> Optional[tuple[torch.Tensor, int]]:
-    """The long-row backward with each row read from HBM once (rms_norm_smem: a row split over a
-    cluster; on an H200 faster than the split backward from 24576 columns and than the one-kernel backward
-    at 16384), where it applies: returns the dw partial rows and how many to sum, or None for the Triton
-    kernels. Every backward asks, so the row length, the cheap test that turns most of them away, comes
-    first."""
-    smem = _smem_module("backward")
-    if smem is None:
-        return None
-    n_rows, n_cols = x2.shape
-    shape = smem.shape_for(n_cols)
-    if shape is None or not smem.eligible(dy2, x2, weight, from_output):
-        return None
-    grid = smem.clusters(n_rows, shape, sm_count)
-    if n_rows < smem.MIN_ROWS_PER_CLUSTER * grid:
-        return None
-    partial = _new_output((grid, n_cols) if compute_dw else (1, 1), torch.float32, x2.device)
-    key = (n_cols, x2.dtype, shape, casting_mode, offset != 0.0, compute_dw)
-    launched = _smem_launched("backward", key, lambda: smem.launch_backward(
-        dy2, x2, weight, rstd.contiguous().reshape(-1), dx, partial, shape=shape, grid=grid, offset=offset,
-        casting_id=_CASTING_ID[casting_mode], compute_dw=compute_dw))
-    return (partial, grid) if launched else None
 
 
 def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool, from_output: bool,

@@ -1,8 +1,9 @@
-"""RMSNorm backward (and forward) for long rows with each row read from HBM once: the GPU path of
-fused_kernels.rms_norm's backward for rows of 16384 columns and more (beyond 16384 the one-kernel
-backward cannot hold a row whole and the split backward reads x and dy twice), and of its forward at
-N = 65536 (where the Triton forward sweeps each row twice, the second time from L2), on an H100/H200.
-Written in Gluon, like cross_entropy_smem, whose layouts, cluster barrier and row claiming it uses.
+"""RMSNorm backward and forward for long rows with each row read from HBM once: the "cluster" path of
+fused_kernels.rms_norm (its `plan()` decides when it runs: the row lengths and shapes of
+CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES, 16-bit x, dy and weight, an H100/H200). Where the
+one-kernel backward cannot hold a row whole the split backward reads x and dy twice, and the Triton
+forward of rows of 65536 sweeps each row twice (the second time from L2); these kernels read them once.
+Written in Gluon with the cluster primitives of fused_kernels._gpu (layouts, cluster barrier, row claiming).
 
 Math: rms_norm's backward (its module docstring), from the input (keep="input"); per row, r = rstd:
     w_eff = offset + w  ("llama": in w's dtype, as torch adds it; otherwise fp32)
@@ -28,56 +29,42 @@ copied once with the first row. Per row:
   - pass 2: dx chunk by chunk from shared memory, dw += dy·h in registers, and as each chunk is
     consumed the cp.async of the same chunk of the cluster's next row is issued into its slot.
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
-the launch's last claim sets it back to zero, so a stream keeps one: cross_entropy_smem.claim_counter):
-which rows a cluster's dw partial row sums differs from run to run, so dw's rounding does too. Under
-torch.use_deterministic_algorithms(True) the split backward runs instead. w stays in shared memory, not
-registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm CTAs
-share an SM, cross_entropy_smem.register_cap); read from global memory twice per row instead, it hit L1
-only 30 % of the time and waiting on L2 was the kernel's largest stall (ncu, benchmarks/session16).
+the launch's last claim sets it back to zero, so a stream keeps one: _gpu.claim_counter): which rows a
+cluster's dw partial row sums differs from run to run, so dw's rounding does too; under
+torch.use_deterministic_algorithms(True) rms_norm plans the split backward instead. w stays in shared
+memory, not registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm
+CTAs share an SM, _gpu.register_cap); read from global memory twice per row instead, it mostly missed
+L1 and the wait on L2 became the kernel's largest stall.
 
 Bytes moved (rows × N, B bytes per element): x and dy read once, dx written once (3·rows·N·B, the floor),
 w once per CTA, plus one fp32 dw partial row per cluster, written once and summed by
-rms_norm._dw_sum_kernel. H200, triton 3.6, bf16, backward alone, queued median
-(benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): 1024 × 65536 0.133–0.135 ms
-(8 CTAs × 8 warps, 4 per SM; 72 % of 1.5 copies; torch.mul(x, dy, out=dx), the same bytes with no
-reduction, 0.092) where the split backward takes 0.178; 2048 × 32768 0.140–0.142 (8 CTAs × 4 warps,
-6 per SM) against 0.176; 1024 × 49152 0.109; 2048 × 24576 0.113. Session 17's per-chunk groups,
-thread-0 fence and 64-cluster grid (`clusters`): 1024 × 65536 with the dw sum 0.1277–0.1287 ms against
-0.1325–0.1328 (benchmarks/session17/exp_rms_knobs_run3.txt); the early claim on top, 0.1266–0.1269
-against 0.1266–0.1277 (exp_rms_claim.txt: noise, kept so that both kernels run one scheme). Session 18's
-exchange through shared memory instead of global slots: 0.1203–0.1218 against 0.1318–0.1323
-(benchmarks/session18/exp_rms_dsmem.txt). At 4096 × 16384, 4 CTAs × 4 warps in 4 chunks with the dw sum
-0.1254–0.1266 against the one-kernel backward's 0.1358–0.1359 (global exchange; exp_rms_16k.txt).
+rms_norm._dw_sum_kernel.
 
 The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
 the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
-next row as it is written. Bytes: x read once, y written once, w once per CTA. H200, triton 3.6, bf16,
-1024 × 65536, queued median (benchmarks/session17/exp_rms_fwd_wsmem.txt, a never-reset counter): 0.077
-ms, 85 % of a copy (0.066), where the Triton forward takes 0.082; at 32768 it lost (0.088 against
-0.075), so it takes 65536 only (SMEM_FORWARD_TABLE, FORWARD_CHUNKS). With the backward's per-chunk
-groups, thread-0 fence and early claim: 0.0781–0.0789 against 0.0792–0.0798 without, timed beside each
-other (exp_rms_claim.txt); with the exchange through shared memory 0.0746–0.0747 against 0.0774–0.0786
-(session 18, exp_rms_dsmem.txt). y and rstd do not depend on which cluster claims a row: deterministic.
+next row as it is written. Bytes: x read once, y written once, w once per CTA. y and rstd do not depend
+on which cluster claims a row: deterministic.
 
-When the backward runs (`shape_for`, `eligible`): Gluon and real kernels, a CUDA device of compute capability
->= 9.0 (clusters), x, dy and the weight of one 16-bit dtype, from the input (the backward from the
-saved output recovers xhat per element: the split kernels do that), row strides a multiple of 8
-elements and 16-byte aligned bases (16-byte copies), N a table shape's 2–4 chunks, at least
-MIN_ROWS_PER_CLUSTER rows per cluster, and not deterministic mode. The forward (`forward_eligible`):
-the same, less dy and deterministic mode, with or without a weight. There is no CPU interpreter for
-Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_rms_norm.py), the gpu tests check it.
+What the launches need (rms_norm.cluster_launch checks it before planning this path): Gluon and real
+kernels, a CUDA device of compute capability >= 9.0 (clusters), x, dy and the weight of one 16-bit
+dtype, row strides a multiple of 8 elements and 16-byte aligned bases (16-byte copies), N whole chunks
+of the shape (MIN_CHUNKS-MAX_CHUNKS in the backward, FORWARD_CHUNKS in the forward; the launch checks
+that). There is no CPU interpreter for Gluon: scripts/check_sm90.py compiles these kernels for sm_90a
+on the CPU (a test in tests/test_rms_norm.py runs it), the gpu tests run them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
 import torch
-import triton
 
-from fused_kernels import cross_entropy_smem as _smem
+from fused_kernels import _gpu
 from fused_kernels._launch import launch
+
+if TYPE_CHECKING:
+    from fused_kernels.rms_norm import ClusterShape  # the launch shapes (rms_norm's plan() picks them)
 
 try:
     from triton.experimental import gluon
@@ -86,45 +73,11 @@ try:
 except ImportError:  # pragma: no cover - an older Triton: the split backward serves every length
     gluon = None
 
-VEC = _smem.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
-MIN_CHUNKS, MAX_CHUNKS = 2, 4  # dw0-dw3 in the kernel; a one-chunk shared buffer does not build on triton 3.6
-# The forward's x0-x7 hold up to 8 chunks; it beat rms_norm's Triton forward only at 8 chunks of 8192
-# (N = 65536: 0.077 ms against 0.082; at 32768 in 4 chunks 0.088 against 0.075: benchmarks/
-# session17/exp_rms_fwd_wsmem.txt), so 8 is the only count it takes.
+VEC = _gpu.VEC  # 16-bit columns per thread per chunk: one 16-byte cp.async
+# The chunk counts a launch takes. Backward: dw0-dw3 in the kernel, and a one-chunk shared buffer does
+# not build with every Triton. Forward: 8 chunks (its x0-x7), the only count rms_norm dispatches to it.
+MIN_CHUNKS, MAX_CHUNKS = 2, 4
 FORWARD_CHUNKS = (8, 8)
-# Fewer rows than this per cluster and the dw partial rows (one per cluster), or the per-CTA copies of w,
-# start to cost as much as the rows themselves; the Triton kernels take those.
-MIN_ROWS_PER_CLUSTER = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterShape:
-    warps: int  # per CTA
-    ctas: int  # CTAs per cluster (one row)
-    per_sm: int  # CTAs per SM the launch sizes its grid and register cap for
-
-    @property
-    def chunk(self) -> int:
-        """Columns per chunk: 8 per thread of the cluster."""
-        return self.ctas * 32 * self.warps * VEC
-
-
-# Shorter rows: the one-kernel backward holds a row whole in registers; at 16384 the table's first row beat
-# it (4096 x 16384 bf16 with the dw sum 0.1255 ms against 0.1359, benchmarks/session18/exp_rms_16k.txt),
-# below that it was not measured.
-BACKWARD_FROM = 16384
-# Tried in order; the first whose chunk divides N into 2–4 chunks runs. H200, with w in shared memory
-# (benchmarks/session16/exp_rms_bwd_knobs.txt, exp_rms_bwd_ahead.txt): at 65536, 8 warps × 8 CTAs at 4
-# per SM 0.134 ms (3 per SM 0.151; 16 warps × 8 at 2 per SM 0.184); at 32768, 4 × 8 at 6 per SM 0.140
-# (8 × 8 at 4 per SM 0.158). Rows claimed, not strided: 0.156 against 0.209 at 65536 (session 15).
-SMEM_BACKWARD_TABLE = (
-    ClusterShape(warps=4, ctas=4, per_sm=6),  # N = 16384 (8 CTAs in 2 chunks: 0.151 ms)
-    ClusterShape(warps=4, ctas=8, per_sm=6),  # N = 24576, 32768
-    ClusterShape(warps=8, ctas=8, per_sm=4),  # N = 49152, 65536 (32768 takes the row above)
-)
-# The forward's: 4 warps × 8 CTAs at 6 per SM 0.077 ms at 65536; 8 × 8 at 4 or 6 per SM 0.083, 16 × 8
-# at 3 per SM 0.107 (benchmarks/session17/exp_rms_fwd_wsmem.txt). Shared memory: x's and w's slices, 32 KB.
-SMEM_FORWARD_TABLE = (ClusterShape(warps=4, ctas=8, per_sm=6),)  # N = 65536
 
 if gluon is not None:
 
@@ -198,9 +151,9 @@ if gluon is not None:
     def _exchange(part, parity, got, counter_ptr, claimed_ptr, last_claim, PTX: gl.constexpr):
         """(Σ over the cluster's CTAs of `part` and the row claimed for the cluster, both [CTAS, 1, 1];
         the claimed row again as a scalar, loaded from claimed_ptr): exchange_ptx's block (PTX) on every
-        thread, after CTA 0's thread 0 publishes the claim `got` (_smem._claim_issue) in *claimed_ptr
+        thread, after CTA 0's thread 0 publishes the claim `got` (_gpu.claim_issue) in *claimed_ptr
         for the loop's scalar row, which only the end of pass 2 needs (and its reset of the counter)."""
-        _smem._claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        _gpu.claim_publish(counter_ptr, claimed_ptr, got, last_claim)
         total, row = gl.inline_asm_elementwise(PTX, "=r,=r,r,r,r", [part.to(gl.int32, bitcast=True), parity, got],
                                                dtype=(gl.int32, gl.int32), is_pure=False, pack=1)
         return (_cta_value(total.to(gl.float32, bitcast=True)), _cta_value(row),
@@ -213,7 +166,7 @@ if gluon is not None:
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
                              PTX: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_smem.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
+        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
@@ -229,12 +182,12 @@ if gluon is not None:
         dy1 = _chunk_buffer(dy_t, 1, NCHUNK, dy0, CTAS, T, SMEM)
         dy2 = _chunk_buffer(dy_t, 2, NCHUNK, dy0, CTAS, T, SMEM)
         dy3 = _chunk_buffer(dy_t, 3, NCHUNK, dy0, CTAS, T, SMEM)
-        # w's slice, copied once with the first row: read from global memory twice per row it was an L1
-        # hit only 30 % of the time, and waiting for L2 was the kernel's largest stall (ncu, session 16)
+        # w's slice, copied once with the first row: read from global memory twice per row it mostly
+        # missed L1, and waiting for L2 became the kernel's largest stall
         wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
-        offs = _smem.slice_offsets(CTAS, T, REG)
+        offs = _gpu.slice_offsets(CTAS, T, REG)
         dw0 = gl.zeros([CTAS, T, 8], gl.float32, REG)
         dw1 = dw0
         dw2 = dw0
@@ -242,21 +195,21 @@ if gluon is not None:
 
         # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
         last_claim = n_rows + gl.num_programs(0) - 1  # _claim_row: each row once, one past the end per cluster
-        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
-        _smem._cluster_sync()
+        _gpu.claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
+        _gpu.cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
         for k in gl.static_range(NCHUNK):
-            _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
-            _smem._async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
-            _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
+            _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _gpu.async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
+            _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
             async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _gpu.claim_issue(counter_ptr)  # the row after this one, published at the exchange
             rstd = gl.load(rstd_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
@@ -288,8 +241,8 @@ if gluon is not None:
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
                 # this chunk of the cluster's next row, into the buffer just read
-                _smem._async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
-                _smem._async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
@@ -339,23 +292,23 @@ if gluon is not None:
 
         pid = gl.program_id(0)  # the cluster
         ranks = _cta_value(gl.arange(0, CTAS, layout=per_cta))  # [CTAS, 1, 1]
-        offs = _smem.slice_offsets(CTAS, T, REG)
+        offs = _gpu.slice_offsets(CTAS, T, REG)
 
         last_claim = n_rows + gl.num_programs(0) - 1
-        _smem._claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
-        _smem._cluster_sync()
+        _gpu.claim_row(counter_ptr, next_ptr + 3 * pid, last_claim)
+        _gpu.cluster_sync()
         r = gl.load(next_ptr + 3 * pid, cache_modifier=".cg")
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         for k in gl.static_range(NCHUNK):
             if HAS_WEIGHT:
-                _smem._async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
-            _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
+                _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            _gpu.async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), xrow + k * CHUNK + offs)
             async_copy.commit_group()  # one group per chunk: _chunk_arrived
 
         parity = 0
         while r < n_rows:
             row = r.to(gl.int64)
-            got = _smem._claim_issue(counter_ptr)  # the row after this one, published at the exchange
+            got = _gpu.claim_issue(counter_ptr)  # the row after this one, published at the exchange
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK)
@@ -376,16 +329,11 @@ if gluon is not None:
                 gl.store(yrow + k * CHUNK + offs,
                          _normalised(xk, wk, rstd, OFFSET, CASTING, HAS_WEIGHT).to(y_ptr.dtype.element_ty))
                 # this chunk of the cluster's next row, into the buffer just read
-                _smem._async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs, mask=more)
+                _gpu.async_load(_pick8(k, x0, x1, x2, x3, x4, x5, x6, x7), nxrow + k * CHUNK + offs, mask=more)
                 async_copy.commit_group()  # one group per chunk: _chunk_arrived
             r = nxt
             parity = 1 - parity
         async_copy.wait_group(0)
-
-
-def available() -> bool:
-    """Gluon importable and real kernels (not the interpreter)."""
-    return gluon is not None and _smem.available()
 
 
 def _chunk_range(forward: bool) -> tuple[int, int]:
@@ -399,62 +347,9 @@ def _whole_chunks(n_cols: int, shape: ClusterShape, forward: bool = False) -> bo
     return n_cols % shape.chunk == 0 and lo <= n_cols // shape.chunk <= hi
 
 
-def shape_for(n_cols: int, forward: bool = False) -> ClusterShape | None:
-    """The first shape of SMEM_BACKWARD_TABLE (SMEM_FORWARD_TABLE) whose chunk splits n_cols into as
-    many whole chunks as the kernel takes, or None (and None for a backward row shorter than BACKWARD_FROM)."""
-    if not forward and n_cols < BACKWARD_FROM:
-        return None
-    table = SMEM_FORWARD_TABLE if forward else SMEM_BACKWARD_TABLE
-    return next((shape for shape in table if _whole_chunks(n_cols, shape, forward)), None)
-
-
 def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int, forward: bool = False) -> int:
     """Shared memory of one CTA: its slice of x, of w and (backward) of dy."""
     return (2 if forward else 3) * (n_cols // shape.ctas) * element_size
-
-
-def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
-    """The persistent grid: at most per_sm CTAs on every SM, in clusters of ctas, and no more clusters
-    than it takes to finish the rows in as many rounds (1024 rows over the 66 that fit take 16 rounds;
-    64 take 16 too, evenly, and contend less: the backward 0.5-1 µs faster, session 17)."""
-    fit = max(1, shape.per_sm * sm_count // shape.ctas)
-    rounds = -(-n_rows // fit)
-    return max(1, -(-n_rows // rounds))
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-
-
-def _runs_here(x2: torch.Tensor, weight) -> bool:
-    """What both kernels need of x and w: 16-bit, 16-byte copies, clusters (compute capability >= 9.0)."""
-    return (
-        x2.is_cuda
-        and torch.version.hip is None
-        and x2.element_size() == 2
-        and _aligned(x2)
-        and (weight is None or (weight.dtype == x2.dtype and weight.is_contiguous() and weight.data_ptr() % 16 == 0))
-        and _smem._capability(_smem._index(x2.device)) >= (9, 0)
-    )
-
-
-def eligible(dy2: torch.Tensor, x2: torch.Tensor, weight, from_output: bool) -> bool:
-    """Whether these 2-D rows may take the backward at all (the module docstring's list, less the
-    shape's own conditions, which `shape_for` and rms_norm's dispatch check)."""
-    return (
-        not from_output
-        and weight is not None
-        and _runs_here(x2, weight)
-        and dy2.dtype == x2.dtype
-        and _aligned(dy2)
-        and not torch.are_deterministic_algorithms_enabled()
-    )
-
-
-def forward_eligible(x2: torch.Tensor, weight, y2: torch.Tensor) -> bool:
-    """Whether these 2-D rows may take the forward (y2 its output rows). Deterministic mode allows it:
-    a row's y and rstd do not depend on which cluster claims it."""
-    return _runs_here(x2, weight) and y2.stride(-1) == 1 and y2.stride(0) % 8 == 0 and y2.data_ptr() % 16 == 0
 
 
 # Words of each CTA's exchange slots (exchange_ptx) per parity: CTAS partials, then the claimed row.
@@ -472,8 +367,7 @@ def exchange_ptx(ctas: int) -> str:
       ctas parts of its own slot in rank order ($0: the same sum in every CTA) and reads the row ($1).
     A CTA writes a slot again two rows later, after the barrier of the row between, which every CTA
     reaches only after reading it. Against a global slot read back with .cg loads this takes an L2 round
-    trip off every row's path to pass 2: 1024 x 65536 bf16 on an H200, forward 78 -> 74.6 µs, backward
-    with the dw sum 132 -> 120.5 (benchmarks/session18/exp_rms_dsmem.txt)."""
+    trip off every row's path to pass 2."""
     if not 1 <= ctas < EXCHANGE_WORDS:
         raise ValueError(f"rms_norm_smem: a cluster of {ctas} CTAs does not fit the exchange slots "
                          f"(1 to {EXCHANGE_WORDS - 1} CTAs)")
@@ -501,15 +395,15 @@ def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
         lo, hi = _chunk_range(forward)
         raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
-    reg, smem = _smem.layouts(shape.warps, shape.ctas)
+    reg, smem = _gpu.layouts(shape.warps, shape.ctas)
     return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, PTX=exchange_ptx(shape.ctas),
-                num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_smem.register_cap(shape.warps, shape.per_sm))
+                num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_gpu.register_cap(shape.warps, shape.per_sm))
 
 
 def _claim_scratch(grid: int, device: torch.device):
     """(claimed rows, row counter) of a launch: each cluster's first row and the two rows claimed after
     (in turn), and the stream's self-resetting counter."""
-    return torch.empty(grid * 3, dtype=torch.int32, device=device), _smem.claim_counter(device)
+    return torch.empty(grid * 3, dtype=torch.int32, device=device), _gpu.claim_counter(device)
 
 
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:

@@ -7,8 +7,8 @@ before the lead's GPU run (tests/test_cross_entropy.py runs it for the Gluon ker
                                            [--cols 4096,1024] [--dtype bf16]
 
 Triton's own compiler and the ptxas it ships do the work; nothing runs. Registers are what decide how
-many programs share an SM (65536 per SM), which rms_norm's persistent backward grid is sized from
-(rms_norm._BWD_REGS); this script shows whether those estimates still hold.
+many programs share an SM (65536 per SM), which rms_norm's persistent grids are sized from
+(rms_norm._regs_per_thread); this script shows whether those estimates still hold.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
                  "stride_x": "i32", "stride_dx": "i32", "offset": "fp32", "n_dot_blocks": "i32",
                  "rows_per_group": "i32"}
     for n in cols:
-        if rms.split_backward_config(1024, n) is None:
+        if n <= rms.SPLIT_BACKWARD_FROM:  # plan() takes the split backward for longer rows only
             continue
         n_dot = -(-n // cfg.dot_block)
         common = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, FROM_OUTPUT=False)
@@ -182,6 +182,7 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     is the CTAs per SM the table expects to fit."""
     ce = importlib.import_module("fused_kernels.cross_entropy")
     smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    _gpu = importlib.import_module("fused_kernels._gpu")
     sig, aligned = ce_smem_signature(dtype)
     for v in vocabs:
         bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
@@ -190,7 +191,7 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
                                                 has_ls=extras, has_row_scale=extras, in_registers=cfg.in_registers),
                          num_ctas=cfg.ctas)
             if cfg.in_registers:  # the launch caps ptxas so that per_sm CTAs fit (launch_ce_smem)
-                flags["maxnreg"] = smem.register_cap(cfg.warps, cfg.per_sm)
+                flags["maxnreg"] = _gpu.register_cap(cfg.warps, cfg.per_sm)
             label = f"cross_entropy_smem V={v} scale/softcap/label smoothing/row scale {extras} {cfg}"
             # split rows are claimed from a counter: CTAs beyond what fits only wait, and find the rows taken
             per_sm = int(cfg.per_sm) if cfg.ctas == 1 else 0
@@ -198,9 +199,10 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
 
 
 def rms_norm_smem_cases(cols: list[int], dtype: str):
-    """The long-row backward read once (rms_norm_smem) for each length a table shape covers, in every
+    """The long-row backward read once (rms_norm_smem) for each length rms_norm dispatches to it, in every
     casting mode, with an offset and without dw, and the long-row forward likewise (with an offset and
     without a weight); their launches cap registers (maxnreg) for per_sm CTAs."""
+    rms = importlib.import_module("fused_kernels.rms_norm")
     smem = importlib.import_module("fused_kernels.rms_norm_smem")
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
@@ -208,7 +210,7 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
            "stride_dx": "i32"}
     aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
-        shape = smem.shape_for(n)
+        shape = rms.cluster_shape(n, backward=True)
         if shape is None:
             continue
         for casting_id, offset, compute_dw in ((0, 0.0, True), (0, 1.0, False), (1, 1.0, True), (2, 0.0, True)):
@@ -220,7 +222,7 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
                "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
     fwd_aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
-        shape = smem.shape_for(n, forward=True)
+        shape = rms.cluster_shape(n, backward=False)
         if shape is None:
             continue
         for casting_id, offset, has_weight in ((0, 0.0, True), (0, 1.0, True), (1, 1.0, True), (2, 0.0, True),

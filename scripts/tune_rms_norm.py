@@ -1,9 +1,10 @@
-"""How fast fused_kernels.rms_norm is on a GPU, and which launch config the autotuner picked (the lead runs
-this on the H200).
+"""How fast fused_kernels.rms_norm is on a GPU, which path rms_norm.plan() takes, and which launch config
+the autotuner picked.
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep] [--split]
 
 Per shape (bf16 x and weight, casting "llama"), forward and backward:
+- the path and config plan() chooses on this GPU, and why;
 - the autotuner's candidates and their times (its own do_bench medians), and the winner;
 - the winner's kernel time (CUDA-graph replay: no Python between kernels) against the floor from a copy
   measured in the same run (forward: read x + write y; backward: read x, dy + write dx), and the heuristic
@@ -12,14 +13,14 @@ Per shape (bf16 x and weight, casting "llama"), forward and backward:
 - dispatch times of the functional entry (triton.testing.do_bench, as scripts/bench.py measures): forward,
   backward alone, forward + backward;
 - host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
-With --sweep every candidate is also forced (through rms_norm.launch_config) and timed kernel-only.
-With --split (rows of >= 8192 columns) the backward is timed as one kernel and as the split kernels.
+With --sweep every candidate is also forced (a one-kernel Plan in place of rms_norm.plan's) and timed
+kernel-only. With --split (rows of >= 8192 columns) the backward is timed as one kernel and as the split
+kernels. A forced plan replaces the cluster path too.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import sys
@@ -34,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune_common import autotune_timings, config_str, graph_ms, header, host_us, pct  # noqa: E402
 
 import fused_kernels  # noqa: E402  (registers the custom ops)
+from fused_kernels._dispatch import Plan  # noqa: E402
 
 rms = importlib.import_module("fused_kernels.rms_norm")  # the module; fused_kernels.rms_norm is the function
 
@@ -67,18 +69,30 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.isfinite(a).all()) and (a.float() - b.float()).norm().item() <= 1e-2 * b.float().norm().item()
 
 
+def forced_plans(forward=None, backward=None):
+    """While the returned context is active, rms_norm runs the Plan `forward` / `backward` for calls in
+    that direction (None: plan()'s own)."""
+    real = rms.plan
+
+    def plan(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts):
+        wanted = forward if direction == "forward" else backward
+        return real(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts) if wanted is None else wanted
+
+    return mock.patch.object(rms, "plan", plan)
+
+
 def forced(cfg):
-    """Force `cfg` for both directions while the returned context is active (the one-kernel backward:
-    the split one is forbidden, or a long row's forced backward config would never run)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(rms, "launch_config", lambda n_cols, backward: cfg))
-    stack.enter_context(forced_split(None))
-    return stack
+    """The one kernel with `cfg` in both directions (neither the cluster nor the split path, or a long
+    row's forced config would never run)."""
+    one_kernel = Plan("triton", cfg, "forced by scripts/tune_rms_norm.py")
+    return forced_plans(one_kernel, one_kernel)
 
 
 def forced_split(cfg):
-    """Force the split backward with `cfg` (None: forbid it, so the one-kernel backward runs)."""
-    return mock.patch.object(rms, "split_backward_config", lambda n_rows, n_cols: cfg)
+    """The backward through the split kernels with `cfg` (None: the one kernel, autotuned)."""
+    if cfg is None:
+        return forced_plans(backward=Plan("triton", None, "forced by scripts/tune_rms_norm.py"))
+    return forced_plans(backward=Plan("split", cfg, "forced by scripts/tune_rms_norm.py"))
 
 
 SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
@@ -144,6 +158,11 @@ def main() -> None:
         floor_fwd = 2 * nbytes / (gbps * 1e9) * 1e3
         floor_bwd = 3 * nbytes / (gbps * 1e9) * 1e3
         print(f"\n{rows}x{n} bf16: floors fwd {floor_fwd:.4f} ms, bwd {floor_bwd:.4f} ms")
+        facts = rms.device_facts(x.device)
+        plans = {d: rms.plan(rows, n, x.dtype, w.dtype, d, device=facts, dy_dtype=dy.dtype)
+                 for d in ("forward", "backward")}
+        for direction, p in plans.items():
+            print(f"  plan {direction}: {p.path} {p.config if p.config is not None else ''} ({p.reason})")
 
         def fwd():
             return torch.ops.fused_kernels.rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
@@ -168,8 +187,9 @@ def main() -> None:
             with forced(cfg):
                 ms = graph_ms(fn)
             print(f"  kernel time, heuristic table {'bwd' if backward else 'fwd'}: {ms:.4f} ms ({pct(floor, ms)})  {cfg}")
-        if rms.split_backward_config(rows, n) is not None:
-            print("  (the backward above ran the split kernels: its autotune lines are an earlier shape's)")
+        for direction, p in plans.items():
+            if p.path != "triton":
+                print(f"  (the {direction} above ran the {p.path} path: its autotune lines are an earlier shape's)")
         if args.split and n >= 8192:
             split_section(bwd, floor_bwd, dx_ref)
         y_plain, r_plain = torch.empty_like(x), torch.empty(rows, device=dev)

@@ -21,7 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fused_kernels
-from fused_kernels import rms_norm
+from fused_kernels import _dispatch, rms_norm
+from fused_kernels._dispatch import Plan
 from helpers import REL_TOL, assert_close, randn, rel_err
 
 # The package re-exports the function under the module's name, so fetch the module itself.
@@ -245,6 +246,30 @@ def test_non_contiguous_grad_output():
 
 # --- the long-row (chunked) and persistent multi-tile paths, forced on small shapes -------------
 
+def forced_plans(forward=None, backward=None):
+    """A stand-in for rms_norm's plan(): the Plan `forward` / `backward` for calls in that direction
+    (None: the real plan's), except where the real plan picks the cluster path (the fake cluster
+    kernels below), which still runs."""
+    real = rms_norm_module.plan
+
+    def forced(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts):
+        planned = real(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts)
+        wanted = forward if direction == "forward" else backward
+        return planned if wanted is None or planned.path == "cluster" else wanted
+
+    return forced
+
+
+def force_plans(monkeypatch, forward=None, backward=None):
+    """rms_norm runs `forward` / `backward` (Plans; None: plan()'s own) from now on (forced_plans)."""
+    monkeypatch.setattr(rms_norm_module, "plan", forced_plans(forward, backward))
+
+
+def force_config(monkeypatch, config):
+    """The one-kernel path with `config` in both directions."""
+    force_plans(monkeypatch, Plan("triton", config, "forced"), Plan("triton", config, "forced"))
+
+
 @pytest.mark.parametrize("casting_mode", ("llama", "gemma"))  # "none" shares gemma's kernel code
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize(
@@ -260,7 +285,7 @@ def test_non_contiguous_grad_output():
     ids=["chunked", "single-pass"],
 )
 def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
-    monkeypatch.setattr(rms_norm_module, "launch_config", lambda n_cols, backward: config)
+    force_config(monkeypatch, config)
     x = randn(11, 150, dtype=dtype, scale=2.0)
     weight = randn(150, dtype=dtype)
     check_against_reference(x, weight, 1e-6, 1.0, casting_mode)
@@ -278,7 +303,7 @@ _SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, bl
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("keep", ("input", "output"))
 def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
-    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
+    force_plans(monkeypatch, backward=Plan("split", _SMALL_SPLIT, "forced"))
     x = randn(11, 150, dtype=dtype, scale=2.0)
     weight = randn(150, dtype=dtype)
     check_against_reference(x, weight, 1e-6, 1.0 if casting_mode == "gemma" else 0.0, casting_mode, keep=keep)
@@ -289,8 +314,9 @@ def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
 def test_split_backward_is_used_for_long_rows_only(monkeypatch):
     """Rows longer than SPLIT_BACKWARD_FROM go through the two split kernels; shorter ones do not. A
     strided (row-padded) input and a weight without a gradient exercise the strides and no-dw path."""
-    assert rms_norm_module.split_backward_config(4, rms_norm_module.SPLIT_BACKWARD_FROM) is None
-    assert rms_norm_module.split_backward_config(4, rms_norm_module.SPLIT_BACKWARD_FROM + 1) is not None
+    n = rms_norm_module.SPLIT_BACKWARD_FROM
+    assert _plan(4, n, torch.float32, "backward").path == "triton"
+    assert _plan(4, n + 1, torch.float32, "backward").path == "split"
     calls = []
     real = rms_norm_module._split_backward
     monkeypatch.setattr(rms_norm_module, "_split_backward", lambda *a: calls.append(1) or real(*a))
@@ -322,7 +348,7 @@ def test_keep_output_matches_reference(dtype, casting_mode, offset, weight_kind)
 @pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
 def test_keep_output_forced_chunked_path(monkeypatch, casting_mode):
     config = rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True)
-    monkeypatch.setattr(rms_norm_module, "launch_config", lambda n_cols, backward: config)
+    force_config(monkeypatch, config)
     for dtype in (torch.float32, torch.bfloat16):
         x = randn(11, 150, dtype=dtype, scale=2.0)
         check_against_reference(x, randn(150, dtype=dtype), 1e-6, 1.0, casting_mode, keep="output")
@@ -363,7 +389,7 @@ def test_keep_output_rejects_unknown_choice():
 def test_long_rows_default_config(hidden):
     """The shipped long-row configs: 9000 is one chunk in the backward (held whole in the forward),
     20000 is chunked in both (a full chunk of 16384 and a ragged one)."""
-    assert rms_norm_module.launch_config(hidden, True).chunked
+    assert rms_norm_module.heuristic_config(hidden, True).chunked
     x = randn(3, hidden, dtype=torch.bfloat16, scale=2.0)
     weight = randn(hidden, dtype=torch.bfloat16)
     check_against_reference(x, weight, 1e-6, 0.0, "llama")
@@ -375,7 +401,11 @@ def test_launch_config_table():
     for n in (1, 7, 64, 100, 257, 1024, 4095, 4096, 8192, 16384, 65536, 262144):
         for backward in (False, True):
             cfg = rms_norm_module.heuristic_config(n, backward)
-            assert rms_norm_module.launch_config(n, backward) == cfg
+            planned = _plan(8, n, torch.float32, "backward" if backward else "forward")
+            if planned.path == "split":
+                assert backward and n > rms_norm_module.SPLIT_BACKWARD_FROM
+            else:
+                assert planned == Plan("triton", cfg, planned.reason)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.rows & (cfg.rows - 1) == 0
             assert cfg.num_warps in (1, 2, 4, 8, 16, 32)
             assert cfg.chunked or cfg.block_n >= n
@@ -434,18 +464,18 @@ def test_autotune_candidates_cover_every_row_length():
 
 @contextlib.contextmanager
 def autotuned_path(fake_bench):
-    """Run the GPU path on the CPU: launch_config returns None (triton.autotune decides) and the
-    autotuners' benchmark is `fake_bench(kernel_call, quantiles)`; their caches start and end empty."""
+    """Run the GPU path on the CPU: plan() gives the one kernel with no config (triton.autotune decides)
+    and the autotuners' benchmark is `fake_bench(kernel_call, quantiles)`; their caches start and end empty."""
     tuned = (rms_norm_module._rms_norm_fwd_tuned, rms_norm_module._rms_norm_bwd_tuned)
-    original = rms_norm_module.launch_config
-    rms_norm_module.launch_config = lambda n_cols, backward: None
+    original = rms_norm_module.plan
+    rms_norm_module.plan = forced_plans(Plan("triton", None, "autotuned"), Plan("triton", None, "autotuned"))
     rms_norm_module.reset_autotuning()
     for t in tuned:
         t.__dict__["do_bench"] = fake_bench  # shadows Autotuner.do_bench (a cached property)
     try:
         yield tuned
     finally:
-        rms_norm_module.launch_config = original
+        rms_norm_module.plan = original
         rms_norm_module.reset_autotuning()
         for t in tuned:
             t.__dict__.pop("do_bench", None)
@@ -677,6 +707,130 @@ def test_double_backward_is_refused():
         dx.sum().backward()
 
 
+# --- plan(): the path and config of a call, asked for devices this machine is not -----------------
+
+def _plan(n_rows, n_cols, dtype, direction, device=None, **facts):
+    """plan() for x, weight and dy of one dtype, on `device` (DeviceFacts; None: this CPU's)."""
+    device = rms_norm_module.device_facts(torch.device("cpu")) if device is None else device
+    return rms_norm_module.plan(n_rows, n_cols, dtype, facts.pop("weight_dtype", dtype), direction, device=device,
+                                dy_dtype=facts.pop("dy_dtype", dtype), **facts)
+
+
+H200 = rms_norm_module.DeviceFacts(sm_count=132, capability=(9, 0), gluon=True)
+SM80 = rms_norm_module.DeviceFacts(sm_count=108, capability=(8, 0), gluon=True)  # no thread-block clusters
+NO_GLUON = rms_norm_module.DeviceFacts(sm_count=132, capability=(9, 0), gluon=False)
+ROCM = rms_norm_module.DeviceFacts(sm_count=304, capability=None, gluon=True)
+
+_CLUSTER = rms_norm_module.ClusterLaunch
+_SHAPE = rms_norm_module.ClusterShape
+_AUTOTUNED = ("triton", None)
+_SPLIT = ("split", rms_norm_module.SplitBackwardConfig())
+# (rows, n_cols): {(device, direction): (path, config)} for bf16 x, weight and dy, from the input
+NAMED_SHAPES = {
+    (16384, 4096): {(dev, d): _AUTOTUNED for dev in ("h200", "sm80") for d in ("forward", "backward")},
+    (65536, 1024): {(dev, d): _AUTOTUNED for dev in ("h200", "sm80") for d in ("forward", "backward")},
+    (4096, 16384): {
+        ("h200", "forward"): _AUTOTUNED,
+        ("h200", "backward"): ("cluster", _CLUSTER(_SHAPE(warps=4, ctas=4, per_sm=6), 196)),  # 4 chunks of 4096
+        ("sm80", "forward"): _AUTOTUNED,
+        ("sm80", "backward"): _AUTOTUNED,  # held whole in registers: not longer than SPLIT_BACKWARD_FROM
+    },
+    (1024, 65536): {
+        # 99 clusters of 8 fit 132 SMs at 6 CTAs each: 11 rounds of 1024 rows, as 94 clusters take
+        ("h200", "forward"): ("cluster", _CLUSTER(_SHAPE(warps=4, ctas=8, per_sm=6), 94)),
+        # 66 fit at 4 per SM: 16 rounds, as 64 take
+        ("h200", "backward"): ("cluster", _CLUSTER(_SHAPE(warps=8, ctas=8, per_sm=4), 64)),
+        ("sm80", "forward"): _AUTOTUNED,
+        ("sm80", "backward"): _SPLIT,
+    },
+}
+
+
+@pytest.mark.parametrize("shape", list(NAMED_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
+def test_plan_of_the_named_shapes(shape, fresh_dispatch):
+    """bf16 on an H200 (132 SMs, sm_90, Gluon), on an sm_80 GPU (no clusters) and on a GPU without Gluon
+    (the sm_80 answers), forward and backward; fp16 plans as bf16."""
+    rows, n = shape
+    for (dev, direction), (path, config) in NAMED_SHAPES[shape].items():
+        for device in ((H200,) if dev == "h200" else (SM80, NO_GLUON, ROCM)):
+            for dtype in (torch.bfloat16, torch.float16):
+                got = _plan(rows, n, dtype, direction, device)
+                assert (got.path, got.config) == (path, config), (shape, device, direction, dtype, got)
+                assert got.reason, got
+
+
+def test_plan_fp32_and_mixed_dtypes_never_take_clusters(fresh_dispatch):
+    """The cluster kernels copy 16-bit elements: fp32 x, an fp32 weight beside bf16 x, or fp32 dy take
+    the other paths (the split backward for rows of 65536)."""
+    for rows, n in NAMED_SHAPES:
+        for direction in ("forward", "backward"):
+            got = _plan(rows, n, torch.float32, direction, H200)
+            want = _SPLIT if direction == "backward" and n > rms_norm_module.SPLIT_BACKWARD_FROM else _AUTOTUNED
+            assert (got.path, got.config) == want, (rows, n, direction, got)
+            assert "16-bit" in got.reason or "no rows of" in got.reason, got
+    assert _plan(1024, 65536, torch.bfloat16, "forward", H200, weight_dtype=torch.float32).path == "triton"
+    assert _plan(1024, 65536, torch.bfloat16, "backward", H200, weight_dtype=torch.float32).path == "split"
+    assert _plan(1024, 65536, torch.bfloat16, "backward", H200, dy_dtype=torch.float32).path == "split"
+    assert _plan(4096, 16384, torch.bfloat16, "backward", H200, dy_dtype=torch.float32).path == "triton"
+
+
+def test_plan_cluster_conditions(fresh_dispatch):
+    """What else keeps a call off the cluster path: no weight (backward only), the backward from the saved
+    output, deterministic mode (backward only: a forward row's y does not depend on which cluster claims
+    it), unaligned rows, and too few rows per cluster (MIN_ROWS_PER_CLUSTER)."""
+    bf16 = torch.bfloat16
+    assert _plan(1024, 65536, bf16, "forward", H200, weight_dtype=None).path == "cluster"
+    no_weight = _plan(1024, 65536, bf16, "backward", H200, weight_dtype=None)
+    assert (no_weight.path, no_weight.config) == _SPLIT and "no weight" in no_weight.reason, no_weight
+    assert _plan(1024, 65536, bf16, "backward", H200, from_output=True).path == "split"
+    assert _plan(4096, 16384, bf16, "backward", H200, from_output=True).path == "triton"
+    assert _plan(1024, 65536, bf16, "backward", H200, deterministic=True).path == "split"
+    assert _plan(1024, 65536, bf16, "forward", H200, deterministic=True).path == "cluster"
+    for direction in ("forward", "backward"):
+        assert _plan(1024, 65536, bf16, direction, H200, aligned=False).path != "cluster"
+    # too few rows per cluster: 256 rows take 64 clusters of the backward's (4 rounds of the 66 that
+    # fit), 4 each; 255 rows too, 3.98 each. The forward: 396 rows over 99 clusters, 395 over 99.
+    assert _plan(256, 65536, bf16, "backward", H200).config == _CLUSTER(_SHAPE(8, 8, 4), 64)
+    below = _plan(255, 65536, bf16, "backward", H200)
+    assert below.path == "split" and "fewer than 4 per cluster" in below.reason, below
+    assert _plan(396, 65536, bf16, "forward", H200).config == _CLUSTER(_SHAPE(4, 8, 6), 99)
+    assert _plan(395, 65536, bf16, "forward", H200).path == "triton"
+    assert _plan(3, 65536, bf16, "backward", H200).path == "split"
+    # lengths the tables do not name: 40960 is 2.5 chunks of 16384, 73728 is 9 of 8192
+    assert _plan(1024, 40960, bf16, "backward", H200).path == "split"
+    assert _plan(1024, 32768, bf16, "forward", H200).path == "triton"
+    with pytest.raises(ValueError, match="direction must be 'forward' or 'backward'"):
+        _plan(8, 64, bf16, "fwd", H200)
+
+
+def test_plan_without_the_cluster_path_once_dispatch_turns_it_off(fresh_dispatch):
+    """After the cluster backward's first build failed (`_dispatch.run_path`), plan() takes the next path
+    for every backward; the forward's cluster path is another one and stays on."""
+    def fails():
+        raise RuntimeError("PassManager::run failed")
+
+    with pytest.warns(RuntimeWarning, match="rms_norm_bwd: the cluster kernel did not build"):
+        assert not _dispatch.run_path("rms_norm_bwd", "cluster", ("key",), fails, instead="the Triton backward")
+    off = _plan(1024, 65536, torch.bfloat16, "backward", H200)
+    assert (off.path, off.config) == _SPLIT and "off" in off.reason, off
+    assert _plan(4096, 16384, torch.bfloat16, "backward", H200).path == "triton"
+    assert _plan(1024, 65536, torch.bfloat16, "forward", H200).path == "cluster"
+
+
+def test_plan_under_the_interpreter_is_the_heuristic_table():
+    """This CPU: no Gluon, no clusters; the one kernel with the heuristic table's config, the split
+    backward above SPLIT_BACKWARD_FROM."""
+    cpu = rms_norm_module.device_facts(torch.device("cpu"))
+    assert cpu.interpreted and not cpu.gluon and cpu.capability is None and cpu.sm_count >= 1
+    for rows, n in NAMED_SHAPES:
+        assert _plan(rows, n, torch.bfloat16, "forward").config == rms_norm_module.heuristic_config(n, False)
+        back = _plan(rows, n, torch.bfloat16, "backward")
+        if n > rms_norm_module.SPLIT_BACKWARD_FROM:
+            assert (back.path, back.config) == _SPLIT
+        else:
+            assert (back.path, back.config) == ("triton", rms_norm_module.heuristic_config(n, True))
+
+
 # --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
 
 @pytest.mark.gpu
@@ -712,42 +866,42 @@ def test_gpu_real_sizes(device, rows, hidden, casting_mode, keep):
 # --- the long-row backward read once (fused_kernels/rms_norm_smem.py, Gluon: GPU only) ----------
 
 def test_smem_backward_table_shapes_fit_an_sm():
-    """Every length a table shape covers is 2-4 whole chunks; per_sm CTAs' x and dy slices fit an
+    """Every length the cluster backward takes (CLUSTER_BACKWARD_SHAPES) is 2-4 whole chunks of its shape; per_sm CTAs' x and dy slices fit an
     H100/H200 SM's shared memory (228 KB, 1 KB reserved per CTA) and the register cap keeps >= 64 per
     thread (8 fp32 dw sums per chunk live in registers)."""
     smem = pytest.importorskip("fused_kernels.rms_norm_smem")
-    ce_smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    assert smem.shape_for(16384) == smem.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
-    assert smem.shape_for(24576).chunk == 8192 and smem.shape_for(32768).warps == 4  # measured at 32768
-    assert smem.shape_for(65536) == smem.ClusterShape(warps=8, ctas=8, per_sm=4)
-    assert smem.shape_for(49152).chunk == 16384
+    gpu = importlib.import_module("fused_kernels._gpu")
+    assert rms_norm_module.cluster_shape(16384, True) == rms_norm_module.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
+    assert rms_norm_module.cluster_shape(24576, True).chunk == 8192 and rms_norm_module.cluster_shape(32768, True).warps == 4  # measured at 32768
+    assert rms_norm_module.cluster_shape(65536, True) == rms_norm_module.ClusterShape(warps=8, ctas=8, per_sm=4)
+    assert rms_norm_module.cluster_shape(49152, True).chunk == 16384
     for n in (40960, 65537, 131072, 4096, 8192, 12288, 8192 * 3 + 8):  # below 16384: the one-kernel backward
-        assert smem.shape_for(n) is None, n
+        assert rms_norm_module.cluster_shape(n, True) is None, n
     for n in range(4096, 65536 + 1, 4096):
-        shape = smem.shape_for(n)
+        shape = rms_norm_module.cluster_shape(n, True)
         if shape is None:
             continue
         assert n % shape.chunk == 0 and smem.MIN_CHUNKS <= n // shape.chunk <= smem.MAX_CHUNKS
         assert shape.per_sm * (smem.buffer_bytes(n, shape, 2) + 1024 + 256) <= 228 * 1024, (n, shape)
-        assert ce_smem.register_cap(shape.warps, shape.per_sm) >= 64
+        assert gpu.register_cap(shape.warps, shape.per_sm) >= 64
         fit = shape.per_sm * 132 // shape.ctas
-        grid = smem.clusters(1024, shape, 132)  # the fewest clusters that take as many rounds as all that fit
+        grid = rms_norm_module.clusters(1024, shape, 132)  # the fewest clusters that take as many rounds as all that fit
         assert grid <= fit and -(-1024 // grid) == -(-1024 // fit) and -(-1024 // (grid - 1)) > -(-1024 // fit)
-    assert smem.clusters(1024, smem.shape_for(65536), 132) == 64  # 66 fit: 16 rounds either way
-    assert smem.clusters(3, smem.shape_for(65536), 132) == 3
-    assert smem.clusters(10_000, smem.shape_for(65536), 132) == 66  # 152 rounds, 66 · 152 - 10 000 = 32 idle
+    assert rms_norm_module.clusters(1024, rms_norm_module.cluster_shape(65536, True), 132) == 64  # 66 fit: 16 rounds either way
+    assert rms_norm_module.clusters(3, rms_norm_module.cluster_shape(65536, True), 132) == 3
+    assert rms_norm_module.clusters(10_000, rms_norm_module.cluster_shape(65536, True), 132) == 66  # 152 rounds, 66 · 152 - 10 000 = 32 idle
     with pytest.raises(ValueError, match="whole chunks of 16384"):
-        smem.kernel_constexprs(40960, smem.shape_for(65536), offset=0.0, casting_id=0, compute_dw=True)
+        smem.kernel_constexprs(40960, rms_norm_module.cluster_shape(65536, True), offset=0.0, casting_id=0, compute_dw=True)
 
 
 def test_smem_forward_table_shapes_fit_an_sm():
     """The long-row forward takes 65536 only (8 chunks of 8192: where it was measured to win); per_sm
     CTAs' x and w slices fit an H100/H200 SM's shared memory."""
     smem = pytest.importorskip("fused_kernels.rms_norm_smem")
-    assert smem.shape_for(65536, forward=True) == smem.ClusterShape(warps=4, ctas=8, per_sm=6)
+    assert rms_norm_module.cluster_shape(65536, False) == rms_norm_module.ClusterShape(warps=4, ctas=8, per_sm=6)
     for n in (32768, 49152, 65536 + 8192, 131072, 4096):
-        assert smem.shape_for(n, forward=True) is None, n
-    shape = smem.shape_for(65536, forward=True)
+        assert rms_norm_module.cluster_shape(n, False) is None, n
+    shape = rms_norm_module.cluster_shape(65536, False)
     assert shape.per_sm * (smem.buffer_bytes(65536, shape, 2, forward=True) + 1024 + 256) <= 228 * 1024
     with pytest.raises(ValueError, match="8-8 whole chunks of 8192 .* forward"):
         smem.forward_constexprs(32768, shape, offset=0.0, casting_id=0, has_weight=True)
@@ -777,52 +931,48 @@ def test_smem_kernels_compile_for_sm90():
             forward = "rms_norm_smem forward" in line
             shared = int(line.split("shared")[1].split()[0])
             assert "capped" in line, line
-            assert shared <= smem.buffer_bytes(n, smem.shape_for(n, forward), 2, forward) + 256, line
+            assert shared <= smem.buffer_bytes(n, rms_norm_module.cluster_shape(n, not forward), 2, forward) + 256, line
 
 
 class _FakeSmem:
-    """Stands in for rms_norm_smem on the CPU: eligible for every input with a weight; launch_backward
-    either fails (a Triton whose Gluon API the kernel does not build with) or computes dx and dw in
-    float64 torch, dw in the first of its partial rows and zeros in the rest (so that the dispatch's sum
-    over `grid` partial rows is what is checked); launch_forward likewise, y and rstd."""
+    """Stands in for rms_norm_smem on the CPU: plan()'s cluster conditions (`cluster_launch`) hold for every
+    call with a weight (and, backward, from the input) in its `only` direction; launch_backward either
+    fails (a Triton whose Gluon API the kernel does not build with) or computes dx and dw in float64
+    torch, dw in the first of its partial rows and zeros in the rest (so that the dispatch's sum over
+    `grid` partial rows is what is checked); launch_forward likewise, y and rstd."""
 
-    MIN_ROWS_PER_CLUSTER = 1
-    shortest = 100  # shape_for: None for shorter rows
+    shortest = 100  # cluster_launch: None for shorter rows
 
-    def __init__(self, fail: bool, fail_forward: bool = False):
+    def __init__(self, fail: bool, fail_forward: bool = False, only: str = "backward"):
         self.fail = fail
         self.fail_forward = fail_forward
+        self.only = only
         self.calls = 0
         self.forward_calls = 0
         self.shape = ("fake shape", 4, 2, 2)
 
-    def eligible(self, dy2, x2, weight, from_output):
-        return weight is not None and not from_output
-
-    def forward_eligible(self, x2, weight, y2):
-        return weight is not None
-
-    def shape_for(self, n_cols, forward=False):
-        return self.shape if n_cols >= self.shortest else None
+    def cluster_launch(self, n_rows, n_cols, x_dtype, weight_dtype, direction, *, device, from_output=False, **facts):
+        if direction != self.only or weight_dtype is None or n_cols < self.shortest:
+            return None, "not taken by the fake"
+        if direction == "backward" and from_output:
+            return None, "the backward from the saved output"
+        return rms_norm_module.ClusterLaunch(self.shape, 3), "the fake cluster kernels"
 
     def launch_forward(self, x2, weight, y2, rstd, *, shape, grid, eps, offset, casting_id):
         self.forward_calls += 1
         if self.fail_forward:
             raise RuntimeError("PassManager::run failed")
-        assert casting_id == 0 and grid == 3
+        assert casting_id == 0 and grid == 3 and shape == self.shape
         x64 = x2.double()
         r = torch.rsqrt(x64.pow(2).mean(-1) + eps)
         rstd.copy_(r)
         y2.copy_((x64 * r[:, None]).to(x2.dtype).double() * (offset + weight.double()))
 
-    def clusters(self, n_rows, shape, sm_count):
-        return 3
-
     def launch_backward(self, dy2, x2, weight, rstd, dx, partial, *, shape, grid, offset, casting_id, compute_dw):
         self.calls += 1
         if self.fail:
             raise RuntimeError("PassManager::run failed")
-        assert casting_id == 0 and grid == 3
+        assert casting_id == 0 and grid == 3 and shape == self.shape
         x64, dy64, r = x2.double(), dy2.double(), rstd.double()[:, None]
         xhat = x64 * r
         g = dy64 * (offset + weight.double())
@@ -832,29 +982,35 @@ class _FakeSmem:
             partial[0] = (dy64 * xhat).sum(0)
 
 
-def _use_fake_smem(monkeypatch, fake, only: str) -> None:
-    """rms_norm's dispatch sees `fake` as rms_norm_smem, with only its `only` direction ("forward" or
-    "backward") on and nothing built yet."""
-    monkeypatch.setattr(rms_norm_module, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(rms_norm_module, "_SMEM_BROKEN", {"forward", "backward"} - {only})
-    monkeypatch.setattr(rms_norm_module, "_SMEM_LAUNCHED", set())
+@pytest.fixture
+def fresh_dispatch():
+    """No path turned off or built before the test, and none after it."""
+    _dispatch.reset()
+    yield
+    _dispatch.reset()
+
+
+def _use_fake_smem(monkeypatch, fake) -> None:
+    """rms_norm's dispatch sees `fake` as rms_norm_smem (its conditions and its launchers)."""
+    monkeypatch.setattr(rms_norm_module, "cluster_launch", fake.cluster_launch)
+    monkeypatch.setattr(rms_norm_module, "_cluster_kernels", lambda: fake)
 
 
 @pytest.mark.parametrize("fail", (False, True))
-def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
+def test_smem_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fail):
     """Rows the split backward would take go to rms_norm_smem when it is eligible: its dx and its dw
     partial rows (summed over the grid it reports) are what the backward returns. A first build that
     fails warns once, turns the path off and the split backward gives the numbers; later calls do not
     try again."""
     fake = _FakeSmem(fail)
-    _use_fake_smem(monkeypatch, fake, "backward")
-    monkeypatch.setattr(rms_norm_module, "split_backward_config", lambda n_rows, n_cols: _SMALL_SPLIT)
+    _use_fake_smem(monkeypatch, fake)
+    force_plans(monkeypatch, backward=Plan("split", _SMALL_SPLIT, "forced"))
     x = randn(11, 150, dtype=torch.float32, scale=2.0)
     w = randn(150, dtype=torch.float32)
     if fail:
-        with pytest.warns(RuntimeWarning, match="rms_norm_smem.py.*did not build.*PassManager.*Triton backward"):
+        with pytest.warns(RuntimeWarning, match="rms_norm_bwd: the cluster kernel did not build.*PassManager.*Triton backward"):
             check_against_reference(x, w, 1e-6, 0.0, "llama")
-        assert rms_norm_module._SMEM_BROKEN == {"forward", "backward"}
+        assert not _dispatch.path_on("rms_norm_bwd", "cluster") and _dispatch.path_on("rms_norm_fwd", "cluster")
         check_against_reference(x, w, 1e-6, 0.0, "llama")
         assert fake.calls == 1
     else:
@@ -865,32 +1021,32 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fail):
         assert fake.calls == 1
 
 
-def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch):
-    """rms_norm_smem's table (shape_for) decides which lengths its backward takes, whether or not the split
-    backward would take them: a length it has no shape for never reaches it; one it has, under the split
-    backward's threshold (the one-kernel backward's lengths), does."""
+def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch, fresh_dispatch):
+    """rms_norm_smem's table (cluster_launch) decides which lengths its backward takes, whether or not the
+    split backward would take them: a length it has no shape for never reaches it; one it has, under the
+    split backward's threshold (the one-kernel backward's lengths), does."""
     fake = _FakeSmem(False)
-    _use_fake_smem(monkeypatch, fake, "backward")
+    _use_fake_smem(monkeypatch, fake)
     check_against_reference(randn(5, 64, dtype=torch.float32), randn(64, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 0
-    assert rms_norm_module.split_backward_config(11, 150) is None
+    assert 150 <= rms_norm_module.SPLIT_BACKWARD_FROM  # the split backward would not take these rows
     check_against_reference(randn(11, 150, dtype=torch.float32), randn(150, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 1
 
 
 @pytest.mark.parametrize("fail", (False, True))
-def test_smem_forward_dispatch_and_build_failure(monkeypatch, fail):
+def test_smem_forward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fail):
     """Rows with a weight go to rms_norm_smem's forward when it applies: its y and rstd are what the
     forward returns (and the backward reads). A first build that fails warns once, turns the forward
     off (not the backward) and the Triton forward gives the numbers; later calls do not try again."""
-    fake = _FakeSmem(False, fail_forward=fail)
-    _use_fake_smem(monkeypatch, fake, "forward")
+    fake = _FakeSmem(False, fail_forward=fail, only="forward")
+    _use_fake_smem(monkeypatch, fake)
     x = randn(11, 150, dtype=torch.float32, scale=2.0)
     w = randn(150, dtype=torch.float32)
     if fail:
-        with pytest.warns(RuntimeWarning, match="long-row forward .rms_norm_smem.py. did not build.*Triton forward"):
+        with pytest.warns(RuntimeWarning, match="rms_norm_fwd: the cluster kernel did not build.*Triton forward"):
             check_against_reference(x, w, 1e-6, 0.0, "llama")
-        assert rms_norm_module._SMEM_BROKEN == {"forward", "backward"}
+        assert not _dispatch.path_on("rms_norm_fwd", "cluster") and _dispatch.path_on("rms_norm_bwd", "cluster")
     else:
         check_against_reference(x, w, 1e-6, 0.0, "llama")
     check_against_reference(x, w, 1e-6, 1.0, "llama")
@@ -940,7 +1096,7 @@ def test_gpu_smem_backward_matches_reference(monkeypatch, device, rows, hidden, 
     y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
     dy = randn(rows, hidden, dtype=y.dtype, device=device)
     y.backward(dy)
-    assert calls == [importlib.import_module("fused_kernels.rms_norm_smem").shape_for(hidden)], calls
+    assert calls == [rms_norm_module.cluster_shape(hidden, True)], calls
 
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     reference(x64, w64, 1e-6, offset, casting_mode, dtype, dtype).backward(dy.double())
@@ -991,7 +1147,7 @@ def test_gpu_smem_forward_matches_reference(monkeypatch, device, rows, dtype, ca
     x = randn(rows, 65536 + row_pad, dtype=dtype, device=device, scale=2.0)[:, :65536]
     w = randn(65536, dtype=dtype, device=device, scale=0.5) if with_weight else None
     check_against_reference(x, w, 1e-6, offset, casting_mode)
-    assert calls == [importlib.import_module("fused_kernels.rms_norm_smem").shape_for(65536, forward=True)], calls
+    assert calls == [rms_norm_module.cluster_shape(65536, False)], calls
 
 
 @pytest.mark.gpu
@@ -999,7 +1155,7 @@ def test_gpu_claim_counter_resets_itself_and_graphs_capture(device):
     """The row-claiming kernels leave their stream's counter at zero (no fill per launch), so a second
     launch claims every row again and gives the same y bit for bit; launches captured in a CUDA graph use
     a counter of their own and replay to the same numbers."""
-    smem_ce = importlib.import_module("fused_kernels.cross_entropy_smem")
+    smem_ce = importlib.import_module("fused_kernels._gpu")
     x = randn(1024, 65536, dtype=torch.bfloat16, device=device)
     w = randn(65536, dtype=torch.bfloat16, device=device)
     y1 = rms_norm(x, w)
