@@ -115,7 +115,7 @@ class LaunchConfig:
 
 
 # The heuristic tables: what the CPU interpreter runs (one config per row length, so it stays fast),
-# and the reference the autotuned configs are compared with in scripts/tune_rms_norm.py.
+# and the reference the autotuned configs are compared with in dev/tune_rms_norm.py.
 # Forward: (largest n_cols, rows per tile, num_warps); backward adds persistent programs per SM.
 # The block is n_cols rounded up to a power of two, so the whole row sits in registers and x is read
 # once. Sizing rule behind the numbers: 2–4 K elements per tile for short rows (8 KiB of bf16 per load
@@ -346,7 +346,7 @@ _MAX_PROGRAMS_PER_SM = 4
 
 def _regs_per_thread(per_thread: int, rows: int, num_stages: int, backward: bool) -> int:
     """Registers per thread, rounded up from sm_90a compiles (bf16, llama casting, triton 3.9; see
-    scripts/check_sm90.py), by fp32 values per thread per held array."""
+    dev/check_sm90.py), by fp32 values per thread per held array."""
     if backward:
         if rows > 1:
             return 128
@@ -389,7 +389,7 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
                     allowed = (8, 16) if (backward or rows > 1) else (8, 16, 32)
                     fits_regs = _regs_per_thread(per_thread, rows, 2, backward) * num_warps <= 2048
                     # a long row held whole by 32 warps: the backward's 16 K spills, the forward's 32 K
-                    # needs 63 registers (scripts/check_sm90.py); each reads its inputs once where the
+                    # needs 63 registers (dev/check_sm90.py); each reads its inputs once where the
                     # chunked path reads them twice, and the autotuner weighs the two
                     whole_long_row = num_warps == 32 and block_n == (16384 if backward else 32768)
                     if whole_long_row or (per_thread in allowed and fits_regs):

@@ -49,7 +49,7 @@ What the launches need (rms_norm.cluster_launch checks it before planning this p
 kernels, a CUDA device of compute capability >= 9.0 (clusters), x, dy and the weight of one 16-bit
 dtype, row strides a multiple of 8 elements and 16-byte aligned bases (16-byte copies), N whole chunks
 of the shape (MIN_CHUNKS-MAX_CHUNKS in the backward, FORWARD_CHUNKS in the forward; the launch checks
-that). There is no CPU interpreter for Gluon: scripts/check_sm90.py compiles these kernels for sm_90a
+that). There is no CPU interpreter for Gluon: dev/check_sm90.py compiles these kernels for sm_90a
 on the CPU (a test in tests/test_rms_norm.py runs it), the gpu tests run them.
 """
 
@@ -407,7 +407,7 @@ def _claim_scratch(grid: int, device: torch.device):
 
 
 def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
-    """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and scripts/check_sm90.py)."""
+    """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and dev/check_sm90.py)."""
     return dict(_launch_meta(n_cols, shape, False), OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw)
 
 

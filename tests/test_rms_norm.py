@@ -831,7 +831,7 @@ def test_plan_under_the_interpreter_is_the_heuristic_table():
             assert (back.path, back.config) == ("triton", rms_norm_module.heuristic_config(n, True))
 
 
-# --- the H200 at real sizes (scripts/gpu_check.sh) ---------------------------------------------
+# --- the H200 at real sizes (dev/gpu_check.sh) ---------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(

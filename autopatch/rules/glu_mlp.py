@@ -276,7 +276,7 @@ def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "gelu"}
 # Gate and down projection as one node (fused_kernels.glu_linear) where down_proj allows it.
-# scripts/bench_e2e.py's "ours_keep_input" peer turns it off to measure the difference.
+# benchmarks/bench_e2e.py's "ours_keep_input" peer turns it off to measure the difference.
 FUSE_DOWN_PROJ = True
 
 

@@ -40,7 +40,7 @@ from autopatch.rules._kernels import import_problem, kernels
 
 KERNEL = "rms_norm"
 # What the patched norms keep for the backward (fused_kernels.rms_norm's `keep`): "output" frees the
-# input whenever the next layer keeps the output anyway. scripts/bench_e2e.py's "ours_keep_input" peer
+# input whenever the next layer keeps the output anyway. benchmarks/bench_e2e.py's "ours_keep_input" peer
 # sets "input" to measure the difference.
 KEEP = "output"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel takes

@@ -109,7 +109,7 @@ def _compile(model, mode, torch):
 def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     """(model, info): the model of `spec` as `peer` trains it (Liger's class patches before it is built,
     autopatch after, torch.compile last); info holds the parameter count and what was patched. Used by
-    worker, scripts/step_diagnosis.py and experiments, so that every script runs a peer the
+    worker, dev/step_diagnosis.py and experiments, so that every script runs a peer the
     same way."""
     info = {}
     if peer == "liger":
@@ -312,7 +312,7 @@ def run_e2e(args, deadline, on_done=None) -> list[dict]:
 
 def param_and_state_addresses(model, opt) -> set[int]:
     """Storage addresses of the model's parameters, their gradients and the optimizer's state: what a
-    training run keeps between steps by design (scripts/step_diagnosis.py leaves these out too)."""
+    training run keeps between steps by design (dev/step_diagnosis.py leaves these out too)."""
     import torch
 
     known = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -376,7 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--result", help="where the worker writes its JSON")
     a = ap.parse_args(argv)
     if not a.worker:
-        ap.error("run scripts/bench.py --parts e2e; this entry point is the per-run worker")
+        ap.error("run benchmarks/bench.py --parts e2e; this entry point is the per-run worker")
     try:
         res = worker(a.model, a.peer, a.steps, a.warmup, a.device, a.compile_mode)
     except BaseException as exc:  # recorded, not raised: the driver reads the file

@@ -1,4 +1,4 @@
-"""Measurement plumbing shared by scripts/bench.py, bench_kernels.py and bench_e2e.py.
+"""Measurement plumbing shared by benchmarks/bench.py, bench_kernels.py and bench_e2e.py.
 
 Benchmark-only code: nothing in the `autopatch` or `fused_kernels` packages imports it.
 

@@ -1,12 +1,12 @@
 """One rank of a data-parallel training run of a small Llama-shaped model, for comparing the loss curve
 of a plain run with one patched by the environment alone (FUSED_KERNELS=all and the start-up hook in
 every rank). Nothing here imports autopatch: whether the ranks are patched is decided by how they are
-started (see scripts/two_gpu_check.sh and README "Using it with your stack").
+started (see dev/two_gpu_check.sh and README "Using it with your stack").
 
-    torchrun --nproc-per-node 2 scripts/ddp_fsdp_check.py --parallel ddp  --out plain_ddp.json
+    torchrun --nproc-per-node 2 dev/ddp_fsdp_check.py --parallel ddp  --out plain_ddp.json
     FUSED_KERNELS=all python -m autopatch run -m torch.distributed.run --nproc-per-node 2 \\
-        scripts/ddp_fsdp_check.py --parallel ddp --out patched_ddp.json
-    python scripts/ddp_fsdp_check.py --compare plain_ddp.json patched_ddp.json      # no torchrun
+        dev/ddp_fsdp_check.py --parallel ddp --out patched_ddp.json
+    python dev/ddp_fsdp_check.py --compare plain_ddp.json patched_ddp.json      # no torchrun
 
 --parallel ddp        fp32 parameters in DistributedDataParallel; bf16 autocast (--dtype bf16)
 --parallel fsdp       FSDP2: fully_shard on every decoder layer, then on the whole model (the root group

@@ -1,8 +1,8 @@
 """Where a training step's GPU time and memory go (GPU only; a diagnosis, not a benchmark).
 
-    python scripts/step_diagnosis.py [--model llama3_8b_4layers] [--peers hf_eager,ours] [--out d.json]
+    python dev/step_diagnosis.py [--model llama3_8b_4layers] [--peers hf_eager,ours] [--out d.json]
 
-For each peer (one subprocess each; the models and peers of scripts/bench_e2e.py), after three warm-up
+For each peer (one subprocess each; the models and peers of benchmarks/bench_e2e.py), after three warm-up
 steps:
   - memory kept between steps: with the CUDA allocator's history recorded from the start, every block
     still allocated that is not a parameter or optimizer state, with the innermost Python frames
@@ -23,7 +23,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 
 def _our_frames(frames, keep: int = 4) -> list[str]:

@@ -1,10 +1,10 @@
 """Benchmark: our fused kernels and patched models against their peers, on one GPU, in one run.
 
-    python3 scripts/bench.py --out bench.json                       # kernels, then end-to-end
-    BENCH_PARTS=kernels python3 scripts/bench.py --out bench.json   # or --parts kernels / e2e
-    python3 scripts/bench.py --table bench.json                     # print the tables of a result file
-    python3 scripts/bench.py --merge k.json e.json --out benchmarks/h200.json   # join two calls' results
-    TRITON_INTERPRET=1 python3 scripts/bench.py --device cpu --tiny --out /tmp/b.json   # CPU dry run
+    python3 benchmarks/bench.py --out bench.json                       # kernels, then end-to-end
+    BENCH_PARTS=kernels python3 benchmarks/bench.py --out bench.json   # or --parts kernels / e2e
+    python3 benchmarks/bench.py --table bench.json                     # print the tables of a result file
+    python3 benchmarks/bench.py --merge k.json e.json --out benchmarks/h200.json   # join two calls' results
+    TRITON_INTERPRET=1 python3 benchmarks/bench.py --device cpu --tiny --out /tmp/b.json   # CPU dry run
 
 Parts (each inside its own wall-clock budget; what the budget does not reach is recorded as skipped):
   kernels  bench_kernels.py: RMSNorm, RoPE, SwiGLU, cross entropy, fused linear CE; the README table's

@@ -1,7 +1,7 @@
 """How fast fused_kernels.rms_norm is on a GPU, which path rms_norm.plan() takes, and which launch config
 the autotuner picked.
 
-    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep] [--split]
+    TRITON_INTERPRET=0 .venv/bin/python dev/tune_rms_norm.py [--shapes 16384x4096,1024x65536] [--sweep] [--split]
 
 Per shape (bf16 x and weight, casting "llama"), forward and backward:
 - the path and config plan() chooses on this GPU, and why;
@@ -10,7 +10,7 @@ Per shape (bf16 x and weight, casting "llama"), forward and backward:
   measured in the same run (forward: read x + write y; backward: read x, dy + write dx), and the heuristic
   table's config (what the interpreter runs) timed the same way;
 - a plain one-row-per-program forward kernel (load the row once, rstd, y) as a yardstick;
-- dispatch times of the functional entry (triton.testing.do_bench, as scripts/bench.py measures): forward,
+- dispatch times of the functional entry (triton.testing.do_bench, as benchmarks/bench.py measures): forward,
   backward alone, forward + backward;
 - host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
 With --sweep every candidate is also forced (a one-kernel Plan in place of rms_norm.plan's) and timed
@@ -84,15 +84,15 @@ def forced_plans(forward=None, backward=None):
 def forced(cfg):
     """The one kernel with `cfg` in both directions (neither the cluster nor the split path, or a long
     row's forced config would never run)."""
-    one_kernel = Plan("triton", cfg, "forced by scripts/tune_rms_norm.py")
+    one_kernel = Plan("triton", cfg, "forced by dev/tune_rms_norm.py")
     return forced_plans(one_kernel, one_kernel)
 
 
 def forced_split(cfg):
     """The backward through the split kernels with `cfg` (None: the one kernel, autotuned)."""
     if cfg is None:
-        return forced_plans(backward=Plan("triton", None, "forced by scripts/tune_rms_norm.py"))
-    return forced_plans(backward=Plan("split", cfg, "forced by scripts/tune_rms_norm.py"))
+        return forced_plans(backward=Plan("triton", None, "forced by dev/tune_rms_norm.py"))
+    return forced_plans(backward=Plan("split", cfg, "forced by dev/tune_rms_norm.py"))
 
 
 SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [

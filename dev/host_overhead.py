@@ -1,7 +1,7 @@
 """Python (host) cost of one call, per op and peer, and where it goes (a diagnosis).
 
-    python scripts/host_overhead.py [--profile] [--peers ours,liger,host_floor]   (GPU)
-    python scripts/host_overhead.py --cpu-stub [--profile]                          (no GPU)
+    python dev/host_overhead.py [--profile] [--peers ours,liger,host_floor]   (GPU)
+    python dev/host_overhead.py --cpu-stub [--profile]                          (no GPU)
 
 For a 0.1–0.2 ms kernel the CPU's launch path can outlast the GPU work, and do_bench then measures
 the CPU. This prints, for tiny inputs (the GPU is never the bottleneck): µs per forward, per
@@ -30,6 +30,7 @@ if CPU_STUB:  # before triton is imported: the kernels' modules load through the
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_kernels import PEERS, _backward, cross_entropy_case, rms_norm_case, rope_case  # noqa: E402
 from tune_common import host_us  # noqa: E402
 

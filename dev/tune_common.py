@@ -1,9 +1,9 @@
-"""Timing helpers shared by scripts/tune_rms_norm.py and scripts/tune_rope.py (GPU only).
+"""Timing helpers shared by dev/tune_rms_norm.py and dev/tune_rope.py (GPU only).
 
 Three different times matter for a 0.1 ms kernel, and the tune scripts report each:
 - kernel time: `graph_ms` replays a CUDA graph of several calls, so no Python runs between kernels and
   what is measured is the GPU's time alone (what the floor is compared with);
-- dispatch time: `triton.testing.do_bench` of the functional call, as scripts/bench.py measures it; when the
+- dispatch time: `triton.testing.do_bench` of the functional call, as benchmarks/bench.py measures it; when the
   Python per call (custom-op dispatch, autograd, Triton's launcher) outlasts the GPU work queued ahead of
   it, the GPU idles and this exceeds the kernel time;
 - host time: `host_us`, the Python cost of one call on a tiny input (the GPU is never the bottleneck).

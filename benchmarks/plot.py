@@ -1,7 +1,7 @@
-"""Draw the README's plots from a benchmark result file written by scripts/bench.py.
+"""Draw the README's plots from a benchmark result file written by benchmarks/bench.py.
 
-    python3 scripts/plot.py benchmarks/h200.json                # PNGs into benchmarks/, named h200_*.png
-    python3 scripts/plot.py benchmarks/h200.json --out-dir /tmp --prefix try [--time wall]
+    python3 benchmarks/plot.py benchmarks/h200.json                # PNGs into benchmarks/, named h200_*.png
+    python3 benchmarks/plot.py benchmarks/h200.json --out-dir /tmp --prefix try [--time wall]
 
 Times are the kernels' own (GPU time, `gpu_ms`: torch.profiler's kernel durations summed) unless
 `--time wall` (do_bench's wall time, which on a slow host is mostly Python for the small ops); a peer
@@ -226,7 +226,7 @@ def e2e_plot(plt, data, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Plot a scripts/bench.py result file.")
+    ap = argparse.ArgumentParser(description="Plot a benchmarks/bench.py result file.")
     ap.add_argument("json", help="result file, e.g. benchmarks/h200.json")
     ap.add_argument("--out-dir", default=None, help="default: the JSON file's folder")
     ap.add_argument("--prefix", default=None, help="default: the JSON file's name without .json")

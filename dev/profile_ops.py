@@ -1,8 +1,8 @@
 """Where the time of one forward+backward goes, per op and peer (GPU only; a diagnosis, not a benchmark).
 
-    python scripts/profile_ops.py [--only rms_norm,rope] [--peers ours,liger] [--out profile.json]
+    python dev/profile_ops.py [--only rms_norm,rope] [--peers ours,liger] [--out profile.json]
 
-For each main-table case of scripts/bench_kernels.py and each peer it prints:
+For each main-table case of benchmarks/bench_kernels.py and each peer it prints:
   - wall: the do_bench median of fwd+bwd, as bench.py measures it (L2 flushed before every call);
   - gpu: the sum of the CUDA kernels' own durations in one fwd+bwd (torch.profiler, 5 calls averaged);
     wall − gpu is time the GPU spent idle, waiting for Python (launch overhead) or for a host sync;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_common import bench_ms, free_memory  # noqa: E402
 from bench_kernels import PEERS, _backward, kernel_times, real_cases  # noqa: E402
 

@@ -2,7 +2,7 @@
 # Two GPUs (nvidia-h200-x2), one call: data-parallel training of a small Llama-shaped model (~120M
 # parameters, vocab 32000) with torchrun, plain vs patched by the environment alone, loss curves compared.
 #
-#   bash scripts/two_gpu_check.sh          (on a machine with two GPUs,
+#   bash dev/two_gpu_check.sh          (on a machine with two GPUs,
 #                                           carry [".whl"]; results under $OUT)
 #
 # How the ranks get patched here: the repository is not installed on that machine (it is on PYTHONPATH),
@@ -32,7 +32,7 @@
 #        STACK_TESTS_K="second_gpu or device_map" (pytest -k; STACK_TESTS_K="" runs the convergence tests too)
 #        PYTHON=python3;  CPU_DRY_RUN=1: the same runs on the CPU (gloo, tiny model, kernels in Triton's
 #        interpreter, no wheels) to check this script itself, e.g.
-#        CPU_DRY_RUN=1 PYTHON=.venv/bin/python STEPS=2 STACK_TESTS=0 RUNS="ddp fsdp" bash scripts/two_gpu_check.sh
+#        CPU_DRY_RUN=1 PYTHON=.venv/bin/python STEPS=2 STACK_TESTS=0 RUNS="ddp fsdp" bash dev/two_gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -74,7 +74,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1 | tee 
 HAS_ACCELERATE=$("$PY" -c "import accelerate" 2>/dev/null && echo 1 || echo 0)
 
 TORCHRUN=(-m torch.distributed.run --standalone --nproc-per-node 2)
-CHECK=(scripts/ddp_fsdp_check.py --steps "$STEPS" --max-seconds $((RUN_CAP_S - 60)) "${EXTRA[@]}")
+CHECK=(dev/ddp_fsdp_check.py --steps "$STEPS" --max-seconds $((RUN_CAP_S - 60)) "${EXTRA[@]}")
 declare -A RC
 
 # launch NAME plain|patched|accelerate ARGS...: one time-boxed run writing $OUT/NAME.json
@@ -102,7 +102,7 @@ launch() {
 compare() {  # compare NAME PLAIN PATCHED
   local name=$1 plain=$2 patched=$3
   if [ -s "$OUT/$plain.json" ] && [ -s "$OUT/$patched.json" ]; then
-    "$PY" scripts/ddp_fsdp_check.py --compare "$OUT/$plain.json" "$OUT/$patched.json" >"$OUT/compare_$name.json" 2>"$OUT/compare_$name.err"
+    "$PY" dev/ddp_fsdp_check.py --compare "$OUT/$plain.json" "$OUT/$patched.json" >"$OUT/compare_$name.json" 2>"$OUT/compare_$name.err"
     echo "[two_gpu] compare $name: exit $?"
   else
     echo "{\"run\": \"$name\", \"ok\": false, \"problems\": [\"missing result: $plain=${RC[$plain]:-not run} $patched=${RC[$patched]:-not run}\"]}" >"$OUT/compare_$name.json"

@@ -1,7 +1,7 @@
 """How far two *plain* fp32 trainings of the convergence test's model drift apart when their initial
 weights differ by one part in a million, under a given learning-rate schedule (CPU, a few minutes).
 
-    .venv/bin/python scripts/schedule_sensitivity.py
+    .venv/bin/python dev/schedule_sensitivity.py
 
 Rounding differences between patched and plain runs are of that size, so a schedule on which this
 drift explodes (a loss spike) cannot support step-by-step equality tests at tight tolerances; the
