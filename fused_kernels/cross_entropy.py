@@ -70,7 +70,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._gpu import device_guard, sm_count
+from fused_kernels import _dispatch
+from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -151,9 +153,12 @@ SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )
 
+OP = "cross_entropy"  # the op's name in fused_kernels._dispatch
+
 _CONFIG = {
     "force": None,  # a LaunchConfig used for every V instead of the table (tests, tuning)
     "sm_count": None,  # stands in for the device's SM count (tests: persistent grids on the CPU)
+    "device": None,  # DeviceFacts standing in for the logits' device in plan_for (tests)
     "poison": False,  # tests: fill every fresh output buffer with NaN before the kernels run
     "on_buffer": None,  # tests: called with every buffer new_buffer returns (to follow the gradient)
 }
@@ -416,13 +421,26 @@ def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def _sm_count(device: torch.device) -> Optional[int]:
-    """SMs the grid is sized for: the forced count, else the GPU's; None off the GPU (one program per row)."""
+def _grid_sms(facts: DeviceFacts) -> Optional[int]:
+    """SMs a persistent grid is sized for: the forced count (_CONFIG["sm_count"]), else the GPU's; None
+    off the GPU, where the grid is one program per row."""
     if _CONFIG["sm_count"]:
         return int(_CONFIG["sm_count"])
-    if device.type != "cuda":
-        return None
-    return sm_count(device)
+    return facts.sm_count if facts.cuda else None
+
+
+def _programs(cfg: LaunchConfig, n_rows: int, sms: Optional[int]) -> int:
+    if cfg.per_sm <= 0 or sms is None:
+        return n_rows
+    return max(1, min(n_rows, int(round(cfg.per_sm * sms)) // cfg.ctas))
+
+
+def grid_programs(cfg: LaunchConfig, n_rows: int, device) -> int:
+    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows); a
+    cluster of cfg.ctas CTAs (a split row) counts as one program. `device`: a torch.device or the
+    DeviceFacts of one."""
+    facts = device if isinstance(device, DeviceFacts) else device_facts(device)
+    return _programs(cfg, n_rows, _grid_sms(facts))
 
 
 def launch_config(v: int, smem_fits=None) -> LaunchConfig:
@@ -441,102 +459,162 @@ def launch_config(v: int, smem_fits=None) -> LaunchConfig:
     return LAUNCH_TABLE[-1][1]
 
 
-def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
-    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows); a
-    cluster of cfg.ctas CTAs (a split row) counts as one program."""
-    sms = _sm_count(device)
-    if cfg.per_sm <= 0 or sms is None:
-        return n_rows
-    return max(1, min(n_rows, int(round(cfg.per_sm * sms)) // cfg.ctas))
+def path_of(cfg: LaunchConfig) -> str:
+    """The path a launch shape belongs to (see the module docstring): "smem-registers" (chunks in
+    registers, split or not), "smem-split" (a row over a cluster), "smem" or "triton"."""
+    if not cfg.smem:
+        return "triton"
+    if cfg.in_registers:
+        return "smem-registers"
+    return "smem-split" if cfg.ctas > 1 else "smem"
 
 
-_SMEM_MODULE: list = []
-_SMEM_LAUNCHED: set = set()  # (V, dtype, options) the shared-memory kernel has compiled and run for
-_SPLIT_FAILED: list = []  # non-empty once a row split over a cluster failed to build: split rows are off
-_REGISTERS_FAILED: list = []  # non-empty once a shape holding chunks in registers failed: those shapes are off
+# What runs instead once a path is turned off (the warning says it): each smem path needs "smem" on,
+# and a split row (registers or not) needs "smem-split" on.
+_INSTEAD = {
+    "smem": "the Triton kernel for every vocabulary size",
+    "smem-split": "not splitting rows",
+    "smem-registers": "shapes not holding chunks in registers",
+}
+
+
+def shape_refusal(cfg: LaunchConfig, n_rows: int, v: int, element_size: int, facts: DeviceFacts) -> Optional[str]:
+    """Why SMEM_TABLE's shape cfg cannot run for n_rows rows of v classes on a device with these facts,
+    or None when it can: its paths are on (_dispatch.path_on), a split row has thread-block clusters
+    (compute capability >= 9.0) of at most 8 CTAs and >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster,
+    the chunks in registers are allowed, and per_sm CTAs' row buffers fit one SM's shared memory."""
+    from fused_kernels import cross_entropy_smem as smem
+
+    path = path_of(cfg)
+    if not _dispatch.path_on(OP, path):
+        return f"{path} turned off"
+    if cfg.ctas > 1:
+        if not _dispatch.path_on(OP, "smem-split"):
+            return "smem-split turned off"
+        if cfg.ctas > 8 or facts.capability < (9, 0):
+            return f"a cluster of {cfg.ctas} CTAs needs compute capability >= 9.0, got {facts.capability}"
+        clusters = _programs(cfg, n_rows, _grid_sms(facts))
+        if n_rows < SPLIT_MIN_ROWS_PER_CLUSTER * clusters:
+            return f"{n_rows} rows < {SPLIT_MIN_ROWS_PER_CLUSTER} per cluster for {clusters} clusters"
+    if not smem.registers_allowed(v, cfg.warps, cfg.ctas, cfg.in_registers):
+        return f"{cfg.in_registers} chunks in registers not allowed at V = {v}"
+    held = smem.programs_that_fit(v, cfg.warps, element_size, facts.smem_per_sm, cfg.ctas, cfg.in_registers)
+    if held < cfg.per_sm:
+        return f"{held} CTAs' row buffers fit {facts.smem_per_sm} B per SM, {cfg.per_sm} wanted"
+    return None
+
+
+def _describe(cfg: LaunchConfig) -> str:
+    if not cfg.smem:
+        return f"block {cfg.block}, {cfg.warps} warps, " + (f"{cfg.per_sm} per SM" if cfg.per_sm else "a program per row")
+    return (f"{cfg.warps} warps, {cfg.per_sm} CTAs per SM, {cfg.ctas} CTA(s) per row, "
+            f"{cfg.in_registers} chunks in registers")
+
+
+def _smem_refusal(n_rows: int, dtype: torch.dtype, grad_dtype, aligned: bool,
+                  facts: DeviceFacts) -> Optional[str]:
+    """Why rows of these logits cannot live in shared memory at all, or None (SMEM_TABLE then decides)."""
+    if grad_dtype is None:
+        return "no gradient wanted (the Triton kernel reads each row once anyway)"
+    if not facts.gluon:
+        return "no Gluon kernels here (not a CUDA GPU, the interpreter, or no Gluon in this Triton)"
+    if not _dispatch.path_on(OP, "smem"):
+        return "smem turned off"
+    if dtype.itemsize != 2 or grad_dtype != dtype:
+        return f"{dtype} logits with a {grad_dtype} gradient: the row in shared memory takes 16-bit logits and gradient"
+    if n_rows == 0:
+        return "no rows"
+    if not aligned:
+        return "rows not 16-byte aligned (row strides a multiple of 16 elements, 16-byte aligned bases)"
+    if facts.capability < (8, 0):
+        return f"compute capability {facts.capability} < 8.0 (cp.async)"
+    return None
+
+
+def plan(n_rows: int, v: int, dtype: torch.dtype, *, grad_dtype: Optional[torch.dtype] = None, aligned: bool = True,
+         device: DeviceFacts) -> Plan:
+    """Which kernel runs cross entropy over n_rows rows of v classes of `dtype` logits (grad_dtype: the
+    gradient's, None when no gradient is written; aligned: the logits' and gradient's rows are 16-byte
+    aligned with strides a multiple of 16 elements) on a device with these facts, with what launch shape
+    (a LaunchConfig) and why.
+
+    Paths: "smem" (the row held in shared memory by one CTA), "smem-split" (a row split over a cluster
+    of CTAs), "smem-registers" (either, with the first chunks of each CTA's share held in registers) —
+    all cross_entropy_smem — and "triton" (this module's kernel, LAUNCH_TABLE's shape). The smem paths
+    are tried first when the rows may live in shared memory (_smem_refusal): SMEM_TABLE's first row whose
+    bound is >= V and that runs here (shape_refusal). On an H200 (DeviceFacts(True, 132, (9, 0), 233472,
+    True)) with a bf16 gradient: V = 32000 -> smem-registers (8 warps, 4 per SM, 4 chunks in registers);
+    128256 -> smem-registers over a cluster of 8 (4 warps, 8 per SM, 3 in registers) from 16 rows per
+    cluster (2112 rows), else triton; 262144 -> smem-registers over 8 (8 warps, 4 per SM, 3 in registers).
+    An A100 (sm_80, 167936 B) takes V = 32000 at 2 per SM unsplit and V > 65536 on the Triton kernel.
+    fp32 logits, no gradient, V <= 8192 or V > 262144: triton. `_CONFIG["force"]` forces one shape."""
+    forced = _CONFIG["force"]
+    refusal = _smem_refusal(n_rows, dtype, grad_dtype, aligned, device)
+    if forced is not None:
+        if forced.smem and refusal is not None:
+            raise RuntimeError(
+                f"cross_entropy: launch shape {forced} holds rows in shared memory, which needs a CUDA GPU of "
+                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
+                f"strides a multiple of 16; here: {refusal}")
+        return Plan(path_of(forced), forced, "forced (_CONFIG['force'])")
+    if refusal is None and v < SMEM_FROM:
+        refusal = f"V = {v} < SMEM_FROM = {SMEM_FROM}: the Triton kernel holds the row whole in registers"
+    if refusal is None:
+        skipped = []
+        for bound, cfg in SMEM_TABLE:
+            if v > bound:
+                continue
+            why = shape_refusal(cfg, n_rows, v, dtype.itemsize, device)
+            if why is None:
+                skip = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+                return Plan(path_of(cfg), cfg, f"V = {v} <= {bound}: SMEM_TABLE's first shape that runs here, "
+                                               f"{_describe(cfg)}{skip}")
+            skipped.append(f"{_describe(cfg)}: {why}")
+        refusal = ("no SMEM_TABLE shape runs here: " + "; ".join(skipped)) if skipped else \
+            f"V = {v} > {SMEM_TABLE[-1][0]}, SMEM_TABLE's last bound"
+    cfg = launch_config(v)
+    return Plan("triton", cfg, f"LAUNCH_TABLE's shape for V = {v} ({_describe(cfg)}): {refusal}")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _facts(x: torch.Tensor) -> DeviceFacts:
+    return _CONFIG["device"] or device_facts(x.device)
+
+
+def plan_for(x: torch.Tensor, grad: Optional[torch.Tensor], facts: Optional[DeviceFacts] = None) -> Plan:
+    """plan() for logits x (N, V) and the gradient buffer grad (None: no gradient) on x's device (facts:
+    its DeviceFacts; default that of x's device, or _CONFIG["device"] standing in for it: tests)."""
+    facts = facts or _facts(x)
+    aligned = _aligned(x) and (grad is None or _aligned(grad))
+    return plan(x.shape[0], x.shape[1], x.dtype, grad_dtype=None if grad is None else grad.dtype, aligned=aligned,
+                device=facts)
+
+
+_PLANS: dict = {}  # plan_for's answers by everything plan() reads, so that a training step plans once per shape
+_SMEM_PATHS = ("smem", "smem-split", "smem-registers")
+
+
+def _planned(x: torch.Tensor, grad: Optional[torch.Tensor], facts: DeviceFacts) -> Plan:
+    """plan_for(x, grad, facts), remembered: the key holds the inputs, the knobs and the paths' state."""
+    key = (x.shape[0], x.shape[1], x.dtype, None if grad is None else grad.dtype,
+           _aligned(x) and (grad is None or _aligned(grad)), facts, _CONFIG["force"], _CONFIG["sm_count"],
+           SMEM_FROM, SPLIT_MIN_ROWS_PER_CLUSTER, tuple(_dispatch.path_on(OP, p) for p in _SMEM_PATHS))
+    got = _PLANS.get(key)
+    if got is None:
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        got = _PLANS[key] = plan_for(x, grad, facts)
+    return got
 
 
 def _smem_module():
-    """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's helpers), or
-    None where it cannot run here (no Gluon, the interpreter, or it failed to build: _smem_failed)."""
-    if not _SMEM_MODULE:
-        if _INTERPRETED:  # no Gluon under the interpreter: do not even import it (Triton's compiler bindings)
-            _SMEM_MODULE.append(None)
-        else:
-            from fused_kernels import cross_entropy_smem
+    """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's Triton helpers)."""
+    from fused_kernels import cross_entropy_smem
 
-            _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
-    return _SMEM_MODULE[0]
-
-
-def _smem_failed(exc: Exception, cfg: LaunchConfig) -> None:
-    """Gluon is an experimental API that changes between Triton releases: when the kernel does not build
-    with this Triton, say so once and stop using what failed instead of failing the user's loss. A row
-    split over a cluster that fails turns split rows off (the unsplit shared-memory rows stay); an
-    unsplit one turns the shared-memory kernel off (the Triton kernel then serves every V: same numbers,
-    ~20 % slower)."""
-    import warnings
-
-    if cfg.in_registers:
-        what, instead, off = "with chunks of each row in registers ", "not holding chunks in registers", _REGISTERS_FAILED
-    elif cfg.ctas > 1:
-        what, instead, off = "rows split over a cluster of CTAs ", "not splitting rows", _SPLIT_FAILED
-    else:
-        what, instead, off = "", "using the Triton kernel for every vocabulary size", None
-    warnings.warn(
-        f"fused_kernels.cross_entropy: the shared-memory kernel (cross_entropy_smem.py) did not build or launch "
-        f"{what}with triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); {instead} from now on",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    if off is not None:
-        off.append(cfg)
-    else:
-        _SMEM_MODULE[:] = [None]
-
-
-def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
-    """Whether SMEM_TABLE's shape cfg can run for logits x here (smem.fits) and, for a row split over a
-    cluster, whether x has enough rows for the clusters to pay off (SPLIT_MIN_ROWS_PER_CLUSTER)."""
-    n, v = x.shape
-    if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * grid_programs(cfg, n, x.device)):
-        return False
-    if cfg.in_registers and _REGISTERS_FAILED:
-        return False
-    return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device, cfg.in_registers)
-
-
-def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -> bool:
-    """Run the shared-memory kernel if SMEM_TABLE has a shape for x here (True), else leave it to the
-    Triton kernel (False). A first build that fails is forgiven once per kind (_smem_failed) and the
-    dispatch retried; a shape that has run before and then fails, or a forced one, raises."""
-    v = x.shape[1]
-    while True:
-        smem = _smem_module()
-        in_smem = smem is not None and smem.eligible(x, grad)
-        cfg = launch_config(v, (lambda c: smem_shape_fits(smem, x, c)) if in_smem else None)
-        if not cfg.smem:
-            return False
-        if not in_smem:
-            raise RuntimeError(
-                f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
-                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
-                f"strides a multiple of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
-            )
-        key = (v, x.dtype, cfg, row_scale is not None, options["softcap"] is not None,
-               options["logit_scale"] != 1.0, options["label_smoothing"] > 0)
-        try:
-            with device_guard(x):
-                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device),
-                                    in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
-        except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
-            if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
-                raise
-            _smem_failed(exc, cfg)
-            continue
-        _SMEM_LAUNCHED.add(key)
-        return True
+    return cross_entropy_smem
 
 
 def launch_ce(
@@ -554,7 +632,9 @@ def launch_ce(
     softcap: Optional[float],
     logit_scale: float = 1.0,
 ) -> None:
-    """Run the cross-entropy kernel over the rows of x (N, V; unit column stride).
+    """Run the cross-entropy kernel over the rows of x (N, V; unit column stride) that plan_for(x, grad)
+    names. A smem path whose first build fails is turned off (_dispatch.run_path) and the call planned
+    again; a shape that has run before and then fails, or a forced one, raises.
 
     loss_rows (N,) fp32 gets loss_i (0 for ignored rows). When grad (N, V; may be x itself) is given
     it gets coef[0] · row_scale[i] · ∂loss_i/∂x_i. flag (int32) is set to 1 when a target lies outside
@@ -564,21 +644,37 @@ def launch_ce(
     if n == 0:
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
-    if _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, ignore_index=ignore_index,
-                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale):
-        return
-    cfg = launch_config(v)
+    options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                   logit_scale=logit_scale)
+    facts = _facts(x)
+    while True:
+        p = _planned(x, grad, facts)
+        if p.path == "triton":
+            break
+        cfg = p.config
+        key = (v, x.dtype, cfg, row_scale is not None, softcap is not None, logit_scale != 1.0, label_smoothing > 0)
+        smem = _smem_module()
+
+        def run(cfg=cfg):
+            with device_guard(x):
+                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
+                                    ctas=cfg.ctas, grid=_programs(cfg, n, _grid_sms(facts)),
+                                    in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
+
+        if _dispatch.run_path(OP, p.path, key, run, instead=_INSTEAD[p.path], forced=_CONFIG["force"] is not None):
+            return
+    cfg = p.config
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
                float(label_smoothing), float(z_loss))
-    options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
-                   has_row_scale=row_scale is not None)
+    flags = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
+                 has_row_scale=row_scale is not None)
     with device_guard(x):
         launch(
-            _ce_kernel, (grid_programs(cfg, n, x.device),),
+            _ce_kernel, (_programs(cfg, n, _grid_sms(facts)),),
             (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag) + scalars,
-            dict(kernel_constexprs(cfg, v, **options, write_grad=grad is not None), num_warps=cfg.warps),
+            dict(kernel_constexprs(cfg, v, **flags, write_grad=grad is not None), num_warps=cfg.warps),
         )
 
 
@@ -610,7 +706,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
     block = 4096 if t.is_cuda else 1024
     per = triton.cdiv(row_len, block)
     n_blocks = rows * per
-    cap = 8 * _sm_count(t.device) if t.is_cuda else 16
+    cap = 8 * _grid_sms(device_facts(t.device)) if t.is_cuda else 16
     with device_guard(t):
         launch(_scale_kernel, (min(n_blocks, cap),), (t, g, row_len, per, n_blocks),
                dict(PER_ROW=per_row, BLOCK=block, EXACT_BF16=_INTERPRETED, num_warps=8))

@@ -324,43 +324,11 @@ def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_sof
                 WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
 
 
-def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1,
+def programs_that_fit(v: int, warps: int, element_size: int, smem_per_sm: int, ctas: int = 1,
                       in_registers: int = 0) -> int:
-    """How many CTAs' row buffers one SM's shared memory holds."""
+    """How many CTAs' row buffers one SM's shared memory (smem_per_sm bytes: _gpu.smem_per_sm) holds."""
     need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _gpu.SMEM_RESERVED + _SMEM_SLACK
-    return _gpu.smem_per_sm(device) // need
-
-
-def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device,
-         in_registers: int = 0) -> bool:
-    """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, a row split over a
-    cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
-    portable cluster size), and in_registers chunks may live in registers (registers_allowed)."""
-    if ctas > 1 and (ctas > 8 or _gpu.capability(device) < (9, 0)):
-        return False
-    if not registers_allowed(v, warps, ctas, in_registers):
-        return False
-    return programs_that_fit(v, warps, element_size, device, ctas, in_registers) >= per_sm
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def eligible(x: torch.Tensor, grad) -> bool:
-    """Whether the tensors allow this path at all (see the module docstring); fits() then decides per
-    launch shape. Asked only where available() holds (cross_entropy._smem_module)."""
-    return (
-        grad is not None
-        and x.is_cuda
-        and torch.version.hip is None
-        and x.element_size() == 2
-        and grad.dtype == x.dtype
-        and x.shape[0] > 0
-        and _aligned(x)
-        and _aligned(grad)
-        and _gpu.capability(x.device) >= (8, 0)
-    )
+    return smem_per_sm // need
 
 
 def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, ctas: int, grid: int,
