@@ -31,28 +31,30 @@ rows pid, pid + P, ... A row of at most BLOCK classes is held whole in registers
 once). A longer row is swept twice in BLOCK-wide blocks: first the online max / sum-exp in fp32 (plus
 z_y, Σz for label smoothing, the softcap tanh), then the gradient (softmax − onehot)·scale. The second
 read of a ≤ 512 KB row comes from L2 when rows in flight × row bytes stay well under the 50 MB L2,
-which is what the persistent grid and the L2 eviction hints are for. Bytes moved, 8192 × 128256
-bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
-floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
+which is what the one-program-per-SM-at-a-time shapes and the L2 eviction hints are for. Bytes moved,
+8192 × 128256 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from
+L2 or HBM). Without the gradient: one read, half that.
 
-On a GPU, rows of 8193 to 262144 16-bit classes are instead held in shared memory by the Gluon kernel of
-fused_kernels/cross_entropy_smem.py (read from HBM once, 20–35 % faster; SMEM_TABLE; rows of 65536
-classes and more split over a thread-block cluster of 2 or 8 SMs, Hopper and later), when the tensors
-allow it;
-this module's Triton kernel is the path everywhere else, and the CPU's.
-
-Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
-LaunchConfig (block, warps, programs per SM, pipelining stages of the block loops, L2 hints).
-scripts/tune_cross_entropy.py times the candidates on the GPU and prints table rows to paste here.
-`_CONFIG["force"]` overrides the table (tests, the tune script); `_CONFIG["sm_count"]` stands in for
-the SM count (the CPU interpreter has none: there the grid is one program per row unless it is set).
+Paths (`plan()` decides; `Plan.path`):
+  - "smem", "smem-split", "smem-registers": the Gluon kernel of fused_kernels/cross_entropy_smem.py,
+    which holds each row in shared memory (read from HBM once): unsplit, split over a thread-block
+    cluster of 2-8 CTAs (Hopper and later), or with the first chunks of each CTA's share in registers.
+    They run on a CUDA GPU with Gluon for 16-bit logits and gradient with 16-byte aligned rows, the
+    gradient wanted, SMEM_FROM <= V <= 262144, when an SMEM_TABLE shape fits the SM (and, split, the
+    rows give each cluster >= SPLIT_MIN_ROWS_PER_CLUSTER of them).
+  - "triton": this module's kernel with LAUNCH_TABLE's shape: everywhere else, and on the CPU.
+A smem path whose first build fails with the installed Triton is turned off for the process
+(fused_kernels._dispatch, one warning) and the call planned again: the next shape computes the same
+numbers. `_CONFIG["force"]` forces one LaunchConfig (tests, scripts/tune_cross_entropy.py);
+`_CONFIG["sm_count"]` stands in for the SM count (the CPU interpreter has none: there the grid is one
+program per row unless it is set); `_CONFIG["device"]` stands in for the device's facts (tests).
 
 The kernel takes the gradient buffer separately from the logits; fused_linear_cross_entropy passes
 the same tensor for both (gradient written in place over its logits chunk): a row belongs to one
 program, which reads z_y before it writes anything and reads every block before it overwrites it.
 
 Around the kernel, two one-program kernels keep the host path short (each small torch op costs
-more CPU time than a 0.1–0.4 ms loss leaves): a prologue writes the gradient coefficient (counting the
+CPU time the loss's GPU work does not hide): a prologue writes the gradient coefficient (counting the
 non-ignored rows for "mean") and clears the flag; an epilogue sums the rows' losses times the
 coefficient into the 0-d loss and turns the flag into the value the check reads. Out-of-range targets
 are flagged by the kernel (and treated as ignored there); the forward checks the flag at its end: a
@@ -96,13 +98,12 @@ class LaunchConfig(NamedTuple):
     in_registers: int = 0  # smem: chunks of each CTA's share held in registers (ptxas capped so per_sm fit)
 
 
-# (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
-# (benchmarks/h200-2026-11-30-tune-cross-entropy.txt: forward writing the gradient, 8192 rows bf16).
-# V = 32000: 8192-class blocks, 8 warps, 2-stage pipelined sweeps, 0.377 ms (67 % of the floor);
-# V = 128256 / 262144: 32768-class blocks with 32 warps, one program per row (one per SM at a time:
-# ~132 rows of 256-512 KB in flight, so the second sweep reads from L2), and the L2 hints (first
-# sweep evict_last, second sweep and stores evict_first): 1.325 / 2.878 ms, 76 % / 72 % of the floor,
-# against 1.75 / 3.60 ms for the 16384 x 32 shape used before.
+# (largest V, config): the Triton kernel's shape, the first row whose bound is >= V. The rows for
+# V > 8192 are scripts/tune_cross_entropy.py's winners on the H200 (forward writing the gradient, 8192
+# rows bf16). V <= 65536: 8192-class blocks, 8 warps, 2-stage pipelined sweeps; longer rows: 32768-class
+# blocks with 32 warps, one program per row (one per SM at a time: ~132 rows of 256-512 KB in flight,
+# so the second sweep reads from L2), and the L2 hints (first sweep evict_last, second sweep and stores
+# evict_first).
 LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (2048, LaunchConfig(block=2048, warps=4, per_sm=0)),
     (8192, LaunchConfig(block=8192, warps=8, per_sm=0)),
@@ -111,30 +112,23 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
 )
 
-# Tried before LAUNCH_TABLE when the row can live in shared memory (cross_entropy_smem: CUDA, 16-bit,
-# aligned, the gradient wanted) and `per_sm` row buffers fit an SM; the first row whose bound is >= V
-# and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
-# (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
-# per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
-# Longer rows are split over a cluster of 2, 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the
-# row; the CTAs exchange their partial max / Σ exp through global memory and one cluster barrier per row
-# (benchmarks/session9/exp_ce_library.txt, no ignored rows; table = LAUNCH_TABLE's kernel): V = 65536
-# 0.643 ms (1 per SM unsplit 0.740, table 0.817, copy 0.511), 128256 1.273 (table 1.508, copy 0.998),
-# 151936 1.568 (3 per SM 1.694, table 1.800, copy 1.166), 262144 2.654 (table 3.191, copy 2.012).
-# Without clusters (before Hopper) V = 65536 takes the unsplit row and longer rows the Triton kernel.
-# Rows with in_registers hold the first chunks of each CTA's share in registers and cap ptxas's registers
-# (maxnreg) so that per_sm CTAs fit: more rows in flight per SM (benchmarks/session13, 8192 rows, ms, %
-# of a copy of the logits; before = the shape without registers): V = 32000 0.282 (0.284), 65536 0.573
-# (0.597), 128256 1.115-1.126 (1.239, 88 %), 151936 1.312 (1.521, 89 %; 7 per SM), 201088 1.782 (1.933;
-# 5 per SM), 256000 2.281 (2.503), 262144 2.321-2.344 (2.588, 86 %). The shapes without registers stay
-# as fallbacks (fewer rows than the register shape's clusters want, or a Triton that cannot build them).
+# Tried before LAUNCH_TABLE when the rows may live in shared memory (plan(): CUDA, Gluon, 16-bit,
+# aligned, the gradient wanted): the first row whose bound is >= V and whose shape runs here
+# (shape_refusal: per_sm CTAs' row buffers fit an SM, clusters on sm_90+, enough rows per cluster, the
+# shape's path not turned off) wins. Rows up to 57344 classes stay in one CTA (4, 3 or 2 per SM as shared
+# memory allows: an A100's 164 KB takes V = 32000 at 2 per SM). Longer rows are split over a cluster of
+# 2, 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the row; the CTAs exchange their partial
+# max / Σ exp through global memory and one cluster barrier per row. Without clusters (before Hopper)
+# V = 65536 takes the unsplit 32-warp row and longer rows the Triton kernel. Rows with in_registers hold
+# the first chunks of each CTA's share in registers and cap ptxas's registers (maxnreg) so that per_sm
+# CTAs fit: more rows in flight per SM. For each V the shapes without registers follow as fallbacks
+# (fewer rows than the register shape's clusters want, or a Triton that cannot build them).
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
-# (one read already; the shared-memory kernel was measured from V = 16384 up).
+# (one read already).
 SMEM_FROM = 8193
-# A split row's cluster pays off over many rows only: at fused_linear_cross_entropy's 640-1024-row chunks
-# (7-10 rows per cluster, the first row's load never overlapped) it was slower than the Triton kernel
-# (benchmarks/session9/exp_ce_chunk_spread.txt: 640 x 151936 0.169 vs 0.153 ms median, 768 x 128256
-# 0.162 vs 0.151; at 8192 rows 1.506 vs 1.825). Split rows are used from this many rows per cluster.
+# A split row's cluster pays off over many rows only: with few rows per cluster (a
+# fused_linear_cross_entropy chunk of 640-1024 rows gives 7-10) the first row's load is never
+# overlapped and the Triton kernel is faster. Split rows are used from this many rows per cluster.
 SPLIT_MIN_ROWS_PER_CLUSTER = 16
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, in_registers=4)),
@@ -174,7 +168,7 @@ def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.co
     e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp).
     Per class one exp and one division: the capped kernels are bound by the GPU's special-function
     units (exp2, reciprocal), so x / softcap is a multiply by the scalar 1 / softcap (two units
-    per class instead of three; benchmarks/session13)."""
+    per class instead of three)."""
     z = x.to(tl.float32)
     if HAS_SCALE:
         z = z * logit_scale
@@ -542,12 +536,15 @@ def plan(n_rows: int, v: int, dtype: torch.dtype, *, grad_dtype: Optional[torch.
     of CTAs), "smem-registers" (either, with the first chunks of each CTA's share held in registers) —
     all cross_entropy_smem — and "triton" (this module's kernel, LAUNCH_TABLE's shape). The smem paths
     are tried first when the rows may live in shared memory (_smem_refusal): SMEM_TABLE's first row whose
-    bound is >= V and that runs here (shape_refusal). On an H200 (DeviceFacts(True, 132, (9, 0), 233472,
-    True)) with a bf16 gradient: V = 32000 -> smem-registers (8 warps, 4 per SM, 4 chunks in registers);
-    128256 -> smem-registers over a cluster of 8 (4 warps, 8 per SM, 3 in registers) from 16 rows per
-    cluster (2112 rows), else triton; 262144 -> smem-registers over 8 (8 warps, 4 per SM, 3 in registers).
-    An A100 (sm_80, 167936 B) takes V = 32000 at 2 per SM unsplit and V > 65536 on the Triton kernel.
-    fp32 logits, no gradient, V <= 8192 or V > 262144: triton. `_CONFIG["force"]` forces one shape."""
+    bound is >= V and that runs here (shape_refusal); the reason lists the rows skipped and why.
+    On an H200 (DeviceFacts(True, 132, (9, 0), 233472, True)), 8192 rows with a bf16 gradient:
+    V = 32000 -> smem-registers, one CTA per row (8 warps, 4 per SM, 4 chunks in registers); 50304 ->
+    smem (2 per SM); 128256 -> smem-registers over a cluster of 8 (4 warps, 8 per SM, 3 in registers),
+    which wants 16 rows for each of its 132 clusters: at 2111 rows smem-split over 4 CTAs instead, at
+    768 (a fused_linear_cross_entropy chunk) triton; 262144 -> smem-registers over 8 (8 warps, 4 per
+    SM, 3 in registers). An A100 (sm_80, 167936 B per SM): V = 32000 smem at 2 per SM, 65536 the
+    unsplit 32-warp row, longer rows triton. fp32 logits, no gradient, V <= 8192 or V > 262144: triton.
+    `_CONFIG["force"]` forces one shape (a smem one raises where the rows cannot live in shared memory)."""
     forced = _CONFIG["force"]
     refusal = _smem_refusal(n_rows, dtype, grad_dtype, aligned, device)
     if forced is not None:
@@ -721,7 +718,7 @@ def start_loss(target: torch.Tensor, ignore_index: int, reduction: str, divisor:
     loss sum, are multiplied by: 1 / #non-ignored rows for "mean" (1 when none), 1 / num_items_in_batch
     (0 when it is 0), else 1. flag (1,) int32 = 0: the cross-entropy kernel sets it on a bad target.
     Replaces ~7 small torch ops (count, clamp, reciprocal, a zeroed flag), whose host time outlasted
-    the GPU work of a 0.1–0.4 ms loss."""
+    the loss's GPU work."""
     coef = torch.empty((1,), dtype=torch.float32, device=device)
     flag = torch.empty((1,), dtype=torch.int32, device=device)
     div = coef  # never read unless MODE 2
@@ -747,8 +744,8 @@ def finish_loss(loss_rows: torch.Tensor, coef: torch.Tensor, flag: torch.Tensor,
                 target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
     """The loss: coef · Σ loss_rows as a fresh 0-d tensor (one launch), or loss_rows itself for "none";
     then the out-of-range target check. On a GPU that is a device-side assert, as in torch's own cross
-    entropy: no host sync (a sync per call cost 0.3–0.9 ms of idle GPU per forward+backward on the H200,
-    waiting for the CPU to launch the backward), but the CUDA context is lost when it fires. On the CPU
+    entropy: no host sync (a sync per call leaves the GPU idle while the CPU catches up to launch the
+    backward), but the CUDA context is lost when it fires. On the CPU
     (the interpreter) a ValueError names the bad targets. The 0-d loss is not a view: a custom op must
     not return one (an in-place `loss += aux_loss`, as MoE models do, would be refused by autograd)."""
     reduce = reduction != "none"

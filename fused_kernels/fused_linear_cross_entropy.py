@@ -27,21 +27,18 @@ reduction="none" has one upstream value per token, unknown in the forward: the f
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
-Chunk rows: C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS' leading-dimension
-granule; at least 1, at most N), then shrunk to split N into equal chunks of that many. The default
-budget, 252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values
-take the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
-262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per chunk:
-at 8192 × 4096 → 128256 on an H200, 1024 rows took 38.9–39.4 ms of GPU time where 768 (192 MiB) took
-40.2–40.5 (benchmarks/session12); at 16384 × 2304 → 262144, 504 rows took 107.6 ms where a 128-row
-granule's 384 took 110.9, and at Qwen3's lm_head (16384 × 1024 → 151936) 864 rows 26.5 ms where 768 took
-27.6 (benchmarks/session15). A multiple of 128 is not needed: only 448 rows, 3.5 GEMM tiles, was slower
-than 384 there (113.9 ms). FUSED_KERNELS_FLCE_CHUNK_MB sets the budget;
-`_CONFIG["chunk_rows"]` forces C (tests use it to run several chunks).
+Chunk rows (`plan()`): C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS'
+leading-dimension granule; at least 1, at most N), then shrunk to split N into equal chunks of that many.
+The budget is the `chunk_mb` argument (autopatch passes FUSED_KERNELS_FLCE_CHUNK_MB); the default,
+252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values take
+the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
+262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per
+chunk; a multiple of 128 rows is not needed. `_CONFIG["chunk_rows"]` forces C (tests use it to run
+several chunks).
 
 Memory beyond inputs and their gradients: the C × V logits buffer, N + V fp32 values, and cuBLAS'
-workspace. Time: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N × V (read + write);
-8192 × 4096 → 128256 bf16: 25.8 TFLOP, 37.6 ms at 686 TFLOP/s, plus ≈ 1 ms of cross entropy.
+workspace. Work: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N × V (read + write);
+8192 × 4096 → 128256 bf16: 25.8 TFLOP.
 """
 
 from __future__ import annotations

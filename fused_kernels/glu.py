@@ -18,7 +18,7 @@ The backward recomputes act(g) from g, so autograd saves only gate and up (which
 anyway, as the projections' outputs), never the output; dgate and dup come from one kernel.
 
 Bytes moved, for N elements of b bytes: forward 3·N·b (read g, u; write out), backward 5·N·b (read
-dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB, 0.885 ms at 4.25 TB/s.
+dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB.
 
 glu_linear(gate, up, weight, bias, activation) is the gated MLP's tail, `linear(act(g) · u, weight, bias)`
 (the down projection), as one autograd node that saves gate, up and the weight but not the product
@@ -33,7 +33,8 @@ Layout: contiguous inputs are processed as one flat row. Otherwise each tensor i
 rows × cols with a row stride and unit column stride — this covers the two halves of a fused
 gate_up_proj output (`gate, up = x.chunk(2, dim=-1)`, row stride 2·cols) without a copy; a tensor that
 cannot be viewed that way (transposed, or leading dims that do not collapse) is copied first.
-Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block chosen by `_block_config`.
+Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block: `plan()` says which (path "flat" for
+contiguous operands, "rows" for row views), from `_block_config`.
 """
 
 from __future__ import annotations
@@ -431,8 +432,8 @@ _geglu_fwd.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context
 
 
 # ----------------------------------------------------------------------------------------------
-# Eager autograd: the same launches as the custom ops without their dispatch (tens of µs of Python
-# per call). torch.compile traces the custom ops instead.
+# Eager autograd: the same launches as the custom ops without their dispatch (Python per call).
+# torch.compile traces the custom ops instead.
 
 
 class _GLUFunction(torch.autograd.Function):

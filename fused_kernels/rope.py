@@ -32,12 +32,12 @@ the head counts, head dims, rot, the variant, direction, dtypes and the token co
 `heuristic_config` gives one config. `launch_config` says which applies (tests and scripts/tune_rope.py
 replace it to force a config).
 
-Dispatch: eager calls run a torch.autograd.Function (a few µs of Python); torch.compile traces the custom ops
-fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`.
+Dispatch: eager calls run a torch.autograd.Function; torch.compile traces the custom ops
+fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`, as `plan()` says (path "fixed" or "autotune").
 
 Bytes moved per pass (forward, or backward):  2 * (|q| + |k|) * elem  +  2 * B_cos * seq * r * elem_cos.
 Llama-3-8B shape, q 4x32x4096x128 + k 4x8x4096x128 bf16, cos/sin (4, 4096, 128) bf16: 320 MiB + 8 MiB;
-forward + backward 656 MiB, 0.16 ms at 4.25 TB/s.
+forward + backward 656 MiB.
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ _rope_tuned = triton.autotune(
 
 # What the autotuner chose, by a key holding everything its key holds (the key arguments and the tensor
 # dtypes): later launches with that key go straight to the kernel with the chosen meta-parameters,
-# skipping triton.autotune's per-call Python (tens of µs: it rebuilds its key from all 32 arguments).
+# skipping triton.autotune's per-call Python (it rebuilds its key from all 32 arguments).
 _CHOSEN: dict = {}
 _TUNING_LOCK = threading.Lock()
 
@@ -507,8 +507,8 @@ _rope_bwd.register_autograd(_rope_bwd_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Eager autograd: the same launches without the custom-op dispatch (tens of µs of Python per call, which
-# leaves the GPU idle between 0.1 ms kernels)
+# Eager autograd: the same launches without the custom-op dispatch (whose Python per call can leave the
+# GPU idle between short kernels)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -573,7 +573,7 @@ def _check_args(q, k, cos, sin, unsqueeze_dim, interleaved) -> int:
         if rot > t.shape[-1]:
             raise ValueError(
                 f"cos/sin last dim (rot={rot}) must be <= {name}'s head_dim ({t.shape[-1]}); "
-                f"a shorter cos rotates the leading rot channels (partial rotary)"
+                f"a shorter cos rotates the first rot channels (partial rotary)"
             )
     seq_dim = 2 if ud == 1 else 1
     batch, seq = q.shape[0], q.shape[seq_dim]
@@ -613,7 +613,7 @@ def rope(
             either may have no heads (k = q.narrow(head_axis, 0, 0) rotates q alone, for one-tensor
             functions such as Gemma 4's apply_rotary_pos_emb(x, cos, sin)).
       cos, sin: (batch, seq, rot) or (seq, rot), any float dtype; batch or seq of 1 broadcasts. When
-            rot < head_dim the leading rot channels are rotated and the rest passed through (partial rotary).
+            rot < head_dim the first rot channels are rotated and the rest passed through (partial rotary).
       interleaved: rotate channel pairs (2i, 2i+1) instead of (i, i + rot/2), i.e.
             rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) as in Cohere and GLM models;
             cos/sin are then given at full rot size with each frequency repeated for its pair

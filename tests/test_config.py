@@ -1,5 +1,5 @@
 """autopatch.config: every form of FUSED_KERNELS, the toggles, the per-model overrides, precedence of
-flags > environment > env file > defaults, and every bad input of issue 3 with its message."""
+flags > environment > env file > defaults, and every bad input with its message."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_settings_reads_os_environ(tmp_path, monkeypatch):
     assert Settings().kernels() == {"rope", "rms_norm"}
 
 
-# --------------------------------------------------------------------------- bad input (issue 3)
+# --------------------------------------------------------------------------- bad input
 def expect_error(env, tmp_path, *fragments, **flags):
     with pytest.raises(ConfigError) as info:
         load(env, tmp_path, **flags)

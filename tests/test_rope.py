@@ -39,7 +39,7 @@ def rotate_half_interleaved(x):
 
 
 def reference_rope(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
-    """q*cos + rotate(q)*sin on the leading rot channels, the rest passed through; all in float64.
+    """q*cos + rotate(q)*sin on the first rot channels, the rest passed through; all in float64.
     A (seq, rot) cos broadcasts over batch, whatever the layout."""
     cos, sin = cos.to(torch.float64), sin.to(torch.float64)
     if cos.dim() == 2:
