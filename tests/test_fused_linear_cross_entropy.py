@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 
 import pytest
 import torch
