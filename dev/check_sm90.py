@@ -3,7 +3,7 @@ for sm_90a (H100/H200) on a machine without a GPU and report, per autotuning can
 registers per thread, spills and shared memory, so that a candidate that spills or cannot fit is seen
 before a GPU run (tests/test_cross_entropy.py and tests/test_rms_norm.py run it for the Gluon kernels).
 
-    .venv/bin/python scripts/check_sm90.py [--op rms_norm|rope|cross_entropy|cross_entropy_smem|all]
+    .venv/bin/python dev/check_sm90.py [--op rms_norm|rope|cross_entropy|cross_entropy_smem|all]
                                            [--cols 4096,1024] [--dtype bf16]
 
 Triton's own compiler and the ptxas it ships do the work; nothing runs. Registers are what decide how

@@ -1,6 +1,6 @@
 """Tune fused_kernels.cross_entropy's launch shapes on the GPU (run once on the target GPU, e.g. an H200).
 
-    TRITON_INTERPRET=0 python scripts/tune_cross_entropy.py            (one command, <= ~90 s)
+    TRITON_INTERPRET=0 python dev/tune_cross_entropy.py            (one command, <= ~90 s)
     options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce
     --flce-only --flce-shape 16384,2304,262144 --flce-chunks 256,512,1024 (the FLCE section alone, any shape)
     --sweep-kernel (the full grid; by default the table's entry and a few shapes near it)

@@ -1,6 +1,6 @@
 """Sweep fused_kernels.glu's block configuration on a GPU (run on the target GPU).
 
-    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_glu.py [--rows 16384 --cols 14336 --dtype bf16]
+    TRITON_INTERPRET=0 .venv/bin/python dev/tune_glu.py [--rows 16384 --cols 14336 --dtype bf16]
 
 For each tile size (elements per program) and warp count it times the SwiGLU forward op and backward op
 separately (triton.testing.do_bench medians), against the floor from a copy measured in the same run

@@ -1,16 +1,16 @@
 """How fast fused_kernels.rope is on a GPU, and which tile the autotuner picked (run on the target GPU).
 
-    TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rope.py [--batch 4 --seq 4096 --q-heads 32 --k-heads 8 --dim 128]
+    TRITON_INTERPRET=0 .venv/bin/python dev/tune_rope.py [--batch 4 --seq 4096 --q-heads 32 --k-heads 8 --dim 128]
                                                              [--interleaved] [--sweep]
 
-Inputs as scripts/bench_kernels.py makes them: q, k stored (batch, seq, heads, dim) bf16 and passed as
+Inputs as benchmarks/bench_kernels.py makes them: q, k stored (batch, seq, heads, dim) bf16 and passed as
 transpose(1, 2) views, cos/sin (1, seq, dim) bf16, output gradients contiguous (batch, heads, seq, dim).
 Reported, forward (rope_fwd op) and backward (rope_bwd op):
 - the autotuner's candidates with its own do_bench medians, and the winner;
 - the winner's kernel time (CUDA-graph replay: no Python between kernels) against the floor from a copy
   measured in the same run (each pass reads q, k, cos, sin and writes q, k once), and the heuristic config's;
 - dispatch times of the functional entry (triton.testing.do_bench): forward, forward + autograd backward
-  into (batch, seq, heads, dim) leaves, as scripts/bench.py measures them;
+  into (batch, seq, heads, dim) leaves, as benchmarks/bench.py measures them;
 - host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
 With --sweep every (tokens, heads per tile, warps) in --block-t x --heads x --warps is also forced (through
 rope.launch_config) and timed kernel-only.

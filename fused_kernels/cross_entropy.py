@@ -45,7 +45,7 @@ Paths (`plan()` decides; `Plan.path`):
   - "triton": this module's kernel with LAUNCH_TABLE's shape: everywhere else, and on the CPU.
 A smem path whose first build fails with the installed Triton is turned off for the process
 (fused_kernels._dispatch, one warning) and the call planned again: the next shape computes the same
-numbers. `_CONFIG["force"]` forces one LaunchConfig (tests, scripts/tune_cross_entropy.py);
+numbers. `_CONFIG["force"]` forces one LaunchConfig (tests, dev/tune_cross_entropy.py);
 `_CONFIG["sm_count"]` stands in for the SM count (the CPU interpreter has none: there the grid is one
 program per row unless it is set); `_CONFIG["device"]` stands in for the device's facts (tests).
 
@@ -99,7 +99,7 @@ class LaunchConfig(NamedTuple):
 
 
 # (largest V, config): the Triton kernel's shape, the first row whose bound is >= V. The rows for
-# V > 8192 are scripts/tune_cross_entropy.py's winners on the H200 (forward writing the gradient, 8192
+# V > 8192 are dev/tune_cross_entropy.py's winners on the H200 (forward writing the gradient, 8192
 # rows bf16). V <= 65536: 8192-class blocks, 8 warps, 2-stage pipelined sweeps; longer rows: 32768-class
 # blocks with 32 warps, one program per row (one per SM at a time: ~132 rows of 256-512 KB in flight,
 # so the second sweep reads from L2), and the L2 hints (first sweep evict_last, second sweep and stores
@@ -678,7 +678,7 @@ def launch_ce(
 def kernel_constexprs(cfg: LaunchConfig, v: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
                       has_row_scale: bool, write_grad: bool, exact_bf16: bool = _INTERPRETED) -> dict:
     """_ce_kernel's constexpr arguments for rows of v classes under launch shape cfg (launch_ce, and
-    scripts/check_sm90.py, which compiles the same kernels for sm_90a)."""
+    dev/check_sm90.py, which compiles the same kernels for sm_90a)."""
     block = min(cfg.block, triton.next_power_of_2(v))
     hints = cfg.l2_hints and v > block  # a row held whole is read once: nothing to keep in L2
     return dict(

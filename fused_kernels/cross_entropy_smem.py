@@ -41,7 +41,7 @@ interpreter, 16-bit logits and gradient, row strides a multiple of 16 elements a
 bases (16-byte copies), the gradient wanted (without it the Triton kernel reads each row once anyway),
 and per_sm row buffers fitting one SM's shared memory (programs_that_fit) with the chunks in registers
 allowed (registers_allowed). There is no CPU interpreter for Gluon: the CPU suite compiles this kernel
-for sm_90 (scripts/check_sm90.py, from tests/test_cross_entropy.py), the GPU tests check its numbers.
+for sm_90 (dev/check_sm90.py, from tests/test_cross_entropy.py), the GPU tests check its numbers.
 The cluster barrier, row claiming, layouts and copies are fused_kernels._gpu's.
 """
 
@@ -307,7 +307,7 @@ def registers_allowed(v: int, warps: int, ctas: int, in_registers: int) -> bool:
 
 def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
                       has_row_scale: bool, in_registers: int = 0) -> dict:
-    """_ce_smem_kernel's constexprs (launch_ce_smem, and scripts/check_sm90.py, which compiles the same
+    """_ce_smem_kernel's constexprs (launch_ce_smem, and dev/check_sm90.py, which compiles the same
     kernels for sm_90a)."""
     if in_registers < 0 or not registers_allowed(v, warps, ctas, in_registers):
         raise ValueError(f"cross_entropy_smem: in_registers={in_registers} must lie in 0..{MAX_IN_REGISTERS}, cover "

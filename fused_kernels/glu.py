@@ -168,7 +168,7 @@ def _glu_bwd_kernel(
 
 # ----------------------------------------------------------------------------------------------
 # Launch configuration: the one place the block shape is chosen (tuned on the H200 by
-# scripts/tune_glu.py, which overrides these tables).
+# dev/tune_glu.py, which overrides these tables).
 
 # Elements one program handles, by element size in bytes; and warps for a full tile.
 _TILE_ELEMS = {2: 4096, 4: 2048}

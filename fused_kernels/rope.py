@@ -29,7 +29,7 @@ then walks all q heads and all k heads of those tokens in tiles of BLOCK_H heads
 On a GPU, triton.autotune picks (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) among `candidate_configs`, keyed on
 the head counts, head dims, rot, the variant, direction, dtypes and the token count's power-of-two bucket
 (the first call per key times ~10 candidates; later calls reuse the winner). Under the CPU interpreter
-`heuristic_config` gives one config. `launch_config` says which applies (tests and scripts/tune_rope.py
+`heuristic_config` gives one config. `launch_config` says which applies (tests and dev/tune_rope.py
 replace it to force a config).
 
 Dispatch: eager calls run a torch.autograd.Function; torch.compile traces the custom ops
@@ -211,7 +211,7 @@ def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: in
 def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, interpreted: bool = _INTERPRETED):
     """The config a launch must use, or None to let triton.autotune choose among `candidate_configs` (on a
     GPU, where the best tile depends on the chip: neighbouring configs differ by 2x on the H200). The
-    interpreter gets the heuristic config. Tests and scripts/tune_rope.py replace this function to force one."""
+    interpreter gets the heuristic config. Tests and dev/tune_rope.py replace this function to force one."""
     return heuristic_config(n_tokens, n_q_heads, n_k_heads, head_dim) if interpreted else None
 
 

@@ -1,6 +1,6 @@
 """The GPU call's scripts, run on the CPU on tiny shapes: a harness bug should cost a CI run, not a
-device call. scripts/bench.py's kernel part (every peer that is installed here, the host-floor
-yardstick included, results checked against HF eager) and scripts/tune_cross_entropy.py's smoke run
+device call. benchmarks/bench.py's kernel part (every peer that is installed here, the host-floor
+yardstick included, results checked against HF eager) and dev/tune_cross_entropy.py's smoke run
 (every candidate's output checked against the table's kernel)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _run(args, tmp_path, timeout=600):
 
 def test_bench_kernels_tiny_runs_every_peer(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["scripts/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels",
+    proc = _run(["benchmarks/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels",
                  "--only", "rms_norm,rope,cross_entropy", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -39,7 +39,7 @@ def test_bench_kernels_tiny_runs_every_peer(tmp_path):
 
 
 def test_tune_cross_entropy_smoke(tmp_path):
-    proc = _run(["scripts/tune_cross_entropy.py", "--cpu-smoke"], tmp_path)
+    proc = _run(["dev/tune_cross_entropy.py", "--cpu-smoke"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "FAILED" not in proc.stdout, proc.stdout[-3000:]
     assert "per_sm=0.5" in proc.stdout and "LAUNCH_TABLE rows" in proc.stdout
@@ -48,7 +48,7 @@ def test_tune_cross_entropy_smoke(tmp_path):
 def test_bench_modes_filter(tmp_path):
     """--modes fwdbwd: only the mode issue 6's tables compare is measured."""
     out = tmp_path / "bench.json"
-    proc = _run(["scripts/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels", "--only", "rms_norm",
+    proc = _run(["benchmarks/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels", "--only", "rms_norm",
                  "--peers", "ours", "--modes", "fwdbwd", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     cases = [k for k in json.loads(out.read_text())["kernels"] if "peers" in k]
@@ -57,11 +57,11 @@ def test_bench_modes_filter(tmp_path):
 
 
 def test_step_diagnosis_parts_on_the_cpu():
-    """scripts/step_diagnosis.py: kernels sorted into kinds by name (ours and Liger's as fused), and its
+    """dev/step_diagnosis.py: kernels sorted into kinds by name (ours and Liger's as fused), and its
     cycle probe finds nothing left by a step of a tiny patched Llama (and would see a leaked graph)."""
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "dev"))
     import step_diagnosis as sd
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,9 +96,9 @@ def test_step_diagnosis_parts_on_the_cpu():
 
 
 def test_host_overhead_cpu_stub(tmp_path):
-    """scripts/host_overhead.py --cpu-stub: our ops' Python around their (stubbed) launches, against the
+    """dev/host_overhead.py --cpu-stub: our ops' Python around their (stubbed) launches, against the
     empty autograd node, for every op it covers."""
-    proc = _run(["scripts/host_overhead.py", "--cpu-stub"], tmp_path)
+    proc = _run(["dev/host_overhead.py", "--cpu-stub"], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for op in ("rms_norm", "rope", "cross_entropy"):
         for peer in ("ours", "host_floor"):
@@ -107,11 +107,11 @@ def test_host_overhead_cpu_stub(tmp_path):
 
 
 def test_plot_draws_the_time_asked_for():
-    # scripts/plot.py draws GPU time by default (the README's comparison); a peer with no time of that
+    # benchmarks/plot.py draws GPU time by default (the README's comparison); a peer with no time of that
     # kind is left out, never drawn with the other kind
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "scripts", "plot.py"))
+    spec = importlib.util.spec_from_file_location("plot", os.path.join(ROOT, "benchmarks", "plot.py"))
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     entry = {"peers": {

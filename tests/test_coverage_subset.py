@@ -12,7 +12,7 @@ import pytest
 from helpers import tensors_with_history
 
 _spec = importlib.util.spec_from_file_location(
-    "coverage_matrix", Path(__file__).resolve().parents[1] / "scripts" / "coverage_matrix.py")
+    "coverage_matrix", Path(__file__).resolve().parents[1] / "dev" / "coverage_matrix.py")
 coverage_matrix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(coverage_matrix)
 

@@ -504,7 +504,7 @@ def test_torch_compile_fullgraph_no_graph_breaks():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU, real sizes (scripts/gpu_check.sh)
+# GPU, real sizes (dev/gpu_check.sh)
 
 
 def _gpu_reference(logits, target, ignore_index=-100, rows=1024):
@@ -884,7 +884,7 @@ def test_smem_kernel_compiles_for_sm90():
     pytest.importorskip("triton.experimental.gluon")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90.py"), "--op",
+    proc = subprocess.run([sys.executable, os.path.join(root, "dev", "check_sm90.py"), "--op",
                            "cross_entropy_smem"], capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -403,7 +403,7 @@ def test_torch_compile_fullgraph_no_graph_breaks():
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU, real size (scripts/gpu_check.sh)
+# GPU, real size (dev/gpu_check.sh)
 
 
 @pytest.mark.gpu

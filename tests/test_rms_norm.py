@@ -920,7 +920,7 @@ def test_smem_kernels_compile_for_sm90():
     smem = importlib.import_module("fused_kernels.rms_norm_smem")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "check_sm90.py"), "--op", "rms_norm_smem"],
+    proc = subprocess.run([sys.executable, os.path.join(root, "dev", "check_sm90.py"), "--op", "rms_norm_smem"],
                           capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]

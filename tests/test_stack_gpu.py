@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))
 from ddp_fsdp_check import warmup_cosine  # noqa: E402  (the two-GPU script's schedule: one formula)
 
 from helpers import rel_err

@@ -33,7 +33,7 @@ from helpers import assert_close
 from test_e2e_env import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "ddp_fsdp_check.py"
+SCRIPT = REPO / "dev" / "ddp_fsdp_check.py"
 STEPS = 2
 SCRIPT_ARGS = ["--size", "tiny", "--dtype", "fp32", "--device", "cpu", "--steps", str(STEPS)]
 EXPECTED_KERNELS = {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"}
