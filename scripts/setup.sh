@@ -47,7 +47,10 @@ cat <<DONE
 
 setup finished in $((SECONDS - began)) s. To use the environment:
   source .venv/bin/activate
-  ${interp}FUSED_KERNELS=all python -m autopatch run examples/train_tiny.py   # every kernel on (what ran above)
-  python examples/train_tiny.py                                             # plain transformers, to compare
-  bash scripts/test.sh                                                      # the test suite (~6 min on 2 cores)
+every kernel on (what ran above):
+  ${interp}FUSED_KERNELS=all python -m autopatch run examples/train_tiny.py
+plain transformers, to compare:
+  python examples/train_tiny.py
+the test suite (about 6 minutes on 2 cores):
+  bash scripts/test.sh
 DONE
