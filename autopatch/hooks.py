@@ -183,6 +183,8 @@ class _Loader:
         self._hook = hook
 
     def __getattr__(self, name):
+        if name in ("_loader", "_hook"):  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec):
