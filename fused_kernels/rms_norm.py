@@ -72,6 +72,7 @@ import triton.language as tl
 
 from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import DeviceFacts, device_facts
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -231,23 +232,6 @@ _16BIT = (torch.bfloat16, torch.float16)  # the cluster kernels copy 8 columns i
 _OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceFacts:
-    """What plan() needs to know of the device a call runs on (`device_facts` gives a real device's)."""
-    sm_count: int
-    capability: Optional[tuple[int, int]] = None  # an NVIDIA GPU's compute capability; None: CPU or ROCm
-    gluon: bool = False  # Gluon kernels can be built here (Gluon importable, real kernels)
-    interpreted: bool = False  # Triton's CPU interpreter: the heuristic tables instead of autotuning
-
-
-@functools.lru_cache(maxsize=None)
-def device_facts(device: torch.device) -> DeviceFacts:
-    """The facts of a device, looked up once per device."""
-    nvidia = device.type == "cuda" and torch.version.hip is None
-    return DeviceFacts(sm_count=_gpu.sm_count(device), capability=_gpu.capability(device) if nvidia else None,
-                       gluon=_gpu.gluon_available(), interpreted=_INTERPRETED)
-
-
 def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
     """The cluster kernels' shape for rows of n_cols (CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES),
     or None for a length they do not take."""
@@ -280,7 +264,7 @@ def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype:
         return None, f"the cluster kernels take no rows of {n_cols}"
     if not device.gluon:
         return None, "no Gluon here"
-    if device.capability is None or device.capability < _CLUSTER_CAPABILITY:
+    if not device.cuda or device.capability < _CLUSTER_CAPABILITY:
         return None, f"no thread-block clusters (compute capability {device.capability}, not >= 9.0)"
     if x_dtype not in _16BIT or weight_dtype not in (None, x_dtype):
         return None, f"x ({x_dtype}) and the weight ({weight_dtype}) are not of one 16-bit dtype"
@@ -304,14 +288,15 @@ def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype:
 
 def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], direction: str, *,
          device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None, from_output: bool = False,
-         aligned: bool = True, deterministic: bool = False) -> Plan:
+         aligned: bool = True, deterministic: bool = False, interpreted: Optional[bool] = None) -> Plan:
     """The path and config of one forward or backward call (`direction`) on n_rows rows of n_cols:
     "cluster" (a ClusterLaunch) where `cluster_launch` allows it and `_dispatch` has not turned it off,
     else for the backward of rows longer than SPLIT_BACKWARD_FROM "split" (a SplitBackwardConfig), else
     "triton": the one kernel, with the heuristic table's LaunchConfig under the CPU interpreter or None
     (triton.autotune chooses) on a GPU. The facts: x's and the weight's dtypes (weight None: no weight),
     the device's (DeviceFacts), and for the cluster path dy's dtype, whether the backward starts from the
-    saved output, whether every row is 16-byte aligned and whether deterministic mode is on."""
+    saved output, whether every row is 16-byte aligned and whether deterministic mode is on; `interpreted`
+    (default: the device is not a GPU) whether the kernels run in Triton's CPU interpreter."""
     if direction not in _OP:
         raise ValueError(f"direction must be 'forward' or 'backward'; got {direction!r}")
     backward = direction == "backward"
@@ -326,7 +311,7 @@ def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[
     if backward and n_cols > SPLIT_BACKWARD_FROM:
         return Plan("split", SplitBackwardConfig(),
                     f"rows of {n_cols} > {SPLIT_BACKWARD_FROM} columns, split across programs; not cluster: {why}")
-    if device.interpreted:
+    if (not device.cuda) if interpreted is None else interpreted:
         return Plan("triton", heuristic_config(n_cols, backward), f"one kernel, heuristic table; not cluster: {why}")
     return Plan("triton", None, f"one kernel, autotuned among candidate_configs; not cluster: {why}")
 
@@ -887,7 +872,7 @@ def _forward_impl(
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward", device=facts,
-                    aligned=aligned)
+                    aligned=aligned, interpreted=_INTERPRETED)
 
     p = plan_now()
     if p.path == "cluster":
@@ -953,7 +938,7 @@ def _backward_impl(
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward", device=facts,
                     dy_dtype=dy2.dtype, from_output=from_output, aligned=aligned,
-                    deterministic=torch.are_deterministic_algorithms_enabled())
+                    deterministic=torch.are_deterministic_algorithms_enabled(), interpreted=_INTERPRETED)
 
     p = plan_now()
     if p.path == "cluster":

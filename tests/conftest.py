@@ -1,5 +1,5 @@
 """Test set-up. The Triton interpreter must be switched on before triton is first imported, so it
-happens here, at the top of the first file pytest loads. scripts/gpu_check.sh sets TRITON_INTERPRET=0
+happens here, at the top of the first file pytest loads. dev/gpu_check.sh sets TRITON_INTERPRET=0
 to run the `gpu`-marked tests on a real GPU."""
 
 import os
@@ -27,7 +27,7 @@ HAS_GPU = torch.cuda.is_available() and not INTERPRETER
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with TRITON_INTERPRET=0 (scripts/gpu_check.sh)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with TRITON_INTERPRET=0 (dev/gpu_check.sh)")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(skip_gpu)

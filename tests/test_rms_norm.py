@@ -709,6 +709,8 @@ def test_double_backward_is_refused():
 
 # --- plan(): the path and config of a call, asked for devices this machine is not -----------------
 
+from fused_kernels._gpu import DeviceFacts  # noqa: E402
+
 def _plan(n_rows, n_cols, dtype, direction, device=None, **facts):
     """plan() for x, weight and dy of one dtype, on `device` (DeviceFacts; None: this CPU's)."""
     device = rms_norm_module.device_facts(torch.device("cpu")) if device is None else device
@@ -716,10 +718,10 @@ def _plan(n_rows, n_cols, dtype, direction, device=None, **facts):
                                 dy_dtype=facts.pop("dy_dtype", dtype), **facts)
 
 
-H200 = rms_norm_module.DeviceFacts(sm_count=132, capability=(9, 0), gluon=True)
-SM80 = rms_norm_module.DeviceFacts(sm_count=108, capability=(8, 0), gluon=True)  # no thread-block clusters
-NO_GLUON = rms_norm_module.DeviceFacts(sm_count=132, capability=(9, 0), gluon=False)
-ROCM = rms_norm_module.DeviceFacts(sm_count=304, capability=None, gluon=True)
+H200 = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
+SM80 = DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=167936, gluon=True)  # no clusters
+NO_GLUON = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=False)
+ROCM = DeviceFacts(cuda=True, sm_count=304, capability=(9, 4), smem_per_sm=65536, gluon=False)  # Gluon is CUDA's
 
 _CLUSTER = rms_norm_module.ClusterLaunch
 _SHAPE = rms_norm_module.ClusterShape
@@ -821,7 +823,7 @@ def test_plan_under_the_interpreter_is_the_heuristic_table():
     """This CPU: no Gluon, no clusters; the one kernel with the heuristic table's config, the split
     backward above SPLIT_BACKWARD_FROM."""
     cpu = rms_norm_module.device_facts(torch.device("cpu"))
-    assert cpu.interpreted and not cpu.gluon and cpu.capability is None and cpu.sm_count >= 1
+    assert not cpu.cuda and not cpu.gluon and cpu.sm_count >= 1
     for rows, n in NAMED_SHAPES:
         assert _plan(rows, n, torch.bfloat16, "forward").config == rms_norm_module.heuristic_config(n, False)
         back = _plan(rows, n, torch.bfloat16, "backward")

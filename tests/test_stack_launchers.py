@@ -1,8 +1,8 @@
 """Launchers start patched workers: `python -m autopatch run -m torch.distributed.run --nproc-per-node 2`
 from a source checkout that is neither installed nor on PYTHONPATH (the base interpreter with this
 environment's site-packages on PYTHONPATH: no .pth runs, as on a machine where the repository is only
-copied; the way scripts/two_gpu_check.sh starts its ranks). Two ranks on the CPU (gloo) train a tiny
-Llama 2 steps under FSDP2 fully_shard with scripts/ddp_fsdp_check.py (which imports nothing from
+copied; the way dev/two_gpu_check.sh starts its ranks). Two ranks on the CPU (gloo) train a tiny
+Llama 2 steps under FSDP2 fully_shard with dev/ddp_fsdp_check.py (which imports nothing from
 autopatch), kernels in Triton's interpreter: the launcher's sitecustomize must reach every rank.
 
 Each rank must report autopatch loaded, the kernels patched and their launches; the all-reduced losses
@@ -11,7 +11,7 @@ batches, AdamW, clipping): float32, 1e-5 relative.
 
 The installed case (`FUSED_KERNELS=all torchrun ...`, the .pth in every process) is the one every fresh
 process of the environment takes: tests/test_stack_trainer.py runs it under `accelerate launch`, and
-scripts/two_gpu_check.sh runs accelerate with two GPUs.
+dev/two_gpu_check.sh runs accelerate with two GPUs.
 """
 
 

@@ -6,7 +6,7 @@ accumulation 2, variable-length padded batches with ignored labels) by tests/sta
     nothing from autopatch, patched by the environment alone): same per-step losses and final parameters
     (float32: 1e-5 relative), the fused linear CE and the other kernels ran, so Trainer's
     num_items_in_batch (counted over both micro-batches) reached the fused loss. (Two ranks, DDP and
-    FSDP2 under torchrun: tests/test_stack_launchers.py; accelerate with two GPUs: scripts/two_gpu_check.sh);
+    FSDP2 under torchrun: tests/test_stack_launchers.py; accelerate with two GPUs: dev/two_gpu_check.sh);
   - autopatch.apply(trainer.model, **liger_kernel_config) in this process, with a config that takes
     the fused cross_entropy instead of the fused linear CE: the same again.
 """
