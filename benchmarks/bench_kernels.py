@@ -1,4 +1,4 @@
-"""Per-kernel benchmark cases: RMSNorm, RoPE, SwiGLU, cross entropy, fused linear cross entropy.
+"""Per-kernel benchmark cases: RMSNorm, LayerNorm, RoPE, SwiGLU, cross entropy, fused linear cross entropy.
 
 Every case is one op at one shape, in bf16, timed forward, backward and forward+backward against its
 peers in this process:
@@ -21,7 +21,7 @@ and input gradients against hf_eager (a peer computing something else shows up t
 speed).
 
 Floors: RMSNorm fwd 2 passes over x-sized tensors (read x, write y), bwd 3 (read x, dy;
-write dx), fwd+bwd 5; RoPE 2 passes over q and k each way; SwiGLU fwd 3 (gate, up, y), bwd 5
+write dx), fwd+bwd 5; LayerNorm the same (plus weight and bias); RoPE 2 passes over q and k each way; SwiGLU fwd 3 (gate, up, y), bwd 5
 (dy, gate, up -> dgate, dup), fwd+bwd 8; cross entropy fwd 1 (read logits), bwd and fwd+bwd 2 (read
 logits, write their gradient); FLCE 2*N*H*V FLOPs forward, 4*N*H*V backward, 6*N*H*V together.
 """
@@ -68,6 +68,10 @@ def hf_rms_norm(x, weight, eps: float = 1e-6):
     return weight * h.to(input_dtype)
 
 
+def hf_layer_norm(x, weight, bias, eps: float = 1e-5):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def _rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2 :]
@@ -109,6 +113,7 @@ def _rope_views(impl):
 
 HF = {
     "rms_norm": hf_rms_norm,
+    "layer_norm": hf_layer_norm,
     "rope": _rope_views(hf_apply_rotary_pos_emb),
     "swiglu": hf_swiglu,
     "cross_entropy": hf_cross_entropy,
@@ -129,6 +134,10 @@ def _peer_liger(op):
         from liger_kernel.transformers.functional import liger_rms_norm
 
         return lambda x, w: liger_rms_norm(x, w, 1e-6)
+    if op == "layer_norm":
+        from liger_kernel.transformers.functional import liger_layer_norm
+
+        return lambda x, w, b: liger_layer_norm(x, w, b, 1e-5)
     if op == "rope":
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
@@ -162,6 +171,8 @@ def _peer_ours(op):
 
     if op == "rms_norm":
         return lambda x, w: fk.rms_norm(x, w, eps=1e-6)
+    if op == "layer_norm":
+        return lambda x, w, b: fk.layer_norm(x, w, b, eps=1e-5)
     if op == "rope":
         return _rope_views(lambda q, k, cos, sin: fk.rope(q, k, cos, sin, unsqueeze_dim=1))
     if op == "swiglu":
@@ -201,6 +212,8 @@ class _HostFloor(torch.autograd.Function):
 def _peer_host_floor(op):
     if op == "rms_norm":
         return lambda x, w: _HostFloor.apply((x,), x, w)
+    if op == "layer_norm":
+        return lambda x, w, b: _HostFloor.apply((x,), x, w, b)
     if op == "rope":
         return _rope_views(lambda q, k, cos, sin: _HostFloor.apply((q, k), q, k, cos, sin))
     if op == "swiglu":
@@ -277,6 +290,23 @@ def rms_norm_case(rows, hidden, tags, modes=MODES):
     xb, wb = rows * hidden * 2, hidden * 2
     floors = {"fwd": {"bytes": 2 * xb + wb}, "bwd": {"bytes": 3 * xb + 2 * wb}, "fwdbwd": {"bytes": 5 * xb + 3 * wb}}
     return Case(f"rms_norm {rows}x{hidden}", "rms_norm", tags, {"rows": rows, "hidden": hidden}, make, floors,
+                modes=modes)
+
+
+def layer_norm_case(rows, hidden, tags, modes=MODES):
+    def make(device, seed):
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = _randn((rows, hidden), device, g, requires_grad=True)
+        w = (1.0 + 0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16).requires_grad_(True)
+        b = (0.1 * torch.randn(hidden, device=device, generator=g)).to(torch.bfloat16).requires_grad_(True)
+        dy = _randn((rows, hidden), device, g)
+        return Inputs((x, w, b), [x, w, b], [dy])
+
+    # forward reads x, w, b and writes y; backward reads x, dy, w and writes dx, dw, db
+    xb, wb = rows * hidden * 2, hidden * 2
+    floors = {"fwd": {"bytes": 2 * xb + 2 * wb}, "bwd": {"bytes": 3 * xb + 3 * wb},
+              "fwdbwd": {"bytes": 5 * xb + 5 * wb}}
+    return Case(f"layer_norm {rows}x{hidden}", "layer_norm", tags, {"rows": rows, "hidden": hidden}, make, floors,
                 modes=modes)
 
 
@@ -363,6 +393,9 @@ def real_cases() -> list[Case]:
         cross_entropy_case(8192, 32000, ("scale", "sweep_cross_entropy")),
         cross_entropy_case(8192, 262144, ("scale", "sweep_cross_entropy")),
         flce_case(16384, 2304, 262144, ("scale",), min_reps=3, max_ms=500.0),
+        layer_norm_case(16384, 4096, ("main", "layer_norm")),
+        layer_norm_case(65536, 1024, ("scale", "layer_norm")),
+        layer_norm_case(4096, 16384, ("scale", "layer_norm")),
         rms_norm_case(32768, 2048, ("sweep_rms_norm",), modes=sweep_only),
         rms_norm_case(8192, 8192, ("sweep_rms_norm",), modes=sweep_only),
         rms_norm_case(2048, 32768, ("sweep_rms_norm",), modes=sweep_only),
@@ -383,6 +416,7 @@ def tiny_cases() -> list[Case]:
     return [
         rms_norm_case(8, 64, ("main", "sweep_rms_norm")),
         rms_norm_case(4, 200, ("scale", "sweep_rms_norm")),
+        layer_norm_case(8, 100, ("main", "layer_norm")),
         rope_case(1, 2, 1, 8, 16, ("main",)),
         swiglu_case(8, 96, ("main",)),
         cross_entropy_case(8, 100, ("main", "sweep_cross_entropy")),
