@@ -23,6 +23,7 @@ from autopatch.names import KERNEL_NAMES
 APPLY_DEFAULTS: dict[str, bool] = {
     "rope": True,
     "rms_norm": True,
+    "layer_norm": True,
     "swiglu": True,
     "geglu": True,
     "cross_entropy": False,
@@ -92,6 +93,18 @@ def _rebind_hooked_forwards(model) -> None:
             module._old_forward = types.MethodType(owner.forward, module)
 
 
+def _patch_layer_norm_instances(model, records: list) -> None:
+    """torch.nn.LayerNorm is not patched process-wide: the instances of a model built before its modeling
+    module was patched get FusedLayerNorm here (autopatch.rules.layer_norm), when a record proved it."""
+    proved = any(r.kernel == "layer_norm" and r.patched and r.target.startswith("torch.nn.LayerNorm")
+                 for r in records)
+    if not proved:
+        return
+    from autopatch.rules import layer_norm
+
+    layer_norm.patch_instances(model)
+
+
 def apply(model, **toggles) -> list:
     """Patch the components `model` uses; returns the records of this call (also in applied())."""
     from autopatch import hooks, report, rules
@@ -119,6 +132,8 @@ def apply(model, **toggles) -> list:
             print(line, file=sys.stderr, flush=True)
         records.extend(found)
     _rebind_hooked_forwards(model)
+    if chosen.get("layer_norm"):
+        _patch_layer_norm_instances(model, records)
     if settings.strict:
         refused = report.refusals(records, enabled)
         if refused:

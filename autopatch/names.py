@@ -5,6 +5,9 @@ existing config dict carries over unchanged. No imports: start-up and config rea
 KERNELS: dict[str, str] = {
     "rope": "module-level apply_rotary_pos_emb (half rotation, partial rotary, interleaved, GLM-style, de-interleaved MLA) -> fused_kernels.rope",
     "rms_norm": "RMSNorm classes' forward (Llama/Gemma casting, offset 0/1, per-head q/k norms) -> fused_kernels.rms_norm",
+    "layer_norm": "LayerNorm: torch.nn.LayerNorm instances of a patched model (at build time or apply()) and the "
+                  "LayerNorm classes of the modeling modules (weight/bias or not, fp32 upcast or not) -> "
+                  "fused_kernels.layer_norm",
     "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj), and MoE experts' "
               "shared default gate -> fused_kernels.swiglu",
     "geglu": "gated MLP forward with a GELU gate (tanh or erf), and MoE experts' shared default gate -> "

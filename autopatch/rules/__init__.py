@@ -21,6 +21,7 @@ from typing import Callable
 
 RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.rms_norm",
+    "autopatch.rules.layer_norm",
     "autopatch.rules.rope",
     "autopatch.rules.glu_mlp",
     "autopatch.rules.moe_gate",
