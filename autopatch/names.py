@@ -20,3 +20,11 @@ KERNELS: dict[str, str] = {
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
+
+# Keys Liger-Kernel's apply_liger_kernel_to_* functions take that this library provides no kernel for:
+# accepted wherever a kernel name is (apply(), FUSED_KERNELS), recorded as not provided here, never an
+# error. They are not part of FUSED_KERNELS=all, which means every kernel listed in KERNELS.
+NOT_PROVIDED: dict[str, str] = {
+    "relu_squared": "Nemotron's squared-ReLU MLP activation (Liger's key): no fused kernel for it here; the "
+                    "original code runs",
+}

@@ -427,3 +427,16 @@ def _is_model_class(cls: type) -> bool:
 
 
 RULE = _Rule()
+
+
+def unpatch_instances(model) -> int:
+    """Set nn.LayerNorm back as the class of the model's FusedLayerNorm instances; returns how many."""
+    count = 0
+    modules_fn = getattr(model, "modules", None)
+    if not callable(modules_fn):
+        return 0
+    for m in modules_fn():
+        if type(m) is FusedLayerNorm:
+            m.__class__ = nn.LayerNorm
+            count += 1
+    return count
