@@ -261,7 +261,7 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, input):  # noqa: A002 - nn.LayerNorm's parameter name
         if len(self.normalized_shape) == 1:
-            out = _fused_or_none(self, input, self.weight, self.bias, self.eps, True)
+            out = _fused_or_none(self, input, self.weight, self.bias, self.eps, _torch_mixed_ok())
             if out is not None:
                 return out
         return super().forward(input)
@@ -273,18 +273,28 @@ class FusedLayerNorm(nn.LayerNorm):
 # --- torch.nn.LayerNorm: proved once per process -------------------------------------------
 
 _torch_verdict: list[str] = []  # ["" when proved, else the reason]
+_torch_mixed: list[bool] = []  # whether nn.LayerNorm matched with float32 parameters and a bfloat16 input
+
+
+def _torch_mixed_ok() -> bool:
+    if not _torch_verdict:
+        torch_layer_norm_problem()
+    return bool(_torch_mixed and _torch_mixed[0])
 
 
 def torch_layer_norm_problem() -> str:
     """"" when nn.LayerNorm matches the reference in every configuration FusedLayerNorm serves."""
     if not _torch_verdict:
-        reasons = []
+        reasons, mixed = [], []
         with _probe.probing():
             for affine, bias in ((True, True), (True, False), (False, False)):
                 ln = nn.LayerNorm(_probe.HIDDEN, eps=_probe.EPS, elementwise_affine=affine, bias=bias).float()
                 verdict = probe_instance("nn.LayerNorm", ln, nn.LayerNorm.forward)
                 if verdict.variant is None or verdict.variant.eps_attr != "eps":
                     reasons.append(f"elementwise_affine={affine} bias={bias}: {verdict.reason or 'eps not read'}")
+                else:
+                    mixed.append(verdict.variant.mixed_ok)
+        _torch_mixed.append(bool(mixed) and all(mixed))
         _torch_verdict.append("; ".join(reasons))
     return _torch_verdict[0]
 
