@@ -1,5 +1,5 @@
 """autopatch: fused Triton kernels put into Hugging Face Transformers models from environment
-variables alone. Public API: apply(model, **toggles), applied(), enable(), settings().
+variables alone. Public API: apply(model, config=None, **toggles), applied(), enable(), settings().
 
 This file is imported by the start-up .pth line in every interpreter of the environment, so it
 imports nothing heavy: the API functions load their modules on first call."""
@@ -7,12 +7,14 @@ imports nothing heavy: the API functions load their modules on first call."""
 __version__ = "0.1.0"
 
 
-def apply(model, **toggles):
+def apply(model, config=None, **toggles):
     """Patch an already-built model with the same rules the import hooks use. Keywords are the
-    kernel names of HF's liger_kernel_config (rope=True, rms_norm=True, ...). Returns the records."""
+    kernel names of HF's liger_kernel_config (rope=True, rms_norm=True, ...); `config` may be that dict,
+    None, or the TrainingArguments itself. A kernel set to False is restored to the original code for
+    the model's classes. Returns the records."""
     from autopatch._api import apply as _apply
 
-    return _apply(model, **toggles)
+    return _apply(model, config, **toggles)
 
 
 def applied():

@@ -1,28 +1,34 @@
-"""autopatch.apply(model, **toggles): the import hooks' rules, applied to an already-built model.
+"""autopatch.apply(model, config=None, **toggles): the import hooks' rules, applied to an already-built model.
 
 The keywords are the kernel names (autopatch.names), the same keys as Hugging Face's
-`TrainingArguments.liger_kernel_config`, so `apply(model, **liger_kernel_config)` carries over.
+`TrainingArguments.liger_kernel_config`, so `apply(model, **liger_kernel_config)` carries over, and so does
+`apply(model, training_args)` (its liger_kernel_config may be None). Liger's keys that this library has no
+kernel for (autopatch.names.NOT_PROVIDED: relu_squared) are accepted and recorded as not provided here.
 A kernel not named takes the default HF/Liger use when `use_liger_kernel=True` gives no config:
-rope, rms_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off; and our
+rope, rms_norm, layer_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off; and our
 causal_mask on. The
 environment's kernel set (FUSED_KERNELS, toggles, per-model overrides) plays no part: the call says
 what it wants. AUTOPATCH_STRICT does apply.
 
 Patches are made where the hooks make them: on the classes and module functions of the modeling
 modules that define the model's class and its submodules' classes. So every instance of those
-classes in the process is patched, not only this model; apply() twice is harmless.
+classes in the process is patched, not only this model; apply() twice is harmless. A kernel set to False
+in a later call is undone in those modules (the original code runs again for their classes), so the
+records and the stderr line say what is in force. torch.nn.LayerNorm is the exception to class-level
+patching: only this model's instances get the fused forward (autopatch.rules.layer_norm).
 """
 
 from __future__ import annotations
 
 import sys
 
-from autopatch.names import KERNEL_NAMES
+from autopatch.names import KERNEL_NAMES, NOT_PROVIDED
 
 # HF's defaults when use_liger_kernel=True (Liger's apply_liger_kernel_to_<model> defaults).
 APPLY_DEFAULTS: dict[str, bool] = {
     "rope": True,
     "rms_norm": True,
+    "layer_norm": True,
     "swiglu": True,
     "geglu": True,
     "cross_entropy": False,
@@ -32,19 +38,56 @@ APPLY_DEFAULTS: dict[str, bool] = {
 
 
 def resolve_toggles(toggles: dict) -> dict[str, bool]:
-    """The kernel set of an apply() call; TypeError for unknown keywords or non-boolean values."""
-    unknown = [k for k in toggles if k not in KERNEL_NAMES]
+    """The kernel set of an apply() call; TypeError for unknown keywords or non-boolean values. Keys of
+    NOT_PROVIDED (Liger's relu_squared) are accepted and left out of the set (see note_not_provided)."""
+    unknown = [k for k in toggles if k not in KERNEL_NAMES and k not in NOT_PROVIDED]
     if unknown:
         raise TypeError(
             f"apply() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"valid kernel keywords: {', '.join(KERNEL_NAMES)}"
+            f"valid kernel keywords: {', '.join(KERNEL_NAMES)} (accepted, not provided here: "
+            f"{', '.join(NOT_PROVIDED)})"
         )
     chosen = {k: APPLY_DEFAULTS.get(k, False) for k in KERNEL_NAMES}
     for kernel, value in toggles.items():
         if not isinstance(value, bool):
             raise TypeError(f"apply(): {kernel} must be True or False, got {value!r}")
-        chosen[kernel] = value
+        if kernel in chosen:
+            chosen[kernel] = value
     return chosen
+
+
+def note_not_provided(kernels, source: str) -> list:
+    """One Record per kernel key that this library accepts but provides no kernel for, added to the
+    report once per process and key; returns them."""
+    from autopatch import report
+
+    out = []
+    for kernel in kernels:
+        record = report.Record(kernel=kernel, module="*", target=kernel, patched=False,
+                               reason=f"not provided here: {NOT_PROVIDED[kernel]} (asked for by {source})")
+        if record not in report.records():
+            report.add([record])
+        out.append(record)
+    return out
+
+
+def toggles_from_config(config) -> dict:
+    """The kernel toggles a Liger user has: None (the defaults), a dict (TrainingArguments'
+    liger_kernel_config), or a TrainingArguments-like object, read for its liger_kernel_config."""
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    if hasattr(config, "liger_kernel_config"):
+        value = config.liger_kernel_config
+        if value is None:
+            return {}
+        if isinstance(value, dict):
+            return dict(value)
+        raise TypeError(f"apply(): {type(config).__name__}.liger_kernel_config must be a dict or None; "
+                        f"got {type(value).__name__}")
+    raise TypeError(f"apply(): config must be None, a dict of kernel toggles or a TrainingArguments; "
+                    f"got {type(config).__name__}")
 
 
 def _is_modeling_module(name: str) -> bool:
@@ -92,11 +135,38 @@ def _rebind_hooked_forwards(model) -> None:
             module._old_forward = types.MethodType(owner.forward, module)
 
 
-def apply(model, **toggles) -> list:
-    """Patch the components `model` uses; returns the records of this call (also in applied())."""
+def _patch_layer_norm_instances(model, records: list) -> None:
+    """torch.nn.LayerNorm is not patched process-wide: the instances of a model built before its modeling
+    module was patched get FusedLayerNorm here (autopatch.rules.layer_norm), when a record proved it."""
+    proved = any(r.kernel == "layer_norm" and r.patched and r.target.startswith("torch.nn.LayerNorm")
+                 for r in records)
+    if not proved:
+        return
+    from autopatch.rules import layer_norm
+
+    layer_norm.patch_instances(model)
+
+
+def _unpatch_layer_norm_instances(model) -> None:
+    from autopatch.rules import layer_norm
+
+    layer_norm.unpatch_instances(model)
+
+
+def apply(model, config=None, **toggles) -> list:
+    """Patch the components `model` uses; returns the records of this call (also in applied()).
+
+    config: None, a dict of kernel toggles (TrainingArguments.liger_kernel_config) or a TrainingArguments
+    (its liger_kernel_config, which may be None), so `apply(model, training_args)` works where
+    `apply(model, **training_args.liger_kernel_config)` fails on a None field. Keyword toggles override
+    it. A kernel turned off here that an earlier call (or the import hooks) patched in the model's
+    modeling modules is restored to the original code for those modules' classes."""
     from autopatch import hooks, report, rules
 
-    chosen = resolve_toggles(toggles)
+    merged = toggles_from_config(config)
+    merged.update(toggles)
+    chosen = resolve_toggles(merged)
+    not_provided = note_not_provided([k for k, v in merged.items() if k in NOT_PROVIDED and v], "apply()")
 
     def enabled(kernel: str) -> bool:
         if kernel not in chosen:
@@ -110,8 +180,17 @@ def apply(model, **toggles) -> list:
         settings = load_settings()  # for AUTOPATCH_STRICT; a bad environment raises ConfigError here
     report.set_strict(settings.strict)
 
-    records: list = []
-    for module in modules_of(model):
+    records: list = list(not_provided)
+    modules = modules_of(model)
+    for module in modules:  # first undo what is now off, so that the rules record what is in force
+        for kernel in rules.unpatch(module, lambda k: k in chosen and not chosen[k]):
+            undone = report.Record(kernel, module.__name__, "*", False,
+                                   reason=f"kernel {kernel} turned off by apply(): the original code runs again")
+            report.add([undone])
+            records.append(undone)
+    if not chosen["layer_norm"]:
+        _unpatch_layer_norm_instances(model)
+    for module in modules:
         found = rules.patch_module(module, enabled)
         report.add(found)
         line = report.summary_line(module.__name__, found, enabled)
@@ -119,8 +198,10 @@ def apply(model, **toggles) -> list:
             print(line, file=sys.stderr, flush=True)
         records.extend(found)
     _rebind_hooked_forwards(model)
+    if chosen.get("layer_norm"):
+        _patch_layer_norm_instances(model, records)
     if settings.strict:
-        refused = report.refusals(records, enabled)
+        refused = report.refusals([r for r in records if r.kernel not in NOT_PROVIDED], enabled)
         if refused:
             toggles_off = ", ".join(f"{k}=False" for k in report.refused_kernels(refused))
             where = ", ".join(dict.fromkeys(r.module for r in refused))

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping
 from pydantic import ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from autopatch.names import KERNEL_NAMES
+from autopatch.names import KERNEL_NAMES, NOT_PROVIDED
 
 DEFAULT_ENV_FILE = "autopatch.env"
 PREFIX = "AUTOPATCH_"
@@ -111,6 +111,11 @@ def parse_kernel_list(text: str) -> frozenset[str]:
             chosen = set()
         elif name in KERNEL_NAMES:
             (chosen.discard if remove else chosen.add)(name)
+        elif name in NOT_PROVIDED:  # a Liger key without a kernel here: accepted, recorded, not in the set
+            if not remove:
+                from autopatch._api import note_not_provided
+
+                note_not_provided([name], "FUSED_KERNELS")
         else:
             valid = ("all", "none", *KERNEL_NAMES)
             raise ValueError(

@@ -5,6 +5,9 @@ existing config dict carries over unchanged. No imports: start-up and config rea
 KERNELS: dict[str, str] = {
     "rope": "module-level apply_rotary_pos_emb (half rotation, partial rotary, interleaved, GLM-style, de-interleaved MLA) -> fused_kernels.rope",
     "rms_norm": "RMSNorm classes' forward (Llama/Gemma casting, offset 0/1, per-head q/k norms) -> fused_kernels.rms_norm",
+    "layer_norm": "LayerNorm: torch.nn.LayerNorm instances of a patched model (at build time or apply()) and the "
+                  "LayerNorm classes of the modeling modules (weight/bias or not, fp32 upcast or not) -> "
+                  "fused_kernels.layer_norm",
     "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj), and MoE experts' "
               "shared default gate -> fused_kernels.swiglu",
     "geglu": "gated MLP forward with a GELU gate (tanh or erf), and MoE experts' shared default gate -> "
@@ -17,3 +20,11 @@ KERNELS: dict[str, str] = {
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
+
+# Keys Liger-Kernel's apply_liger_kernel_to_* functions take that this library provides no kernel for:
+# accepted wherever a kernel name is (apply(), FUSED_KERNELS), recorded as not provided here, never an
+# error. They are not part of FUSED_KERNELS=all, which means every kernel listed in KERNELS.
+NOT_PROVIDED: dict[str, str] = {
+    "relu_squared": "Nemotron's squared-ReLU MLP activation (Liger's key): no fused kernel for it here; the "
+                    "original code runs",
+}

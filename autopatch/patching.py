@@ -54,3 +54,26 @@ def restore_all() -> None:
             else:
                 setattr(owner, name, value)
         _originals.clear()
+
+
+def patched_keys() -> set:
+    """The (id(owner), name) keys of every patch in force (rules/__init__ tracks which rule made which)."""
+    with _lock:
+        return set(_originals)
+
+
+def restore(keys) -> None:
+    """Undo the patches with these keys (from patched_keys), leaving the others in force."""
+    with _lock:
+        for key in keys:
+            entry = _originals.pop(key, None)
+            if entry is None:
+                continue
+            owner, name, value = entry
+            if value is _MISSING:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, value)

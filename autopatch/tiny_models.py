@@ -1,6 +1,6 @@
 """Tiny random models of any transformers causal-LM architecture, built from its own config class.
 
-Used by the coverage matrix (scripts/coverage_matrix.py), its CI subset and `doctor`: nothing is
+Used by the coverage matrix (dev/coverage_matrix.py), its CI subset and `doctor`: nothing is
 downloaded, every size is shrunk so a forward and backward take milliseconds on the CPU. The sizes
 are data (SHRINK); the generic retries below are what makes ~150 architectures build without a line
 of per-model code.

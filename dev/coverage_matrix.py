@@ -1,8 +1,10 @@
 """Coverage matrix: every transformers causal-LM architecture, patched where it matches, verified.
 
-For each `*ForCausalLM` class in the installed transformers (found by reading the sources, no list
-typed by hand) this builds a tiny random model (autopatch.tiny_models), runs it unpatched, patches
-the modules it uses with every rule on (autopatch.rules.patch_module), runs it again on the same
+For each causal LM that `AutoModelForCausalLM` can build in the installed transformers (the classes of
+its mapping, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: GPT2LMHeadModel and the like too, no list typed by
+hand) this builds a tiny random model (autopatch.tiny_models), runs it unpatched, patches
+the modules it uses with every rule on (autopatch.rules.patch_module, and the model's nn.LayerNorm
+instances as apply() does), runs it again on the same
 inputs and compares. Each component kind gets one verdict:
 
   verified      patched, its kernel ran, and loss, eval logits and every gradient match
@@ -13,9 +15,9 @@ inputs and compares. Each component kind gets one verdict:
   could not build / error   the tiny model or the run failed (with the error)
 
 Run on the CPU with TRITON_INTERPRET=1 (set here before triton is imported):
-    python scripts/coverage_matrix.py                      # all architectures
-    python scripts/coverage_matrix.py llama gemma2 qwen3   # by model directory or class name
-    python scripts/coverage_matrix.py --json docs/coverage.json --markdown docs/coverage.md
+    python dev/coverage_matrix.py                      # all architectures
+    python dev/coverage_matrix.py llama gemma2 qwen3   # by model directory or class name
+    python dev/coverage_matrix.py --json docs/coverage.json --markdown docs/coverage.md
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-KINDS = ("rms_norm", "rope", "glu", "loss")
+KINDS = ("rms_norm", "layer_norm", "rope", "glu", "loss")
 KIND_OF_KERNEL = {
     "rms_norm": "rms_norm",
+    "layer_norm": "layer_norm",
     "rope": "rope",
     "swiglu": "glu",
     "geglu": "glu",
@@ -46,6 +49,7 @@ KIND_OF_KERNEL = {
 # Launch-counter prefixes (fused_kernels.launch_counts keys) that prove a kind's kernel ran.
 LAUNCH_PREFIX = {
     "rms_norm": ("rms_norm",),
+    "layer_norm": ("layer_norm",),
     "rope": ("rope",),
     "glu": ("swiglu", "geglu"),
     "loss": ("cross_entropy", "fused_linear_cross_entropy"),
@@ -133,7 +137,20 @@ def _patch(model, kinds: set[str]):
     records = []
     for module in modules_of(model):
         records.extend(rules.patch_module(module, enabled))
+    if "layer_norm" in kinds and any(r.kernel == "layer_norm" and r.patched and r.target.startswith("torch.nn.")
+                                     for r in records):
+        from autopatch.rules import layer_norm
+
+        layer_norm.patch_instances(model)  # the model was built before its modules were patched
     return records
+
+
+def _restore(model) -> None:
+    from autopatch import patching
+    from autopatch.rules import layer_norm
+
+    patching.restore_all()
+    layer_norm.unpatch_instances(model)
 
 
 def check_architecture(arch) -> dict:
@@ -166,7 +183,7 @@ def check_architecture(arch) -> dict:
         mismatched: set[str] = set()
         if not ok:  # find which kinds are to blame: patch one kind at a time
             for kind in KINDS:
-                patching.restore_all()
+                _restore(model)
                 _patch(model, {kind})
                 if not _compare(ref, _run(model, inputs), ref64)[0]:
                     mismatched.add(kind)
@@ -191,9 +208,42 @@ def check_architecture(arch) -> dict:
         row["status"] = "error"
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
-        patching.restore_all()
+        _restore(model)
         row["seconds"] = round(time.time() - t0, 2)
     return row
+
+
+def causal_lm_architectures() -> list:
+    """Every class AutoModelForCausalLM can build (its mapping), once each, with the modeling module that
+    defines it (found by reading the model directory's sources)."""
+    import re
+
+    import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from autopatch.tiny_models import Architecture
+
+    root = os.path.dirname(transformers.models.__file__)
+    found, seen = [], set()
+    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        model_dir = model_type_to_module_name(model_type)
+        folder = os.path.join(root, model_dir)
+        if not os.path.isdir(folder):
+            continue
+        for class_name in [names] if isinstance(names, str) else names:
+            for fname in sorted(os.listdir(folder)):
+                if not (fname.startswith("modeling_") and fname.endswith(".py")):
+                    continue
+                with open(os.path.join(folder, fname), encoding="utf-8") as f:
+                    if not re.search(rf"^class {re.escape(class_name)}\(", f.read(), re.M):
+                        continue
+                key = (model_dir, class_name)
+                if key not in seen:
+                    seen.add(key)
+                    found.append(Architecture(model_dir, f"transformers.models.{model_dir}.{fname[:-3]}", class_name))
+                break
+    return sorted(found, key=lambda a: (a.model_dir, a.class_name))
 
 
 def select(archs, names):
@@ -226,25 +276,25 @@ def markdown(rows, summary, versions) -> str:
     lines = [
         "# Coverage matrix",
         "",
-        f"Generated by `python scripts/coverage_matrix.py` on {versions['date']} with transformers "
+        f"Generated by `python dev/coverage_matrix.py` on {versions['date']} with transformers "
         f"{versions['transformers']}, torch {versions['torch']}, triton {versions['triton']} "
         "(CPU, Triton interpreter). ✅ = patched, kernel ran, loss / eval logits / every gradient match the "
         "unpatched model within 1e-5 relative (fp32); ➖ = the rule refused (reason); ◻ = patched but not "
         "called by this model; · = no candidate; ❌ = patched and different (a bug).",
         "",
         f"**Summary:** {summary['architectures']} architectures, {summary['built']} build tiny; verified: "
-        f"rms_norm {summary['rms_norm_verified']}, rope {summary['rope_verified']}, glu {summary['glu_verified']}, "
+        f"rms_norm {summary['rms_norm_verified']}, layer_norm {summary['layer_norm_verified']}, rope {summary['rope_verified']}, glu {summary['glu_verified']}, "
         f"loss {summary['loss_verified']}; MISMATCH rows: {summary['mismatch']}; run errors: {summary['errors']}.",
         "",
-        "| architecture | rms_norm | rope | glu (swiglu/geglu) | loss (CE / fused linear CE) |",
-        "|---|---|---|---|---|",
+        "| architecture | rms_norm | layer_norm | rope | glu (swiglu/geglu) | loss (CE / fused linear CE) |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["status"] == "could not build":
-            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | |")
+            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | | |")
             continue
         if row["status"] == "error":
-            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | |")
+            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | | |")
             continue
         lines.append("| " + " | ".join([row["arch"]] + [cell(row, k) for k in KINDS]) + " |")
     return "\n".join(lines) + "\n"
@@ -270,8 +320,6 @@ def main(argv=None) -> int:
 
     import transformers
     import triton
-
-    from autopatch.tiny_models import causal_lm_architectures
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()

@@ -12,6 +12,7 @@ live in fused_kernels._gpu.
 
 from fused_kernels._utils import interpreter_on, launch_counts, reset_launch_counts, triton_can_run
 from fused_kernels.rms_norm import rms_norm
+from fused_kernels.layer_norm import layer_norm
 from fused_kernels.rope import rope
 from fused_kernels.glu import geglu, glu_linear, swiglu
 from fused_kernels.cross_entropy import cross_entropy

@@ -1,6 +1,6 @@
 """The coverage matrix's CI subset: one architecture per quirk, patched vs unpatched on a tiny random
-model (scripts/coverage_matrix.py's check), asserting the kinds we expect to be verified and that no
-row is a MISMATCH. The full matrix (docs/coverage.md) is `python scripts/coverage_matrix.py`."""
+model (dev/coverage_matrix.py's check), asserting the kinds we expect to be verified and that no
+row is a MISMATCH. The full matrix (docs/coverage.md) is `python dev/coverage_matrix.py`."""
 
 from __future__ import annotations
 

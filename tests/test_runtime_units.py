@@ -141,15 +141,16 @@ def test_notices_start_on_their_own_line_under_a_progress_bar(monkeypatch, fresh
 
 # --------------------------------------------------------------------------- apply()
 def test_apply_keywords():
-    assert _api.resolve_toggles({}) == {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
+    assert _api.resolve_toggles({}) == {"rope": True, "rms_norm": True, "layer_norm": True, "swiglu": True,
+                                        "geglu": True,
                                         "cross_entropy": False, "fused_linear_cross_entropy": True,
                                         "causal_mask": True}
     liger = {"rope": True, "rms_norm": False, "swiglu": True, "cross_entropy": True,
              "fused_linear_cross_entropy": False}
     got = _api.resolve_toggles(liger)
     assert {k: got[k] for k in liger} == liger and got["geglu"] is True
-    with pytest.raises(TypeError, match=r"'layer_norm'.*valid kernel keywords: " + ", ".join(KERNEL_NAMES)):
-        _api.resolve_toggles({"layer_norm": True})
+    with pytest.raises(TypeError, match=r"'layer_nrom'.*valid kernel keywords: " + ", ".join(KERNEL_NAMES)):
+        _api.resolve_toggles({"layer_nrom": True})
     with pytest.raises(TypeError, match="rope must be True or False, got 'yes'"):
         _api.resolve_toggles({"rope": "yes"})
 
@@ -208,8 +209,8 @@ def test_apply_runs_rules_over_the_models_modules(fake_world, capsys):
     assert report.records() == records
     name, seen = rule.seen[-1]
     assert name == FAKE_MODELING
-    assert seen == {"rope": False, "rms_norm": True, "swiglu": True, "geglu": True, "cross_entropy": True,
-                    "fused_linear_cross_entropy": True, "causal_mask": True}
+    assert seen == {"rope": False, "rms_norm": True, "layer_norm": True, "swiglu": True, "geglu": True,
+                    "cross_entropy": True, "fused_linear_cross_entropy": True, "causal_mask": True}
     assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         _api.apply(model, rotary=True)

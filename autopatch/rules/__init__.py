@@ -21,6 +21,7 @@ from typing import Callable
 
 RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.rms_norm",
+    "autopatch.rules.layer_norm",
     "autopatch.rules.rope",
     "autopatch.rules.glu_mlp",
     "autopatch.rules.moe_gate",
@@ -33,19 +34,61 @@ def all_rules() -> list:
     return [importlib.import_module(name).RULE for name in RULE_MODULES]
 
 
+# (module name, rule name) -> (kernels of the records that call patched, patching keys it added): what
+# unpatch() undoes when a later apply() turns those kernels off.
+_made: dict[tuple[str, str], tuple[frozenset, set]] = {}
+
+
 def patch_module(module: ModuleType, enabled: Callable[[str], bool]) -> list:
     """Run every rule whose kernels are enabled over one modeling module; returns the records."""
+    from autopatch import patching
     from autopatch.report import Record
 
     records = []
     for rule in all_rules():
         if not any(enabled(k) for k in rule.kernels):
             continue
+        before = patching.patched_keys()
         try:
-            records.extend(rule.patch_module(module, enabled))
+            found = rule.patch_module(module, enabled)
+            records.extend(found)
+            added = patching.patched_keys() - before
+            if added:
+                key = (module.__name__, rule.name)
+                kernels, keys = _made.get(key, (frozenset(), set()))
+                _made[key] = (kernels | {r.kernel for r in found if r.patched}, keys | added)
         except Exception as exc:  # a rule bug must never break the user's import
             records.append(
                 Record(kernel=rule.name, module=module.__name__, target="*", patched=False,
                        reason=f"rule raised {type(exc).__name__}: {exc}")
             )
     return records
+
+
+def unpatch(module: ModuleType, disabled: Callable[[str], bool]) -> list[str]:
+    """Undo the patches the rules made in `module` for kernels now turned off (`disabled(kernel)`).
+    A rule's patches in a module are undone together, so all the kernels they serve there must be off;
+    ValueError names them otherwise. Returns the kernels whose patches were undone."""
+    from autopatch import patching
+
+    undone: list[str] = []
+    for (name, rule_name), (kernels, keys) in list(_made.items()):
+        if name != module.__name__:
+            continue
+        keys = keys & patching.patched_keys()  # patches undone since (patching.restore_all) are gone
+        if not keys:
+            del _made[(name, rule_name)]
+            continue
+        off = [k for k in sorted(kernels) if disabled(k)]
+        if not off:
+            continue
+        if len(off) != len(kernels):
+            on = [k for k in sorted(kernels) if k not in off]
+            raise ValueError(
+                f"apply(): {', '.join(off)} cannot be turned off alone in {name}: the {rule_name} rule patched "
+                f"{', '.join(sorted(kernels))} there together; turn {', '.join(on)} off too, or keep them all on"
+            )
+        patching.restore(keys)
+        del _made[(name, rule_name)]
+        undone.extend(off)
+    return undone

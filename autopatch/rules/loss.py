@@ -96,15 +96,29 @@ def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
 
 
 def _causal_lm_classes(module: ModuleType) -> list[type]:
+    """*ForCausalLM classes, and the causal LMs AutoModelForCausalLM builds under other names
+    (GPT2LMHeadModel, OpenAIGPTLMHeadModel, ...), defined in `module`."""
     from transformers.modeling_utils import PreTrainedModel
 
+    causal = _auto_causal_lm_names()
     return [
         obj for name, obj in sorted(vars(module).items())
         if isinstance(obj, type)
-        and name.endswith("ForCausalLM")
+        and (name.endswith("ForCausalLM") or name in causal)
         and obj.__module__ == module.__name__
         and issubclass(obj, PreTrainedModel)
     ]
+
+
+def _auto_causal_lm_names() -> frozenset:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except Exception:  # noqa: BLE001 - an older layout: the *ForCausalLM names alone
+        return frozenset()
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return frozenset(names)
 
 
 def _resolved_loss_type(cls) -> str | None:
@@ -116,7 +130,8 @@ def _resolved_loss_type(cls) -> str | None:
     if name in LOSS_MAPPING:
         return name
     found = re.findall(f"({'|'.join(LOSS_MAPPING)})", name)
-    return found[0] if found else None
+    # no match (GPT2LMHeadModel): PreTrainedModel.loss_function falls back to ForCausalLMLoss
+    return found[0] if found else "ForCausalLM"
 
 
 def _base_loss_property(cls):

@@ -1,0 +1,584 @@
+"""LayerNorm over the last dimension: forward and backward in Triton, fp32 accumulation.
+
+`layer_norm(x, weight, bias, eps)` computes what `torch.nn.functional.layer_norm(x, (N,), weight, bias,
+eps)` computes, with every intermediate in fp32 and one rounding, the final cast to x.dtype (torch's
+CUDA kernel and the fp32-upcasting LayerNorm classes of transformers do the same).
+
+Math (per row of length N, all in fp32):
+    mean = Σ x / N
+    var  = Σ (x − mean)² / N                  (biased, as torch; the centred sum, not E[x²] − mean²)
+    rstd = 1 / sqrt(var + eps)
+    xhat = (x − mean) · rstd
+    y    = xhat · w + b                       (w = 1 without a weight, b = 0 without a bias)
+
+Backward (g = dy · w, the gradient with respect to xhat):
+    dx = rstd · (g − mean(g) − xhat · mean(g · xhat))
+    dw = Σ_rows dy · xhat        db = Σ_rows dy        (fp32 partial rows, summed, cast to the parameter's dtype)
+
+Saved for the backward: x (the input itself, no copy), mean and rstd (fp32, one each per row); xhat is
+recomputed from them.
+
+Rows of up to WHOLE_ROW_MAX[direction] columns are held whole in registers (x read once per kernel). Longer
+rows are swept twice in column chunks, the second sweep reading from L2: the forward's first sweep merges
+each chunk's mean and centred sum of squares into the row's (Chan et al.'s pairwise update, as stable as
+the whole-row formula), the backward's first sweep sums g and g·xhat.
+
+Bytes moved (rows × N elements of B bytes): the forward reads x and writes y (2·rows·N·B, plus 8 bytes per
+row for mean and rstd); the backward reads x and dy and writes dx (3·rows·N·B), plus, per persistent
+program, one fp32 partial row each of dw and db (written once, then read by `_partial_sum_kernel`). At
+16384 × 4096 in bf16 that is 640 MiB forward + backward, 0.158 ms at the H200's ~4.25 TB/s copy rate.
+
+Launch shapes: `plan(n_rows, n_cols, dtype, ...)` is the one place that decides them (block, rows per
+tile, warps, grid sizes, chunked or not), from the tables below; it returns a `fused_kernels._dispatch.Plan`
+whose `config` is a `LayerNormConfig` and whose `reason` says why. The forward runs one program per tile
+on a GPU; the backward is persistent (each program owns one partial row of dw and of db). Under the CPU
+interpreter the grids stay within a few programs (each costs about a millisecond there).
+
+Dispatch: eager calls go through a torch.autograd.Function (a few µs of Python); torch.compile traces the
+custom ops fused_kernels::layer_norm_fwd / layer_norm_bwd. Both run `_forward_impl` / `_backward_impl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fused_kernels._dispatch import Plan
+from fused_kernels._jit import for_store
+from fused_kernels._launch import launch
+from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of
+
+# How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
+_INTERPRETED = interpreter_on()
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch plan
+# ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerNormConfig:
+    """Launch shape of one call's kernels."""
+
+    rows: int  # rows per tile (power of two): several for short rows, so each load is large enough
+    fwd_block: int  # forward: columns per load (power of two), >= n_cols unless fwd_chunked
+    fwd_chunked: bool  # forward: rows swept twice in chunks of fwd_block columns
+    fwd_warps: int
+    fwd_programs: int  # forward grid: one program per tile on a GPU, a few under the interpreter
+    bwd_block: int
+    bwd_chunked: bool
+    bwd_warps: int
+    bwd_programs: int  # persistent backward programs, each writing one dw and one db partial row
+    num_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
+
+
+# Whole rows in registers, from the sizing of fused_kernels/rms_norm.py's tables (H200, sm_90a): 2-4 K
+# elements per tile for short rows, 16 fp32 values per thread per held array so nothing spills. The
+# LayerNorm backward holds one array more than RMSNorm's (the db partial sums), so its rows per tile and
+# programs per SM stop one step earlier. (largest n_cols, rows per tile, forward warps, backward warps,
+# backward programs per SM)
+_TABLE = (
+    (64, 32, 4, 4, 4),
+    (256, 16, 8, 8, 2),
+    (512, 8, 8, 8, 2),
+    (1024, 4, 8, 8, 2),
+    (2048, 2, 8, 8, 2),
+    (4096, 1, 8, 8, 2),
+    (8192, 1, 16, 16, 1),
+    (16384, 1, 32, None, None),  # forward only: the backward's 16 K row held whole spills (as RMSNorm's)
+)
+WHOLE_ROW_MAX = {"forward": 16384, "backward": 8192}
+# Chunked rows: 8 K columns per chunk, 16 fp32 values per thread at 16 warps.
+_CHUNK = 8192
+_CHUNK_WARPS = 16
+# Chunked backward: the second sweep re-reads x and dy and read-modify-writes the program's two partial
+# rows; persistent programs are capped so that all of it stays within this much of the L2 (H200: 50 MiB).
+L2_BUDGET_BYTES = 32 * 2**20
+# Under the interpreter every program runs one after another in Python.
+_INTERPRETER_PROGRAMS = 4
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False) -> Plan:
+    """The launch plan for `n_rows` rows of `n_cols` elements of `dtype` on a device with `sm_count` SMs
+    (`interpreted`: the CPU interpreter). Path "whole-row" (each row in registers, read once per kernel)
+    or "chunked" (two sweeps over column chunks); with the backward alone chunked, "whole-row-fwd"."""
+    if n_cols < 1:
+        raise ValueError(f"n_cols must be >= 1; got {n_cols}")
+    bytes_x = torch.empty(0, dtype=dtype).element_size()
+    row = next((r for r in _TABLE if n_cols <= r[0]), None)
+    whole = max(16, _next_pow2(n_cols))
+    fwd_chunked = row is None
+    bwd_chunked = row is None or row[3] is None
+    rows = 1 if bwd_chunked else row[1]  # one tiling for both kernels: the backward's is the tighter
+    fwd_block, fwd_warps = (_CHUNK, _CHUNK_WARPS) if fwd_chunked else (whole, row[2])
+    if bwd_chunked:
+        bwd_block, bwd_warps, per_sm, stages = _CHUNK, _CHUNK_WARPS, 1, 1
+    else:
+        bwd_block, bwd_warps, per_sm, stages = whole, row[3], row[4], 2
+    n_tiles = max(1, _cdiv(n_rows, rows))
+    if interpreted:
+        fwd_programs = min(n_tiles, _INTERPRETER_PROGRAMS)
+        bwd_programs = min(n_tiles, _INTERPRETER_PROGRAMS)
+    else:
+        fwd_programs = n_tiles
+        bwd_programs = min(n_tiles, max(1, per_sm * sm_count))
+        if bwd_chunked:
+            per_program = n_cols * (2 * bytes_x + 8)  # x, dy and the two fp32 partial rows
+            bwd_programs = min(bwd_programs, max(1, L2_BUDGET_BYTES // per_program))
+    # The same number of sweeps with fewer programs where possible (fewer partial rows to sum).
+    bwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, bwd_programs))
+    fwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, fwd_programs))
+    cfg = LayerNormConfig(rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs,
+                          bwd_block, bwd_chunked, bwd_warps, bwd_programs, stages)
+    backward = (f"backward: {bwd_programs} persistent programs writing dw/db partial rows"
+                + (" (capped so that their rows stay in L2)" if bwd_chunked and not interpreted else ""))
+    if not bwd_chunked:
+        path = "whole-row"
+        reason = f"rows of {n_cols} fit in registers ({whole} columns, {rows} rows per tile); {backward}"
+    elif not fwd_chunked:
+        path = "chunked-backward"
+        reason = (f"forward: rows of {n_cols} fit in registers ({fwd_warps} warps); the backward holds rows of up "
+                  f"to {WHOLE_ROW_MAX['backward']}: two sweeps over {_CHUNK}-column chunks, the second from L2; "
+                  f"{backward}")
+    else:
+        path = "chunked"
+        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX['forward']} columns: both kernels sweep each row twice "
+                  f"in {_CHUNK}-column chunks, the second sweep from L2; {backward}")
+    if interpreted:
+        reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
+    return Plan(path, cfg, reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a device (the interpreter: its plan caps the grids anyway)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index if device.index is not None else 0).multi_processor_count
+    return 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, W, B, Y, MEAN, RSTD,
+    n_rows, n_cols, stride_x, stride_y, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, CHUNKED: tl.constexpr, EXACT_BF16: tl.constexpr,
+):
+    # Tiles of ROWS rows; program p takes tiles p, p + P, p + 2P, ...
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if not CHUNKED:
+        col_mask = cols < n_cols
+        # parameters first: their (L2) latency overlaps x's (DRAM) latency
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=1) / n_cols
+            d = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(d * d, axis=1) / n_cols + eps)
+            y = d * rstd[:, None]
+            if HAS_WEIGHT:
+                y = y * w[None, :]
+            if HAS_BIAS:
+                y = y + b[None, :]
+            tl.store(Y + rows64[:, None] * stride_y + cols[None, :], for_store(y, Y.dtype.element_ty, EXACT_BF16),
+                     mask=mask)
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+    else:
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            x_rows = X + rows64[:, None] * stride_x
+            y_rows = Y + rows64[:, None] * stride_y
+            # first sweep: each chunk's mean and centred sum of squares, merged into the row's
+            mean = tl.zeros([ROWS], tl.float32)
+            m2 = tl.zeros([ROWS], tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                mask = row_mask[:, None] & (c < n_cols)[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                n_a = start * 1.0
+                n_b = tl.minimum(n_cols - start, BLOCK_N) * 1.0
+                mean_b = tl.sum(x, axis=1) / n_b
+                d = tl.where(mask, x - mean_b[:, None], 0.0)
+                m2_b = tl.sum(d * d, axis=1)
+                delta = mean_b - mean
+                n = n_a + n_b
+                mean = mean + delta * (n_b / n)
+                m2 = m2 + m2_b + delta * delta * (n_a * n_b / n)
+            rstd = tl.rsqrt(m2 / n_cols + eps)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                y = (x - mean[:, None]) * rstd[:, None]
+                if HAS_WEIGHT:
+                    y = y * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                if HAS_BIAS:
+                    y = y + tl.load(B + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_rows + c[None, :], for_store(y, Y.dtype.element_ty, EXACT_BF16), mask=mask)
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, stride_dy, stride_x, stride_dx,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    BLOCK_N: tl.constexpr, ROWS: tl.constexpr, CHUNKED: tl.constexpr, EXACT_BF16: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # Persistent: program p takes tiles p, p + P, ... and sums its rows' dy·xhat and dy into the fp32
+    # partial rows DW_PARTIAL[p, :] and DB_PARTIAL[p, :]; _partial_sum_kernel adds the P rows up.
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    dw_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
+    db_row = DB_PARTIAL + pid.to(tl.int64) * n_cols
+    if not CHUNKED:
+        col_mask = cols < n_cols
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        db_acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            g = dy
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            mean_g = tl.sum(g, axis=1) / n_cols
+            mean_gx = tl.sum(g * xhat, axis=1) / n_cols
+            dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+            tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+                     mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * xhat
+            if COMPUTE_DB:
+                db_acc += dy
+        if COMPUTE_DW:
+            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if COMPUTE_DB:
+            tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    else:
+        # first sweep: the row sums of g and g·xhat; second (x, dy from L2): dx, and dw/db added to the
+        # program's partial rows in memory (stored on its first tile, read back and added to after)
+        for tile in range(pid, n_tiles, n_programs):
+            rows = tile * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            x_rows = X + rows64[:, None] * stride_x
+            dy_rows = DY + rows64[:, None] * stride_dy
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            sum_g = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            sum_gx = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                sum_g += g
+                sum_gx += g * xhat
+            mean_g = tl.sum(sum_g, axis=1) / n_cols
+            mean_gx = tl.sum(sum_gx, axis=1) / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                c = start + cols
+                col_mask = c < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
+                tl.store(DX + rows64[:, None] * stride_dx + c[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
+                         mask=mask)
+                not_first = (c * 0 + tile) != pid  # elementwise: a scalar mask fails in the interpreter
+                if COMPUTE_DW:
+                    earlier = tl.load(dw_row + c, mask=col_mask & not_first, other=0.0)
+                    tl.store(dw_row + c, earlier + tl.sum(dy * xhat, axis=0), mask=col_mask)
+                if COMPUTE_DB:
+                    earlier = tl.load(db_row + c, mask=col_mask & not_first, other=0.0)
+                    tl.store(db_row + c, earlier + tl.sum(dy, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _partial_sum_kernel(DW_PARTIAL, DB_PARTIAL, DW, DB, n_parts, n_cols,
+                        COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PARTS: tl.constexpr):
+    # DW[cols] = Σ_p DW_PARTIAL[p, cols] in fp32, then cast (DB alike), one column block per program.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dw = tl.zeros([PARTS, BLOCK_N], tl.float32)
+    db = tl.zeros([PARTS, BLOCK_N], tl.float32)
+    for first in range(0, n_parts, PARTS):
+        parts = first + tl.arange(0, PARTS)
+        offs = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        mask = (parts[:, None] < n_parts) & col_mask[None, :]
+        if COMPUTE_DW:
+            dw += tl.load(DW_PARTIAL + offs, mask=mask, other=0.0)
+        if COMPUTE_DB:
+            db += tl.load(DB_PARTIAL + offs, mask=mask, other=0.0)
+    if COMPUTE_DW:
+        tl.store(DW + cols, tl.sum(dw, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB + cols, tl.sum(db, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+
+
+# (columns per program, partial rows per load, num_warps) of _partial_sum_kernel: narrow column blocks
+# give enough programs to fill the GPU for a few hundred partial rows (rms_norm's _DW_SUM_TABLE).
+_SUM_SHAPE = (32, 16, 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side (one implementation, called by the custom ops and by the eager autograd.Function)
+# ----------------------------------------------------------------------------------------------
+
+def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the kernels write is allocated here (tests fill it with NaN to catch unwritten
+    elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _row_stride(t2: torch.Tensor) -> int:
+    # A (1, N) or (0, N) view may report any row stride; the kernel never steps by it then.
+    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
+
+
+def _plan_for(n_rows: int, n_cols: int, x: torch.Tensor) -> Plan:
+    return plan(n_rows, n_cols, x.dtype, _sm_count(x.device), _INTERPRETED)
+
+
+@launches_on_device_of(0)  # x
+def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd): y like x, mean and rstd fp32 of shape x.shape[:-1]."""
+    device = x.device
+    y = _new_output(x.shape, x.dtype, device)
+    mean = _new_output(x.shape[:-1], torch.float32, device)
+    rstd = _new_output(x.shape[:-1], torch.float32, device)
+    x2 = _rows_view(x)
+    n_rows, n_cols = x2.shape
+    if n_rows == 0:
+        return y, mean, rstd
+    count_launch("layer_norm_fwd")
+    cfg = _plan_for(n_rows, n_cols, x2).config
+    launch(_layer_norm_fwd_kernel, (cfg.fwd_programs,),
+           (x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
+            n_rows, n_cols, _row_stride(x2), n_cols, eps),
+           dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.fwd_block, ROWS=cfg.rows,
+                CHUNKED=cfg.fwd_chunked, EXACT_BF16=_INTERPRETED, num_warps=cfg.fwd_warps))
+    return y, mean, rstd
+
+
+@launches_on_device_of(1)  # x
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   mean: torch.Tensor, rstd: torch.Tensor, compute_dw: bool, compute_db: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db): dw / db in the parameter's shape and dtype, or empty when not computed. One backward
+    launch, plus one _partial_sum_kernel launch when dw or db is wanted."""
+    compute_dw = compute_dw and weight is not None
+    compute_db = compute_db and bias is not None
+    device = x.device
+    dx = _new_output(x.shape, x.dtype, device)
+    x2 = _rows_view(x)
+    dy2 = _rows_view(dy)
+    n_rows, n_cols = x2.shape
+    def empty():  # one per unused output: custom-op outputs may not alias each other
+        return x.new_empty(0, dtype=torch.float32)
+
+    if n_rows == 0:
+        return (dx, torch.zeros_like(weight) if compute_dw else empty(),
+                torch.zeros_like(bias) if compute_db else empty())
+    count_launch("layer_norm_bwd")
+    cfg = _plan_for(n_rows, n_cols, x2).config
+    programs = cfg.bwd_programs
+    dw_partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
+    db_partial = _new_output((programs, n_cols) if compute_db else (1, 1), torch.float32, device)
+    launch(_layer_norm_bwd_kernel, (programs,),
+           (dy2, x2, x2 if weight is None else weight, mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1),
+            dx, dw_partial, db_partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols),
+           dict(HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=cfg.bwd_block,
+                ROWS=cfg.rows, CHUNKED=cfg.bwd_chunked, EXACT_BF16=_INTERPRETED, NUM_STAGES=cfg.num_stages,
+                num_warps=cfg.bwd_warps))
+    dw = _new_output(weight.shape, weight.dtype, device) if compute_dw else empty()
+    db = _new_output(bias.shape, bias.dtype, device) if compute_db else empty()
+    if compute_dw or compute_db:
+        block_n, parts, num_warps = _SUM_SHAPE
+        launch(_partial_sum_kernel, (_cdiv(n_cols, block_n),),
+               (dw_partial, db_partial, dw if compute_dw else dw_partial, db if compute_db else db_partial,
+                programs, n_cols),
+               dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------------------------------
+# Custom ops: what torch.compile traces (fake implementations give shapes without running Triton)
+# ----------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("fused_kernels::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, mean, rstd): y like x; mean and rstd in fp32, one per row."""
+    return _forward_impl(x, weight, bias, eps)
+
+
+@_layer_norm_fwd.register_fake
+def _layer_norm_fwd_fake(x, weight, bias, eps):
+    stats = x.shape[:-1]
+    return x.new_empty(x.shape), x.new_empty(stats, dtype=torch.float32), x.new_empty(stats, dtype=torch.float32)
+
+
+@torch.library.custom_op("fused_kernels::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    mean: torch.Tensor, rstd: torch.Tensor, compute_dw: bool, compute_db: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dw, db); dw / db are empty fp32 tensors when not computed. `bias` is read for its
+    shape and dtype only."""
+    return _backward_impl(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
+
+
+@_layer_norm_bwd.register_fake
+def _layer_norm_bwd_fake(dy, x, weight, bias, mean, rstd, compute_dw, compute_db):
+    dw = weight.new_empty(weight.shape) if compute_dw and weight is not None else x.new_empty(0, dtype=torch.float32)
+    db = bias.new_empty(bias.shape) if compute_db and bias is not None else x.new_empty(0, dtype=torch.float32)
+    return x.new_empty(x.shape), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only mean / rstd were used downstream; they carry no gradient
+        dy = torch.zeros_like(x)
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
+    compute_db = bias is not None and ctx.needs_input_grad[2]
+    dx, dw, db = torch.ops.fused_kernels.layer_norm_bwd(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
+    return (dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, db if compute_db else None, None)
+
+
+_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """Eager autograd: the same launches without the custom-op dispatch (tens of µs of Python a call)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _forward_impl(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        compute_db = bias is not None and ctx.needs_input_grad[2]
+        dx, dw, db = _backward_impl(dy, x, weight, bias, mean, rstd, compute_dw, compute_db)
+        return dx if ctx.needs_input_grad[0] else None, dw if compute_dw else None, db if compute_db else None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional entry
+# ----------------------------------------------------------------------------------------------
+
+def _check_param(name: str, p: Optional[torch.Tensor], x: torch.Tensor) -> None:
+    if p is None:
+        return
+    check_float(name, p)
+    if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name} must have shape (x.shape[-1],) = ({x.shape[-1]},); got {tuple(p.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}; got {p.device}")
+
+
+def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dimension of `x`, as `torch.nn.functional.layer_norm(x, (x.shape[-1],),
+    weight, bias, eps)`; differentiable in x, weight and bias.
+
+    x: float32/bfloat16/float16, any leading shape (zero rows allowed), any strides.
+    weight, bias: shape (x.shape[-1],) float tensors on x's device (their dtype may differ from x's:
+        the gradients come back in it), or None.
+    The output has x's dtype; mean, variance and the affine step are computed in fp32 with one final
+    rounding. Eager calls run a torch.autograd.Function; under torch.compile the custom op
+    fused_kernels::layer_norm_fwd is traced instead. Both launch the same kernels.
+    """
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension (the normalised size); got shape {tuple(x.shape)}")
+    _check_param("weight", weight, x)
+    _check_param("bias", bias, x)
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0):
+        raise ValueError(f"eps must be a finite float >= 0; got {eps!r}")
+    if not (x.is_cuda or (x.device.type == "cpu" and interpreter_on())):
+        raise RuntimeError(
+            f"layer_norm runs Triton kernels: x must be on a CUDA device, or on the CPU with TRITON_INTERPRET=1 "
+            f"set before triton is imported (interpreter on: {interpreter_on()}); got device {x.device}"
+        )
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return torch.ops.fused_kernels.layer_norm_fwd(x, weight, bias, eps)[0]
+    if torch.is_grad_enabled() and (x.requires_grad or any(p is not None and p.requires_grad for p in (weight, bias))):
+        return _LayerNormFunction.apply(x, weight, bias, eps)
+    return _forward_impl(x, weight, bias, eps)[0]

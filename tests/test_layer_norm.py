@@ -1,0 +1,356 @@
+"""fused_kernels.layer_norm against a float64 LayerNorm written out (mean, centred variance, affine step).
+
+Every buffer the op allocates for its kernels starts as NaN (`poisoned_outputs`), and `rel_err` turns NaN
+anywhere into an infinite error, so an element a kernel fails to write, or a NaN it makes, cannot pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+import fused_kernels
+from fused_kernels import layer_norm
+from helpers import REL_TOL, assert_close, randn
+
+ln_module = importlib.import_module("fused_kernels.layer_norm")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+AFFINE = ("weight+bias", "weight", "bias", "none")
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    original = ln_module._new_output
+
+    def nan_filled(shape, dtype, device):
+        return original(shape, dtype, device).fill_(float("nan"))
+
+    ln_module._new_output = nan_filled
+    try:
+        yield
+    finally:
+        ln_module._new_output = original
+
+
+def reference(x64, w64, b64, eps):
+    mean = x64.mean(-1, keepdim=True)
+    d = x64 - mean
+    rstd = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
+    y = d * rstd
+    if w64 is not None:
+        y = y * w64
+    if b64 is not None:
+        y = y + b64
+    return y
+
+
+def _tol(*dtypes):
+    return max(REL_TOL[d] for d in dtypes if d is not None)
+
+
+def _assert_close_to_scale(name, got, ref, scale, tol):
+    """got finite, its error within tol of |ref| or, where the result cancels (width 1: dx = 0), of
+    `scale`, the size of the terms that cancel."""
+    assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+    err = (got.detach().to(torch.float64).cpu() - ref.cpu()).norm().item()
+    bound = tol * max(ref.norm().item(), scale)
+    assert err <= bound, f"{name}: error {err:.3e} > {bound:.3e} (|ref| {ref.norm().item():.3e}, scale {scale:.3e})"
+
+
+def make_params(n, affine, dtype, param_dtype=None):
+    pd = dtype if param_dtype is None else param_dtype
+    w = randn(n, dtype=pd, scale=0.7) + 1.0 if "weight" in affine else None
+    b = randn(n, dtype=pd, scale=0.5) if "bias" in affine else None
+    return w, b
+
+
+def check(x, weight, bias, eps=1e-5, dy=None):
+    """Forward and backward of layer_norm against the float64 reference: y, dx, dweight, dbias."""
+    dtypes = [x.dtype] + [p.dtype for p in (weight, bias) if p is not None]
+    tol = _tol(*dtypes)
+    x_in = x.detach().requires_grad_(True)
+    w_in = None if weight is None else weight.detach().clone().requires_grad_(True)
+    b_in = None if bias is None else bias.detach().clone().requires_grad_(True)
+    with poisoned_outputs():
+        y = layer_norm(x_in, w_in, b_in, eps)
+    assert y.dtype == x.dtype and y.shape == x.shape
+
+    x64 = x.detach().to(torch.float64).requires_grad_(True)
+    w64 = None if weight is None else weight.detach().to(torch.float64).requires_grad_(True)
+    b64 = None if bias is None else bias.detach().to(torch.float64).requires_grad_(True)
+    y_ref = reference(x64, w64, b64, eps)
+    n = x.shape[-1]
+    if x.numel() == 0:
+        assert_close(y, y_ref, x.dtype, "y")
+        return
+    if n == 1:  # y = bias exactly (or 0): measure against the scale of the centred value's terms
+        _assert_close_to_scale("y", y, y_ref.detach(), x64.detach().norm().item(), tol)
+    else:
+        assert_close(y, y_ref, x.dtype, "y", tol=tol)
+
+    dy = randn(*y.shape, dtype=y.dtype) if dy is None else dy
+    with poisoned_outputs():
+        y.backward(dy)
+    y_ref.backward(dy.to(torch.float64))
+    dy64 = dy.to(torch.float64)
+    xd = x64.detach()
+    rstd = torch.rsqrt((xd - xd.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + eps)
+    w_eff = 1.0 if w64 is None else w64.detach()
+    # dx cancels almost entirely for short rows: measure against rstd·|g|, the terms that cancel
+    _assert_close_to_scale("dx", x_in.grad, x64.grad, (rstd * dy64 * w_eff).norm().item(), tol)
+    assert x_in.grad.dtype == x.dtype
+    xhat = ((xd - xd.mean(-1, keepdim=True)) * rstd).reshape(-1, n)
+    if weight is not None:
+        assert w_in.grad.dtype == weight.dtype
+        scale = (dy64.reshape(-1, n) * xhat).abs().sum(0).norm().item()
+        _assert_close_to_scale("dweight", w_in.grad, w64.grad, scale, tol)
+    if bias is not None:
+        assert b_in.grad.dtype == bias.dtype
+        _assert_close_to_scale("dbias", b_in.grad, b64.grad, dy64.reshape(-1, n).abs().sum(0).norm().item(), tol)
+
+
+# --- widths × dtypes × affine ----------------------------------------------------------------
+
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width,rows", [(1, 9), (7, 37), (100, 21), (1000, 5)])
+def test_matches_reference(width, rows, dtype, affine):
+    torch.manual_seed(width * 31 + rows)
+    x = randn(rows, width, dtype=dtype, scale=2.0) + 0.5
+    w, b = make_params(width, affine, dtype)
+    check(x, w, b)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("affine", ("weight+bias", "none"))
+def test_width_4097(dtype, affine):
+    torch.manual_seed(4097)
+    x = randn(3, 4097, dtype=dtype, scale=1.5)
+    w, b = make_params(4097, affine, dtype)
+    check(x, w, b)
+
+
+@pytest.mark.parametrize("width,path", [(9000, "chunked-backward"), (20000, "chunked")])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_long_rows_chunked(width, path, dtype):
+    """Rows longer than the whole-row limits: the chunked sweeps (mean merged across chunks), with a
+    mean far from 0 so that a variance taken as E[x²] − mean² would lose the fp32 bound."""
+    assert ln_module.plan(5, width, dtype, 2, True).path == path
+    torch.manual_seed(width)
+    x = randn(5, width, dtype=dtype) * 0.25 + 30.0
+    w, b = make_params(width, "weight+bias", dtype)
+    check(x, w, b)
+
+
+def test_more_rows_than_programs_accumulate_partials():
+    """Many more tiles than programs: each program sums several tiles into its dw/db partial rows, in
+    registers (whole rows) and in memory (chunked)."""
+    for width, rows in ((48, 300), (9000, 11)):
+        torch.manual_seed(rows)
+        x = randn(rows, width, dtype=torch.float32)
+        w, b = make_params(width, "weight+bias", torch.float32)
+        check(x, w, b)
+
+
+def test_mixed_parameter_dtype():
+    """bf16 x with fp32 parameters: y in bf16, gradients of the parameters in fp32."""
+    x = randn(4, 6, 96, dtype=torch.bfloat16, scale=3.0)
+    w, b = make_params(96, "weight+bias", torch.bfloat16, torch.float32)
+    check(x, w, b)
+
+
+@pytest.mark.parametrize("eps", (1e-6, 1e-5, 0.1))
+def test_eps_used(eps):
+    x = randn(6, 33, dtype=torch.float32, scale=0.05)  # small variance: eps matters
+    w, b = make_params(33, "weight+bias", torch.float32)
+    check(x, w, b, eps=eps)
+
+
+def test_zero_rows():
+    for shape in ((0, 64), (2, 0, 64)):
+        x = randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        w = randn(64, dtype=torch.bfloat16, requires_grad=True)
+        b = randn(64, dtype=torch.bfloat16, requires_grad=True)
+        y = layer_norm(x, w, b)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert torch.equal(w.grad, torch.zeros(64, dtype=torch.bfloat16))
+        assert torch.equal(b.grad, torch.zeros(64, dtype=torch.bfloat16))
+
+
+def test_non_contiguous_input_and_grad():
+    torch.manual_seed(3)
+    base = randn(40, 6, dtype=torch.float32, scale=2.0)
+    x = base.t()  # (6, 40), column stride 6
+    assert not x.is_contiguous()
+    w, b = make_params(40, "weight+bias", torch.float32)
+    dy = randn(40, 6, dtype=torch.float32).t()
+    check(x, w, b, dy=dy)
+    x3 = randn(4, 10, 64, dtype=torch.bfloat16)[:, ::3, :]  # row-strided view
+    check(x3, *make_params(64, "weight+bias", torch.bfloat16))
+
+
+def test_matches_torch_layer_norm_module():
+    """Against torch.nn.LayerNorm itself in fp32: the same numbers to fp32 rounding."""
+    torch.manual_seed(0)
+    mod = torch.nn.LayerNorm(80, eps=1e-5)
+    with torch.no_grad():
+        mod.weight.copy_(randn(80) + 1.0)
+        mod.bias.copy_(randn(80))
+    x = randn(3, 5, 80, scale=2.0)
+    y_ref = mod(x)
+    y = layer_norm(x, mod.weight, mod.bias, mod.eps)
+    assert_close(y, y_ref, torch.float32, "y vs nn.LayerNorm")
+
+
+def test_nan_input_is_not_hidden():
+    x = randn(4, 32)
+    x[1, 3] = float("nan")
+    y = layer_norm(x, randn(32), randn(32))
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+
+
+def test_launch_counts():
+    x = randn(8, 64, requires_grad=True)
+    w = randn(64, requires_grad=True)
+    before = fused_kernels.launch_counts()
+    layer_norm(x, w, None).sum().backward()
+    after = fused_kernels.launch_counts()
+    assert after.get("layer_norm_fwd", 0) - before.get("layer_norm_fwd", 0) == 1
+    assert after.get("layer_norm_bwd", 0) - before.get("layer_norm_bwd", 0) == 1
+
+
+def test_bad_input():
+    x = randn(4, 32)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        layer_norm(x, randn(31))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        layer_norm(x, None, randn(2, 16))
+    with pytest.raises(ValueError, match="eps"):
+        layer_norm(x, None, None, float("nan"))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        layer_norm(x.double())
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        layer_norm(randn(4, 0))
+
+
+# --- torch.library and torch.compile ---------------------------------------------------------
+
+@pytest.mark.parametrize("affine", ("weight+bias", "none", "bias"))
+def test_opcheck(affine):
+    x = randn(3, 5, 24, dtype=torch.bfloat16, requires_grad=True)
+    w, b = make_params(24, affine, torch.float32)
+    w = None if w is None else w.requires_grad_(True)
+    b = None if b is None else b.requires_grad_(True)
+    torch.library.opcheck(torch.ops.fused_kernels.layer_norm_fwd.default, (x, w, b, 1e-5))
+
+    y, mean, rstd = torch.ops.fused_kernels.layer_norm_fwd(x.detach(), w, b, 1e-5)
+    x64 = x.detach().double()
+    assert mean.dtype == torch.float32 and mean.shape == x.shape[:-1]
+    assert_close(mean, x64.mean(-1), torch.float32, "mean")
+    assert_close(rstd, torch.rsqrt(x64.var(-1, unbiased=False) + 1e-5), torch.float32, "rstd")
+    dy = randn(*y.shape, dtype=y.dtype)
+    plain = [None if p is None else p.detach() for p in (w, b)]
+    torch.library.opcheck(torch.ops.fused_kernels.layer_norm_bwd.default,
+                          (dy.detach(), x.detach(), plain[0], plain[1], mean.detach(), rstd.detach(), w is not None,
+                           b is not None))
+
+
+def test_compile_fullgraph_no_graph_breaks():
+    torch._dynamo.reset()
+
+    def block(x, w, b):
+        return (layer_norm(x, w, b, 1e-5) * 2.0).sum(-1)
+
+    x = randn(2, 5, 48, dtype=torch.bfloat16)
+    w, b = make_params(48, "weight+bias", torch.bfloat16)
+    explanation = torch._dynamo.explain(block)(x, w, b)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    eager_in = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    comp_in = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    block(*eager_in).sum().backward()
+    before = fused_kernels.launch_counts().get("layer_norm_bwd", 0)
+    out = compiled(*comp_in)
+    out.sum().backward()
+    assert fused_kernels.launch_counts().get("layer_norm_bwd", 0) == before + 1
+    assert torch.equal(out, block(x, w, b))
+    for e, c in zip(eager_in, comp_in):
+        assert torch.isfinite(c.grad).all() and torch.equal(c.grad, e.grad)
+
+
+# --- the plan: one place decides the launch shape ---------------------------------------------
+
+def test_plan_named_shapes_h200():
+    p = ln_module.plan(16384, 4096, torch.bfloat16, 132, False)
+    assert p.path == "whole-row"
+    c = p.config
+    assert (c.fwd_block, c.rows, c.fwd_warps, c.fwd_chunked, c.bwd_chunked) == (4096, 1, 8, False, False)
+    # 2 per SM = 264 wanted: 63 tiles each, so 261 programs do the same sweeps with fewer partial rows
+    assert c.fwd_programs == 16384 and c.bwd_programs == 261 and c.bwd_warps == 8
+    assert "fit in registers" in p.reason
+
+    p = ln_module.plan(65536, 1024, torch.bfloat16, 132, False)
+    c = p.config
+    assert p.path == "whole-row" and (c.fwd_block, c.rows) == (1024, 4)
+    assert c.fwd_programs == 16384 and c.bwd_programs == 261  # 4 rows per tile
+
+    p = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
+    c = p.config
+    assert p.path == "chunked-backward"
+    assert (c.fwd_block, c.fwd_chunked, c.fwd_warps) == (16384, False, 32)
+    assert (c.bwd_block, c.bwd_chunked) == (8192, True)
+    assert c.bwd_programs == 128  # 132 wanted, the L2 budget allows 170; 32 rows each
+    assert "L2" in p.reason
+
+    p = ln_module.plan(1024, 65536, torch.bfloat16, 132, False)
+    assert p.path == "chunked" and p.config.fwd_chunked and p.config.bwd_chunked
+    assert p.config.bwd_programs == 41  # 32 MiB of L2 / (65536 · 12 bytes) = 42 -> 25 rows each
+
+
+def test_plan_interpreter_grids_stay_small():
+    for rows, cols in ((16384, 4096), (65536, 1024), (4096, 16384), (7, 100000)):
+        c = ln_module.plan(rows, cols, torch.bfloat16, 2, True).config
+        assert 1 <= c.fwd_programs <= 4 and 1 <= c.bwd_programs <= 4
+
+
+def test_plan_rejects_empty_rows():
+    with pytest.raises(ValueError, match="n_cols"):
+        ln_module.plan(4, 0, torch.float32)
+
+
+# --- the H200 at real sizes (scripts/gpu_check.sh) -------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,hidden", [(16384, 4096), (65536, 1024), (4096, 16384), (1024, 65536)])
+def test_gpu_real_sizes(device, rows, hidden):
+    torch.manual_seed(0)
+    x = randn(rows, hidden, dtype=torch.bfloat16, device=device, scale=2.0) + 0.5
+    w = (randn(hidden, dtype=torch.bfloat16, scale=0.5) + 1.0).to(device)
+    b = randn(hidden, dtype=torch.bfloat16, device=device, scale=0.5)
+    ins = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = layer_norm(*ins, 1e-5)
+    dy = randn(rows, hidden, dtype=torch.bfloat16, device=device)
+    y.backward(dy)
+    refs = [t.double().requires_grad_(True) for t in (x, w, b)]
+    y_ref = reference(*refs, 1e-5)
+    y_ref.backward(dy.double())
+    for name, got, ref in (("y", y, y_ref), ("dx", ins[0].grad, refs[0].grad), ("dw", ins[1].grad, refs[1].grad),
+                           ("db", ins[2].grad, refs[2].grad)):
+        assert torch.isfinite(got).all(), f"{name} has NaN/inf"
+        assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_matches_torch(device):
+    x = randn(4096, 2048, device=device, scale=2.0)
+    w = randn(2048, device=device) + 1.0
+    b = randn(2048, device=device)
+    y = layer_norm(x, w, b)
+    assert_close(y, reference(x.double(), w.double(), b.double(), 1e-5), torch.float32, "y fp32")
