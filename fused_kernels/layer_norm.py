@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import sm_count
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of
@@ -162,14 +163,6 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
     if interpreted:
         reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
     return Plan(path, cfg, reason)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a device (the interpreter: its plan caps the grids anyway)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device.index if device.index is not None else 0).multi_processor_count
-    return 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,7 +394,7 @@ def _row_stride(t2: torch.Tensor) -> int:
 
 
 def _plan_for(n_rows: int, n_cols: int, x: torch.Tensor) -> Plan:
-    return plan(n_rows, n_cols, x.dtype, _sm_count(x.device), _INTERPRETED)
+    return plan(n_rows, n_cols, x.dtype, sm_count(x.device), _INTERPRETED)
 
 
 @launches_on_device_of(0)  # x

@@ -325,7 +325,7 @@ def test_plan_rejects_empty_rows():
         ln_module.plan(4, 0, torch.float32)
 
 
-# --- the H200 at real sizes (scripts/gpu_check.sh) -------------------------------------------
+# --- the H200 at real sizes (dev/gpu_check.sh) -------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,hidden", [(16384, 4096), (65536, 1024), (4096, 16384), (1024, 65536)])
