@@ -81,11 +81,37 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     return top, {"run": run, "doctor": doctor}
 
 
+# What a shell reports for a tool that SIGPIPE ended (`autopatch list | head`): 128 + SIGPIPE.
+CLOSED_STDOUT = 141
+
+
 def main(argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     top, subs = _parsers()
     if argv and argv[0] == "run":
-        return _run(subs["run"], argv[1:])
+        return _run(subs["run"], argv[1:])  # the script's own output: it meets a closed pipe as under python
+    try:
+        try:
+            return _command(top, argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here rather than at interpreter exit
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (`| head`): stop quietly, as command-line tools do. What is
+    still buffered goes to /dev/null, so the interpreter's last flush has nothing to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return CLOSED_STDOUT
+
+
+def _command(top: argparse.ArgumentParser, argv: list[str]):
     args = top.parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)

@@ -2,13 +2,13 @@
 sitecustomize (autopatch/_launcher/) in the children of `autopatch run`.
 
 With neither FUSED_KERNELS nor any AUTOPATCH_* variable set it returns at once: it reads os.environ
-(already imported by site) and imports nothing. Otherwise it registers the import hook on
-transformers (autopatch.hooks; that imports wrapt, ~60 ms); the settings themselves are read and
-validated only when transformers is imported, so a bad variable never disturbs a program that does
-not use transformers. It never raises: an exception in a .pth line is printed as "Error processing
-line" and SystemExit there is a fatal interpreter error. Importing it twice (CPython runs a venv's
-.pth files twice) does nothing the second time: a module body runs once, and install() is
-idempotent.
+(already imported by site) and imports nothing. Otherwise it puts autopatch.hooks' finder on
+sys.meta_path, which imports nothing either (os, sys and threading, already loaded): no pydantic,
+no wrapt, no torch. The settings are read and validated only when transformers is imported, so a
+bad variable never disturbs a program that does not use transformers. It never raises: an
+exception in a .pth line is printed as "Error processing line" and SystemExit there is a fatal
+interpreter error. Importing it twice (CPython runs a venv's .pth files twice) does nothing the
+second time: a module body runs once, and install() is idempotent.
 """
 
 import os as _os

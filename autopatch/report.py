@@ -74,18 +74,13 @@ def fallback_notice(kernel: str, detail: str) -> None:
     Say so once per process and kernel (stderr), so a CPU run without the interpreter is not a
     surprise. In strict mode (AUTOPATCH_STRICT) raise StrictModeError instead: callers call this
     before running the original code and let the exception propagate."""
-    import sys
-
     _strict_fallback(kernel, detail)
     with _lock:
         if kernel in _fallback_noticed:
             return
         _fallback_noticed.add(kernel)
-    print(
-        f"autopatch: {kernel}: {detail}; running the original code instead "
-        "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)",
-        file=sys.stderr,
-    )
+    say(f"autopatch: {kernel}: {detail}; running the original code instead "
+        "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
 
 
 def refusals(records, enabled) -> list[Record]:
@@ -116,6 +111,24 @@ def refused_kernels(refused) -> list[str]:
 
 
 # --------------------------------------------------------------------------- one stderr line
+def say(line: str) -> None:
+    """Print one notice line on stderr, on a line of its own. While a tqdm progress bar is on screen
+    (a training loop's, usually on stderr too), a plain print would land in the middle of the bar's
+    line: tqdm.write clears the bars, prints the line and draws them again below it."""
+    import sys
+
+    std = sys.modules.get("tqdm.std")
+    bar_class = getattr(std, "tqdm", None)
+    if bar_class is not None and getattr(bar_class, "_instances", None):
+        try:
+            bar_class.write(line, file=sys.stderr)
+            sys.stderr.flush()
+            return
+        except Exception:
+            pass  # tqdm's own trouble: print plainly
+    print(line, file=sys.stderr, flush=True)
+
+
 def _short_module(module: str) -> str:
     return module.rsplit(".", 1)[-1]
 

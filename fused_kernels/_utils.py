@@ -31,7 +31,41 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
     devices = {t.device.type for t in tensors if t is not None}
     if devices == {"cuda"}:
         return True
+    if devices == {"cpu"}:
+        check_interpreter_unchanged()
     return devices == {"cpu"} and interpreter_on()
+
+
+def check_interpreter_unchanged() -> None:
+    """Before a launch on CPU tensors: were the kernels built in the TRITON_INTERPRET mode that
+    os.environ shows now? triton.jit reads the variable once per kernel, when the kernel's module is
+    imported, so setting it later in the script leaves kernels built for the GPU, and launching one
+    on CPU tensors fails inside Triton with "0 active drivers". RuntimeError for that case; a
+    warning for the reverse (built for the interpreter, variable off since: CPU tensors then take
+    the original code). One of our kernels (fused_kernels._jit) tells how they were built."""
+    import sys
+    import warnings
+
+    kernel = getattr(sys.modules.get("fused_kernels._jit"), "bf16_rtne", None)
+    if kernel is None:
+        return
+    interpreter = sys.modules.get("triton.runtime.interpreter")  # imported by triton.jit in interpreter mode only
+    built_interpreted = interpreter is not None and isinstance(kernel, interpreter.InterpretedFunction)
+    if built_interpreted == interpreter_on():
+        return
+    if not built_interpreted:
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 is set now, but triton and the fused kernels were imported while it was off, "
+            "so the kernels were built for a GPU and cannot run on CPU tensors. TRITON_INTERPRET=1 must be set "
+            "before triton is imported: export it in the shell, or set it at the top of the script"
+        )
+    warnings.warn(
+        "TRITON_INTERPRET was on when triton and the fused kernels were imported and is off now: CPU tensors "
+        "take the original code. Set or unset TRITON_INTERPRET before triton is imported (in the shell, or at "
+        "the top of the script), not later",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def count_launch(op: str) -> None:

@@ -41,6 +41,25 @@ def test_console_script_list():
     assert [line.split()[0] for line in out.stdout.splitlines() if line[:1].isalpha()][: len(KERNEL_NAMES)] == list(KERNEL_NAMES)
 
 
+@pytest.mark.parametrize("argv, code", [
+    (["list"], cli.CLOSED_STDOUT),
+    (["--help"], 0),  # argparse ignores a failed write of its help text
+    (["doctor", "--help"], 0),
+])
+def test_closed_stdout_exits_quietly(argv, code):
+    """`autopatch list | head`: the reader is gone before we write. No traceback, no "Exception
+    ignored" at exit; `list` exits with the status a shell reports for a tool ended by SIGPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before the child writes a byte: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "autopatch", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, env=clean_env(), cwd=REPO, timeout=60)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (code, "")
+    assert cli.CLOSED_STDOUT == 128 + 13  # SIGPIPE
+
+
 @pytest.mark.parametrize("argv, expect", [
     (["--help"], ["usage: autopatch", "{run,doctor,list}", "FUSED_KERNELS"]),
     (["run", "--help"], ["usage: autopatch run", "--kernels LIST", "--env-file F", "--report F", "--strict", "-m module"]),

@@ -91,6 +91,53 @@ def test_fallback_notice_once_and_strict(capsys, fresh_report):
         report.fallback_notice("rms_norm", "got cpu tensors")
 
 
+def rendered_lines(raw: str) -> list[str]:
+    """What a terminal shows for `raw`: "\r" returns to the line's start and overwrites, "\n" ends it."""
+    lines, line, col = [], [], 0
+    for ch in raw:
+        if ch == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            if col < len(line):
+                line[col] = ch
+            else:
+                line.append(ch)
+            col += 1
+    if line:
+        lines.append("".join(line).rstrip())
+    return lines
+
+
+@pytest.mark.parametrize("notice", ["say", "fallback_notice"])
+def test_notices_start_on_their_own_line_under_a_progress_bar(monkeypatch, fresh_report, notice):
+    import io
+
+    tqdm = pytest.importorskip("tqdm")
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    bar = tqdm.tqdm(total=10, file=sys.stderr, ascii=True, mininterval=0, miniters=1, ncols=60, desc="train")
+    bar.update(3)
+    if notice == "say":
+        report.say("autopatch: modeling_llama: rms_norm (LlamaRMSNorm)")
+        expected = "autopatch: modeling_llama: rms_norm (LlamaRMSNorm)"
+    else:
+        report.fallback_notice("rope", "apply_rotary_pos_emb got cpu tensors")
+        expected = ("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code instead "
+                    "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
+    bar.update(3)
+    bar.close()
+    shown = rendered_lines(err.getvalue())
+    assert expected in shown, shown  # the whole line, with no bar before it
+    assert shown[-1].startswith("train:  60%")  # the bar was drawn again below the notice
+    # without a bar, a plain line
+    err.truncate(0), err.seek(0)
+    report.say("autopatch: plain")
+    assert err.getvalue() == "autopatch: plain\n"
+
+
 # --------------------------------------------------------------------------- apply()
 def test_apply_keywords():
     assert _api.resolve_toggles({}) == {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
@@ -186,6 +233,39 @@ def test_modeling_module_names_lists_without_importing():
     assert len(names) > 300 and len(set(names)) == len(names)
     assert not [n for n in names if n.startswith("transformers.models.auto.")]
     assert all(n.rpartition(".")[2].startswith("modeling_") for n in names)
+
+
+@pytest.mark.parametrize("name, expected", [
+    (LLAMA, True),
+    ("transformers.models.deprecated.mega.modeling_mega", True),
+    ("transformers.models.llama.configuration_llama", False),
+    ("transformers.models.auto.modeling_auto", False),
+    ("transformers.models.bert.modeling_tf_bert", False),
+    ("transformers.models.bert.modeling_flax_bert", False),
+    ("transformers.models.llama", False),
+    ("transformers.modeling_utils", False),
+    ("transformers.models.llama.modeling_llama.sub", False),
+    ("transformers_modules.org.modeling_x", False),
+])
+def test_is_modeling_module_name(name, expected):
+    assert hooks.is_modeling_module_name(name) is expected
+
+
+def test_listing_and_name_test_agree():
+    names = hooks.modeling_module_names()
+    assert all(hooks.is_modeling_module_name(n) for n in names)
+
+
+def test_pending_lines_said_for_the_model_built(monkeypatch, capsys, fake_world):
+    modeling, _ = fake_world
+    other = "transformers.models.bloom.modeling_bloom"
+    monkeypatch.setattr(hooks, "_pending", {FAKE_MODELING: "autopatch: modeling_fake: swiglu (FakeMLP)",
+                                            other: "autopatch: modeling_bloom: cross_entropy"})
+    assert hooks.say_pending_for(torch.nn.Linear(2, 2)) == []  # torch's classes: no modeling module
+    assert hooks.say_pending_for(modeling.FakeModel()) == ["autopatch: modeling_fake: swiglu (FakeMLP)"]
+    assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
+    assert hooks.pending_lines() == {other: "autopatch: modeling_bloom: cross_entropy"}
+    assert hooks.say_pending_for(modeling.FakeModel()) == []  # said once
 
 
 def test_model_types_of(monkeypatch):
