@@ -131,12 +131,12 @@ def make_trainer(kind: str, output_dir: str, callbacks: list):
                           processing_class=tok, callbacks=callbacks)
     if kind == "grpo":
         return trl.GRPOTrainer(model=tiny_model("qwen2"), reward_funcs=reward_w7,
-                               args=trl.GRPOConfig(**args, num_generations=2, max_completion_length=6,
+                               args=trl.GRPOConfig(**args, num_generations=2, max_completion_length=4,
                                                    generation_batch_size=2, use_vllm=False),
                                train_dataset=dataset("grpo"), processing_class=tok, callbacks=callbacks)
     if kind == "distillation":
         return trl.DistillationTrainer(model=tiny_model("qwen2"), teacher_model=tiny_model("qwen2", seed=1),
-                                       args=trl.DistillationConfig(**args, max_completion_length=6, use_vllm=False),
+                                       args=trl.DistillationConfig(**args, max_completion_length=4, use_vllm=False),
                                        train_dataset=dataset("distillation"), processing_class=tok,
                                        callbacks=callbacks)
     raise ValueError(f"unknown trainer kind {kind!r}")
@@ -204,19 +204,27 @@ KINDS = ["sft", "sft_lora", "dpo", "kto", "grpo", "distillation"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_trl_trainer_plain_vs_all_kernels(kind, tmp_path):
-    from autopatch import patching
+    from autopatch import patching, report
 
     patching.restore_all()  # a plain reference whatever ran before in this process
     plain = train(kind, str(tmp_path / "plain"))
     assert plain["launches"] == {}, f"{kind}: the plain run must not touch the kernels: {plain['launches']}"
+    report.reset_runs()
     try:
         patched = train(kind, str(tmp_path / "patched"), patch=True)
+        state = report.run_state()
     finally:
         patching.restore_all()
+        report.reset_runs()
     assert_same_logs(patched["logs"], plain["logs"], f"TRL {kind}, every kernel patched")
     assert_layer_kernels_ran(patched["launches"], f"TRL {kind}")
-    # TRL's own head computes the loss: our fused linear CE is patched but never runs
+    # TRL's own head computes the loss: our fused linear CE is patched but never runs, and the report says why
     assert "fused_linear_cross_entropy_fwd" not in patched["launches"], patched["launches"]
+    bypass = state["bypassed"].get("fused_linear_cross_entropy", "")
+    assert bypass.startswith("TRL's own"), (kind, state)
+    assert state["trained"]["optimizer_steps"] == 2, state
+    assert state["runs"]["fused_linear_cross_entropy"]["calls"] == 0, state
+    assert state["runs"]["rms_norm"]["calls"] > 0, state
 
 
 def _clean_env(**extra) -> dict:
@@ -236,6 +244,37 @@ def test_trl_sft_patched_by_environment_alone_reports_what_ran(tmp_path):
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout}\n{proc.stderr}"
     got = torch.load(out, weights_only=False)
     assert_layer_kernels_ran(got["launches"], "TRL SFT under FUSED_KERNELS=all")
+    data = json.loads(report_file.read_text())
+    runs = data["runs"]
+    assert runs["fused_linear_cross_entropy"]["calls"] == 0, runs
+    assert runs["rms_norm"]["calls"] > 0 and runs["swiglu"]["calls"] > 0, runs
+    assert data["trained"]["optimizer_steps"] == 2, data["trained"]
+    assert data["bypassed"]["fused_linear_cross_entropy"].startswith("TRL's own"), data["bypassed"]
+    assert any(r["kernel"] == "fused_linear_cross_entropy" and r["patched"] for r in data["records"]), data["records"]
+    lines = [ln for ln in proc.stderr.splitlines() if "never ran" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert "fused_linear_cross_entropy" in lines[0] and "TRL's own" in lines[0], lines[0]
+
+
+def test_trl_sft_strict_mode_stops_on_the_bypass(tmp_path, monkeypatch):
+    """AUTOPATCH_STRICT treats a patched loss that TRL's head passes over like a kernel left alone: the
+    first training step stops with the override named."""
+    from autopatch import patching, report
+
+    report.reset_runs()
+    monkeypatch.setenv("AUTOPATCH_STRICT", "1")  # apply() reads it
+    try:
+        with pytest.raises(report.StrictModeError) as err:
+            train("sft", str(tmp_path / "strict"), patch=True)
+        assert report.exit_verdict() is None, "the exception said it; the exit check stays quiet"
+    finally:
+        report.set_strict(False)
+        patching.restore_all()
+        report.reset_runs()
+    message = str(err.value)
+    assert message.startswith("AUTOPATCH_STRICT: fused_linear_cross_entropy is patched on Qwen2ForCausalLM"), message
+    assert "TRL's own fused LM head" in message, message
+    assert "AUTOPATCH_MODELS__qwen2__FUSED_LINEAR_CROSS_ENTROPY=false" in message, message
 
 
 def main(argv: list[str]) -> int:

@@ -275,8 +275,11 @@ def make_forward(original_forward, patch: LossPatch):
         else:
             labels = None
         call = None
-        if patch.fused_linear and labels is not None and self.training and torch.is_grad_enabled():
-            call = _start_fused_call(self, patch)
+        if labels is not None and self.training and torch.is_grad_enabled():
+            if not torch.compiler.is_compiling():
+                report.count_training_call()
+            if patch.fused_linear:
+                call = _start_fused_call(self, patch)
         if call is None:
             return original_forward(self, *args, **kwargs)
         setattr(self, CALL_ATTR, call)
@@ -288,7 +291,66 @@ def make_forward(original_forward, patch: LossPatch):
             call.close()
 
     forward.__autopatch_original__ = original_forward
+    _WRAPPER_CODES.add(forward.__code__)
     return forward
+
+
+# --------------------------------------------------------------------------- callers that pass the patch over
+# TRL 1.16's trainers never call the patched forward in training: `add_fused_lm_head` replaces the
+# instance's forward by one that runs the backbone and TRL's own chunked head over
+# `self.get_output_embeddings()` (and distillation projects through `get_output_embeddings()` itself).
+# The lm_head property sees that read: in training, with grad, outside a patched forward call. The
+# first few such reads per class look up the stack for the first caller that is not torch,
+# transformers, accelerate, peft or autopatch, and report it (report.note_bypass).
+_WRAPPER_CODES: set = set()
+_SKIPPED_CALLERS = ("torch", "transformers", "accelerate", "peft", "autopatch", "deepspeed")
+_LOOKS_PER_CLASS = 4
+_looks: dict[type, int] = {}
+report._on_reset.append(_looks.clear)
+# modules of TRL whose head is certain to pass ours over on every call -> what to say
+_TRL_HEADS = {
+    "trl.trainer.utils": "TRL's own fused LM head computed the loss (trl add_fused_lm_head: the trainer calls "
+                         "model(..., fused_lm_head=True), which runs the backbone and TRL's chunked head, not the "
+                         "model's forward)",
+}
+
+
+def _outside_caller():
+    """(module, function) of the first frame above the lm_head read that is not one of
+    _SKIPPED_CALLERS, or None when the read comes from a patched forward (its own code)."""
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in _WRAPPER_CODES:
+            return None
+        module = frame.f_globals.get("__name__", "")
+        if module.partition(".")[0] not in _SKIPPED_CALLERS:
+            return module, frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def _look_for_bypass(model) -> None:
+    cls = type(model)
+    seen = _looks.get(cls, 0)
+    if seen >= _LOOKS_PER_CLASS:
+        return
+    _looks[cls] = seen + 1
+    caller = _outside_caller()
+    if caller is None:
+        return
+    module, function = caller
+    model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+    if module in _TRL_HEADS:
+        why, certain = _TRL_HEADS[module], True
+    elif module.partition(".")[0] == "trl":
+        why, certain = (f"TRL's own head computed the loss ({module}.{function} projects the hidden states "
+                        "through get_output_embeddings() itself)"), True
+    else:
+        why, certain = f"{module}.{function} read lm_head in training outside the model's forward", False
+    _looks[cls] = _LOOKS_PER_CLASS  # one report per class
+    report.note_bypass("fused_linear_cross_entropy", cls.__name__, why, model_type, certain=certain)
 
 
 def _start_fused_call(model, patch: LossPatch):
@@ -387,6 +449,9 @@ def make_lm_head_property():
         call = getattr(self, CALL_ATTR)
         if call is not None:
             return call.lm_head_stand_in
+        if (_looks.get(type(self), 0) < _LOOKS_PER_CLASS and not torch.compiler.is_compiling()
+                and self.training and torch.is_grad_enabled()):
+            _look_for_bypass(self)
         modules = self.__dict__.get("_modules")
         if modules is not None and "lm_head" in modules:
             return modules["lm_head"]

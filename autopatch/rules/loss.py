@@ -95,6 +95,15 @@ def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
     return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=True, variant=variant)]
 
 
+def _watch_runs() -> None:
+    """A loss is patched: count optimizer steps and, at exit, say so if it never ran in a process that
+    trained (autopatch.report.exit_verdict)."""
+    from autopatch import report
+
+    report.watch_training()
+    report.check_at_exit()
+
+
 def _causal_lm_classes(module: ModuleType) -> list[type]:
     from transformers.modeling_utils import PreTrainedModel
 
@@ -174,9 +183,11 @@ def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
     patching.replace(cls, "loss_function", runtime.make_loss_function_property(patch))
     if kernel == CE:
         patch.cross_entropy = True
+        _watch_runs()
         return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
                       variant="ForCausalLMLoss -> fused_kernels.cross_entropy")
     patch.fused_linear = True
+    _watch_runs()
     runtime.return_logits_mode()  # read the setting now, eagerly, not first inside a compiled forward
     patching.replace(cls, "lm_head", runtime.make_lm_head_property())
     patching.replace(cls, "forward", runtime.make_forward(forward, patch))
