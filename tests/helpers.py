@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-# Relative-error bounds by the dtype of the kernel's inputs (DESIGN.md "How we know it is right").
+# Relative-error bounds by the dtype of the kernel's inputs, against float64 references (docs/architecture.md).
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float64: 1e-12}
 
 

@@ -46,7 +46,7 @@ def test_tune_cross_entropy_smoke(tmp_path):
 
 
 def test_bench_modes_filter(tmp_path):
-    """--modes fwdbwd: only the mode issue 6's tables compare is measured."""
+    """--modes fwdbwd: only that mode (forward + backward, the one the comparison tables use) is measured."""
     out = tmp_path / "bench.json"
     proc = _run(["scripts/bench.py", "--device", "cpu", "--tiny", "--parts", "kernels", "--only", "rms_norm",
                  "--peers", "ours", "--modes", "fwdbwd", "--out", str(out)], tmp_path)

@@ -29,9 +29,13 @@ pytestmark = pytest.mark.slow
 
 
 def clean_env(**extra) -> dict:
+    """This environment without any autopatch variable, TRITON_INTERPRET=1, and this checkout on
+    PYTHONPATH (so the workers import the autopatch under test, wherever the environment's editable
+    install points); `extra` last, a PYTHONPATH there replacing ours."""
     env = {k: v for k, v in os.environ.items()
            if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_") and k != "PYTHONPATH"}
     env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = str(REPO)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

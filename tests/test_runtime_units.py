@@ -1,6 +1,7 @@
-"""In-process units of the runtime: the report (stderr line, strict refusals, table, JSON), apply()'s
-keywords and module discovery, and the hooks' module listing and model-type lookup. Rules are
-replaced by a fake one where the point is the plumbing, not the detection."""
+"""In-process units of the runtime: the report (stderr line, strict refusals, table, JSON, notices
+under a progress bar), apply()'s keywords and module discovery, and the hooks' module names,
+model-type lookup and waiting summary lines. Rules are replaced by a fake one where the point is the
+plumbing, not the detection."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPU checks of the training stack (run by the lead on the H200 through scripts/gpu_check.sh).
+"""GPU checks of the training stack (run on a CUDA GPU, e.g. an H200, through scripts/gpu_check.sh).
 
   - Convergence: a small Llama trained 200 AdamW steps (warm-up 20 steps, cosine decay, gradient
     clipping at 1.0: see LR below) on learnable synthetic data (made here: token t
@@ -50,7 +50,7 @@ TOLERANCE = {  # precision -> (atol, rtol) per step, relative bound for paramete
 # 1.0). With a constant lr 1e-3, no warm-up and no clipping, the loss spiked near step 35 and two fp32
 # runs of the *plain* model whose initial weights differ by 1e-6 (relative) were 1.1e-2 apart there; with
 # this schedule the same two runs stay within 1.7e-5 for all 200 steps (CPU: scripts/schedule_sensitivity.py,
-# benchmarks/session2/schedule_sensitivity.txt). Equality tests need a schedule on which rounding does not explode.
+# which prints the largest per-step difference per schedule). Equality tests need a schedule on which rounding does not explode.
 LR, WARMUP, CLIP = 1e-3, 20, 1.0
 
 
