@@ -19,6 +19,8 @@ Variables (process environment, or lines of an env file):
                                           in training with the fused linear cross entropy, also return
                                           the logits (no grad; tokens x vocab memory): true, false, or
                                           auto = when `trl` is loaded (its SFTTrainer reads them)
+    FUSED_KERNELS_FLCE_CHUNK_MB=252       MiB of logits the fused linear cross entropy computes at a
+                                          time (a positive whole number; default 252)
 
 Sources, strongest first: `autopatch run` flags (init keywords here), the process environment, the
 env file, the defaults (nothing on). Sources merge per variable, then the kernel set is computed:
@@ -56,6 +58,7 @@ SCALAR_VARIABLES: dict[str, str] = {
     "AUTOPATCH_REPORT": "report",
     "AUTOPATCH_STRICT": "strict",
     "AUTOPATCH_RETURN_LOGITS": "return_logits",
+    "FUSED_KERNELS_FLCE_CHUNK_MB": "flce_chunk_mb",
 }
 RETURN_LOGITS_CHOICES = ("auto", "true", "false")
 # Variables an env file may not set: they choose the file, or belong to `autopatch run`.
@@ -172,7 +175,7 @@ def key_for_variable(name: str) -> tuple:
 
 
 def is_autopatch_variable(name: str) -> bool:
-    return name == "FUSED_KERNELS" or name.startswith(PREFIX)
+    return name in SCALAR_VARIABLES or name.startswith(PREFIX)
 
 
 def _put(tree: dict, key: tuple, value) -> None:
@@ -341,6 +344,7 @@ class Settings(BaseSettings):
     report: str | None = None  # AUTOPATCH_REPORT
     strict: bool = False  # AUTOPATCH_STRICT
     return_logits: str = "auto"  # AUTOPATCH_RETURN_LOGITS
+    flce_chunk_mb: int | None = None  # FUSED_KERNELS_FLCE_CHUNK_MB; None: the kernel's default
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -426,6 +430,19 @@ class Settings(BaseSettings):
         except ValueError:
             raise _BadValue(("return_logits",), f"expected auto, true or false, got {value!r}") from None
 
+    @field_validator("flce_chunk_mb", mode="before")
+    @classmethod
+    def _flce_chunk_mb(cls, value):
+        if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        text = str(value).strip()
+        if not text:
+            return None
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+        raise _BadValue(("flce_chunk_mb",), f"expected a positive whole number of MiB for the fused linear cross "
+                                            f"entropy's logits chunk, e.g. 128 (default 252), got {value!r}")
+
     @field_validator("report", mode="before")
     @classmethod
     def _report(cls, value):
@@ -482,6 +499,7 @@ class Settings(BaseSettings):
             "report": self.report,
             "strict": self.strict,
             "return_logits": self.return_logits,
+            "flce_chunk_mb": self.flce_chunk_mb,
         }
 
 

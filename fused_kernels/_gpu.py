@@ -11,6 +11,7 @@ imports everywhere, and the Gluon names below exist only where `gluon_available(
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -94,6 +95,37 @@ def smem_per_sm(device_or_index) -> int:
 def gluon_available() -> bool:
     """Gluon importable and real kernels (not the interpreter): where the Gluon kernels can run at all."""
     return gluon is not None and not interpreter_on()
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What an op's plan() needs to know of a device: whether it is a CUDA GPU, its SMs, compute
+    capability and shared memory per SM, and whether the Gluon kernels can run there (Gluon importable,
+    real kernels, CUDA rather than ROCm). A plan can be asked for a device it is not running on by
+    building one by hand (tests: an H200 is DeviceFacts(True, 132, (9, 0), 233472, True))."""
+
+    cuda: bool
+    sm_count: int
+    capability: tuple[int, int] = (0, 0)
+    smem_per_sm: int = 0
+    gluon: bool = False
+
+
+OFF_GPU = DeviceFacts(cuda=False, sm_count=OFF_GPU_SM_COUNT)  # the CPU (interpreter): no Gluon, no shared memory
+
+
+@functools.lru_cache(maxsize=None)
+def _facts_of(index: int) -> DeviceFacts:
+    return DeviceFacts(cuda=True, sm_count=_sm_count_of(index), capability=_capability_of(index),
+                       smem_per_sm=_smem_per_sm_of(index), gluon=gluon_available() and torch.version.hip is None)
+
+
+def device_facts(device) -> DeviceFacts:
+    """DeviceFacts of a torch.device (looked up once per GPU); OFF_GPU for anything but a CUDA device."""
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type != "cuda":
+        return OFF_GPU
+    return _facts_of(device_index(device))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,28 +31,30 @@ rows pid, pid + P, ... A row of at most BLOCK classes is held whole in registers
 once). A longer row is swept twice in BLOCK-wide blocks: first the online max / sum-exp in fp32 (plus
 z_y, Σz for label smoothing, the softcap tanh), then the gradient (softmax − onehot)·scale. The second
 read of a ≤ 512 KB row comes from L2 when rows in flight × row bytes stay well under the 50 MB L2,
-which is what the persistent grid and the L2 eviction hints are for. Bytes moved, 8192 × 128256
-bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from L2 or HBM):
-floor 0.99 ms at 4.25 TB/s. Without the gradient: one read, half that.
+which is what the one-program-per-SM-at-a-time shapes and the L2 eviction hints are for. Bytes moved,
+8192 × 128256 bf16 with the gradient: read 2.10 GB + write 2.10 GB from HBM (+ the second read, from
+L2 or HBM). Without the gradient: one read, half that.
 
-On a GPU, rows of 8193 to 262144 16-bit classes are instead held in shared memory by the Gluon kernel of
-fused_kernels/cross_entropy_smem.py (read from HBM once, 20–35 % faster; SMEM_TABLE; rows of 65536
-classes and more split over a thread-block cluster of 2 or 8 SMs, Hopper and later), when the tensors
-allow it;
-this module's Triton kernel is the path everywhere else, and the CPU's.
-
-Launch shapes come from LAUNCH_TABLE, keyed on V (first row whose bound is >= V); each entry is a
-LaunchConfig (block, warps, programs per SM, pipelining stages of the block loops, L2 hints).
-scripts/tune_cross_entropy.py times the candidates on the GPU and prints table rows to paste here.
-`_CONFIG["force"]` overrides the table (tests, the tune script); `_CONFIG["sm_count"]` stands in for
-the SM count (the CPU interpreter has none: there the grid is one program per row unless it is set).
+Paths (`plan()` decides; `Plan.path`):
+  - "smem", "smem-split", "smem-registers": the Gluon kernel of fused_kernels/cross_entropy_smem.py,
+    which holds each row in shared memory (read from HBM once): unsplit, split over a thread-block
+    cluster of 2-8 CTAs (Hopper and later), or with the first chunks of each CTA's share in registers.
+    They run on a CUDA GPU with Gluon for 16-bit logits and gradient with 16-byte aligned rows, the
+    gradient wanted, SMEM_FROM <= V <= 262144, when an SMEM_TABLE shape fits the SM (and, split, the
+    rows give each cluster >= SPLIT_MIN_ROWS_PER_CLUSTER of them).
+  - "triton": this module's kernel with LAUNCH_TABLE's shape: everywhere else, and on the CPU.
+A smem path whose first build fails with the installed Triton is turned off for the process
+(fused_kernels._dispatch, one warning) and the call planned again: the next shape computes the same
+numbers. `_CONFIG["force"]` forces one LaunchConfig (tests, scripts/tune_cross_entropy.py);
+`_CONFIG["sm_count"]` stands in for the SM count (the CPU interpreter has none: there the grid is one
+program per row unless it is set); `_CONFIG["device"]` stands in for the device's facts (tests).
 
 The kernel takes the gradient buffer separately from the logits; fused_linear_cross_entropy passes
 the same tensor for both (gradient written in place over its logits chunk): a row belongs to one
 program, which reads z_y before it writes anything and reads every block before it overwrites it.
 
 Around the kernel, two one-program kernels keep the host path short (each small torch op costs
-more CPU time than a 0.1–0.4 ms loss leaves): a prologue writes the gradient coefficient (counting the
+CPU time the loss's GPU work does not hide): a prologue writes the gradient coefficient (counting the
 non-ignored rows for "mean") and clears the flag; an epilogue sums the rows' losses times the
 coefficient into the 0-d loss and turns the flag into the value the check reads. Out-of-range targets
 are flagged by the kernel (and treated as ignored there); the forward checks the flag at its end: a
@@ -70,7 +72,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._gpu import device_guard, sm_count
+from fused_kernels import _dispatch
+from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
@@ -94,13 +98,12 @@ class LaunchConfig(NamedTuple):
     in_registers: int = 0  # smem: chunks of each CTA's share held in registers (ptxas capped so per_sm fit)
 
 
-# (largest V, config). The rows for V > 8192 are scripts/tune_cross_entropy.py's winners on the H200
-# (benchmarks/h200-2026-11-30-tune-cross-entropy.txt: forward writing the gradient, 8192 rows bf16).
-# V = 32000: 8192-class blocks, 8 warps, 2-stage pipelined sweeps, 0.377 ms (67 % of the floor);
-# V = 128256 / 262144: 32768-class blocks with 32 warps, one program per row (one per SM at a time:
-# ~132 rows of 256-512 KB in flight, so the second sweep reads from L2), and the L2 hints (first
-# sweep evict_last, second sweep and stores evict_first): 1.325 / 2.878 ms, 76 % / 72 % of the floor,
-# against 1.75 / 3.60 ms for the 16384 x 32 shape used before.
+# (largest V, config): the Triton kernel's shape, the first row whose bound is >= V. The rows for
+# V > 8192 are scripts/tune_cross_entropy.py's winners on the H200 (forward writing the gradient, 8192
+# rows bf16). V <= 65536: 8192-class blocks, 8 warps, 2-stage pipelined sweeps; longer rows: 32768-class
+# blocks with 32 warps, one program per row (one per SM at a time: ~132 rows of 256-512 KB in flight,
+# so the second sweep reads from L2), and the L2 hints (first sweep evict_last, second sweep and stores
+# evict_first).
 LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (2048, LaunchConfig(block=2048, warps=4, per_sm=0)),
     (8192, LaunchConfig(block=8192, warps=8, per_sm=0)),
@@ -109,30 +112,23 @@ LAUNCH_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (math.inf, LaunchConfig(block=32768, warps=32, per_sm=0, stages=1, l2_hints=True)),
 )
 
-# Tried before LAUNCH_TABLE when the row can live in shared memory (cross_entropy_smem: CUDA, 16-bit,
-# aligned, the gradient wanted) and `per_sm` row buffers fit an SM; the first row whose bound is >= V
-# and that fits wins. H200 (benchmarks/session8/exp_ce_smem*.txt, 8192 rows bf16): V = 32000 0.302 ms
-# (table 0.375, copy 0.255), 16384 0.164 (0.188), 50304 0.466 (0.606, 2 per SM), 65536 0.73 (0.81, 1
-# per SM of 32 warps). On an A100 (164 KB per SM) V = 32000 falls to the 2-per-SM row.
-# Longer rows are split over a cluster of 2, 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the
-# row; the CTAs exchange their partial max / Σ exp through global memory and one cluster barrier per row
-# (benchmarks/session9/exp_ce_library.txt, no ignored rows; table = LAUNCH_TABLE's kernel): V = 65536
-# 0.643 ms (1 per SM unsplit 0.740, table 0.817, copy 0.511), 128256 1.273 (table 1.508, copy 0.998),
-# 151936 1.568 (3 per SM 1.694, table 1.800, copy 1.166), 262144 2.654 (table 3.191, copy 2.012).
-# Without clusters (before Hopper) V = 65536 takes the unsplit row and longer rows the Triton kernel.
-# Rows with in_registers hold the first chunks of each CTA's share in registers and cap ptxas's registers
-# (maxnreg) so that per_sm CTAs fit: more rows in flight per SM (benchmarks/session13, 8192 rows, ms, %
-# of a copy of the logits; before = the shape without registers): V = 32000 0.282 (0.284), 65536 0.573
-# (0.597), 128256 1.115-1.126 (1.239, 88 %), 151936 1.312 (1.521, 89 %; 7 per SM), 201088 1.782 (1.933;
-# 5 per SM), 256000 2.281 (2.503), 262144 2.321-2.344 (2.588, 86 %). The shapes without registers stay
-# as fallbacks (fewer rows than the register shape's clusters want, or a Triton that cannot build them).
+# Tried before LAUNCH_TABLE when the rows may live in shared memory (plan(): CUDA, Gluon, 16-bit,
+# aligned, the gradient wanted): the first row whose bound is >= V and whose shape runs here
+# (shape_refusal: per_sm CTAs' row buffers fit an SM, clusters on sm_90+, enough rows per cluster, the
+# shape's path not turned off) wins. Rows up to 57344 classes stay in one CTA (4, 3 or 2 per SM as shared
+# memory allows: an A100's 164 KB takes V = 32000 at 2 per SM). Longer rows are split over a cluster of
+# 2, 4 or 8 CTAs on as many SMs, each CTA holding <= 64 KB of the row; the CTAs exchange their partial
+# max / Σ exp through global memory and one cluster barrier per row. Without clusters (before Hopper)
+# V = 65536 takes the unsplit 32-warp row and longer rows the Triton kernel. Rows with in_registers hold
+# the first chunks of each CTA's share in registers and cap ptxas's registers (maxnreg) so that per_sm
+# CTAs fit: more rows in flight per SM. For each V the shapes without registers follow as fallbacks
+# (fewer rows than the register shape's clusters want, or a Triton that cannot build them).
 # Rows of at most SMEM_FROM - 1 classes stay with the Triton kernel, which holds them whole in registers
-# (one read already; the shared-memory kernel was measured from V = 16384 up).
+# (one read already).
 SMEM_FROM = 8193
-# A split row's cluster pays off over many rows only: at fused_linear_cross_entropy's 640-1024-row chunks
-# (7-10 rows per cluster, the first row's load never overlapped) it was slower than the Triton kernel
-# (benchmarks/session9/exp_ce_chunk_spread.txt: 640 x 151936 0.169 vs 0.153 ms median, 768 x 128256
-# 0.162 vs 0.151; at 8192 rows 1.506 vs 1.825). Split rows are used from this many rows per cluster.
+# A split row's cluster pays off over many rows only: with few rows per cluster (a
+# fused_linear_cross_entropy chunk of 640-1024 rows gives 7-10) the first row's load is never
+# overlapped and the Triton kernel is faster. Split rows are used from this many rows per cluster.
 SPLIT_MIN_ROWS_PER_CLUSTER = 16
 SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (36864, LaunchConfig(block=2048, warps=8, per_sm=4, smem=True, in_registers=4)),
@@ -151,9 +147,12 @@ SMEM_TABLE: tuple[tuple[float, LaunchConfig], ...] = (
     (262144, LaunchConfig(block=2048, warps=8, per_sm=3, smem=True, ctas=8)),
 )
 
+OP = "cross_entropy"  # the op's name in fused_kernels._dispatch
+
 _CONFIG = {
     "force": None,  # a LaunchConfig used for every V instead of the table (tests, tuning)
     "sm_count": None,  # stands in for the device's SM count (tests: persistent grids on the CPU)
+    "device": None,  # DeviceFacts standing in for the logits' device in plan_for (tests)
     "poison": False,  # tests: fill every fresh output buffer with NaN before the kernels run
     "on_buffer": None,  # tests: called with every buffer new_buffer returns (to follow the gradient)
 }
@@ -169,7 +168,7 @@ def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.co
     e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp).
     Per class one exp and one division: the capped kernels are bound by the GPU's special-function
     units (exp2, reciprocal), so x / softcap is a multiply by the scalar 1 / softcap (two units
-    per class instead of three; benchmarks/session13)."""
+    per class instead of three)."""
     z = x.to(tl.float32)
     if HAS_SCALE:
         z = z * logit_scale
@@ -416,13 +415,26 @@ def new_buffer(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
-def _sm_count(device: torch.device) -> Optional[int]:
-    """SMs the grid is sized for: the forced count, else the GPU's; None off the GPU (one program per row)."""
+def _grid_sms(facts: DeviceFacts) -> Optional[int]:
+    """SMs a persistent grid is sized for: the forced count (_CONFIG["sm_count"]), else the GPU's; None
+    off the GPU, where the grid is one program per row."""
     if _CONFIG["sm_count"]:
         return int(_CONFIG["sm_count"])
-    if device.type != "cuda":
-        return None
-    return sm_count(device)
+    return facts.sm_count if facts.cuda else None
+
+
+def _programs(cfg: LaunchConfig, n_rows: int, sms: Optional[int]) -> int:
+    if cfg.per_sm <= 0 or sms is None:
+        return n_rows
+    return max(1, min(n_rows, int(round(cfg.per_sm * sms)) // cfg.ctas))
+
+
+def grid_programs(cfg: LaunchConfig, n_rows: int, device) -> int:
+    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows); a
+    cluster of cfg.ctas CTAs (a split row) counts as one program. `device`: a torch.device or the
+    DeviceFacts of one."""
+    facts = device if isinstance(device, DeviceFacts) else device_facts(device)
+    return _programs(cfg, n_rows, _grid_sms(facts))
 
 
 def launch_config(v: int, smem_fits=None) -> LaunchConfig:
@@ -441,102 +453,165 @@ def launch_config(v: int, smem_fits=None) -> LaunchConfig:
     return LAUNCH_TABLE[-1][1]
 
 
-def grid_programs(cfg: LaunchConfig, n_rows: int, device: torch.device) -> int:
-    """Programs launched for n_rows rows: one per row, or per_sm per SM (never more than the rows); a
-    cluster of cfg.ctas CTAs (a split row) counts as one program."""
-    sms = _sm_count(device)
-    if cfg.per_sm <= 0 or sms is None:
-        return n_rows
-    return max(1, min(n_rows, int(round(cfg.per_sm * sms)) // cfg.ctas))
+def path_of(cfg: LaunchConfig) -> str:
+    """The path a launch shape belongs to (see the module docstring): "smem-registers" (chunks in
+    registers, split or not), "smem-split" (a row over a cluster), "smem" or "triton"."""
+    if not cfg.smem:
+        return "triton"
+    if cfg.in_registers:
+        return "smem-registers"
+    return "smem-split" if cfg.ctas > 1 else "smem"
 
 
-_SMEM_MODULE: list = []
-_SMEM_LAUNCHED: set = set()  # (V, dtype, options) the shared-memory kernel has compiled and run for
-_SPLIT_FAILED: list = []  # non-empty once a row split over a cluster failed to build: split rows are off
-_REGISTERS_FAILED: list = []  # non-empty once a shape holding chunks in registers failed: those shapes are off
+# What runs instead once a path is turned off (the warning says it): each smem path needs "smem" on,
+# and a split row (registers or not) needs "smem-split" on.
+_INSTEAD = {
+    "smem": "the Triton kernel for every vocabulary size",
+    "smem-split": "not splitting rows",
+    "smem-registers": "shapes not holding chunks in registers",
+}
+
+
+def shape_refusal(cfg: LaunchConfig, n_rows: int, v: int, element_size: int, facts: DeviceFacts) -> Optional[str]:
+    """Why SMEM_TABLE's shape cfg cannot run for n_rows rows of v classes on a device with these facts,
+    or None when it can: its paths are on (_dispatch.path_on), a split row has thread-block clusters
+    (compute capability >= 9.0) of at most 8 CTAs and >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster,
+    the chunks in registers are allowed, and per_sm CTAs' row buffers fit one SM's shared memory."""
+    from fused_kernels import cross_entropy_smem as smem
+
+    path = path_of(cfg)
+    if not _dispatch.path_on(OP, path):
+        return f"{path} turned off"
+    if cfg.ctas > 1:
+        if not _dispatch.path_on(OP, "smem-split"):
+            return "smem-split turned off"
+        if cfg.ctas > 8 or facts.capability < (9, 0):
+            return f"a cluster of {cfg.ctas} CTAs needs compute capability >= 9.0, got {facts.capability}"
+        clusters = _programs(cfg, n_rows, _grid_sms(facts))
+        if n_rows < SPLIT_MIN_ROWS_PER_CLUSTER * clusters:
+            return f"{n_rows} rows < {SPLIT_MIN_ROWS_PER_CLUSTER} per cluster for {clusters} clusters"
+    if not smem.registers_allowed(v, cfg.warps, cfg.ctas, cfg.in_registers):
+        return f"{cfg.in_registers} chunks in registers not allowed at V = {v}"
+    held = smem.programs_that_fit(v, cfg.warps, element_size, facts.smem_per_sm, cfg.ctas, cfg.in_registers)
+    if held < cfg.per_sm:
+        return f"{held} CTAs' row buffers fit {facts.smem_per_sm} B per SM, {cfg.per_sm} wanted"
+    return None
+
+
+def _describe(cfg: LaunchConfig) -> str:
+    if not cfg.smem:
+        return f"block {cfg.block}, {cfg.warps} warps, " + (f"{cfg.per_sm} per SM" if cfg.per_sm else "a program per row")
+    return (f"{cfg.warps} warps, {cfg.per_sm} CTAs per SM, {cfg.ctas} CTA(s) per row, "
+            f"{cfg.in_registers} chunks in registers")
+
+
+def _smem_refusal(n_rows: int, dtype: torch.dtype, grad_dtype, aligned: bool,
+                  facts: DeviceFacts) -> Optional[str]:
+    """Why rows of these logits cannot live in shared memory at all, or None (SMEM_TABLE then decides)."""
+    if grad_dtype is None:
+        return "no gradient wanted (the Triton kernel reads each row once anyway)"
+    if not facts.gluon:
+        return "no Gluon kernels here (not a CUDA GPU, the interpreter, or no Gluon in this Triton)"
+    if not _dispatch.path_on(OP, "smem"):
+        return "smem turned off"
+    if dtype.itemsize != 2 or grad_dtype != dtype:
+        return f"{dtype} logits with a {grad_dtype} gradient: the row in shared memory takes 16-bit logits and gradient"
+    if n_rows == 0:
+        return "no rows"
+    if not aligned:
+        return "rows not 16-byte aligned (row strides a multiple of 16 elements, 16-byte aligned bases)"
+    if facts.capability < (8, 0):
+        return f"compute capability {facts.capability} < 8.0 (cp.async)"
+    return None
+
+
+def plan(n_rows: int, v: int, dtype: torch.dtype, *, grad_dtype: Optional[torch.dtype] = None, aligned: bool = True,
+         device: DeviceFacts) -> Plan:
+    """Which kernel runs cross entropy over n_rows rows of v classes of `dtype` logits (grad_dtype: the
+    gradient's, None when no gradient is written; aligned: the logits' and gradient's rows are 16-byte
+    aligned with strides a multiple of 16 elements) on a device with these facts, with what launch shape
+    (a LaunchConfig) and why.
+
+    Paths: "smem" (the row held in shared memory by one CTA), "smem-split" (a row split over a cluster
+    of CTAs), "smem-registers" (either, with the first chunks of each CTA's share held in registers) —
+    all cross_entropy_smem — and "triton" (this module's kernel, LAUNCH_TABLE's shape). The smem paths
+    are tried first when the rows may live in shared memory (_smem_refusal): SMEM_TABLE's first row whose
+    bound is >= V and that runs here (shape_refusal); the reason lists the rows skipped and why.
+    On an H200 (DeviceFacts(True, 132, (9, 0), 233472, True)), 8192 rows with a bf16 gradient:
+    V = 32000 -> smem-registers, one CTA per row (8 warps, 4 per SM, 4 chunks in registers); 50304 ->
+    smem (2 per SM); 128256 -> smem-registers over a cluster of 8 (4 warps, 8 per SM, 3 in registers),
+    which wants 16 rows for each of its 132 clusters: at 2111 rows smem-split over 4 CTAs instead, at
+    768 (a fused_linear_cross_entropy chunk) triton; 262144 -> smem-registers over 8 (8 warps, 4 per
+    SM, 3 in registers). An A100 (sm_80, 167936 B per SM): V = 32000 smem at 2 per SM, 65536 the
+    unsplit 32-warp row, longer rows triton. fp32 logits, no gradient, V <= 8192 or V > 262144: triton.
+    `_CONFIG["force"]` forces one shape (a smem one raises where the rows cannot live in shared memory)."""
+    forced = _CONFIG["force"]
+    refusal = _smem_refusal(n_rows, dtype, grad_dtype, aligned, device)
+    if forced is not None:
+        if forced.smem and refusal is not None:
+            raise RuntimeError(
+                f"cross_entropy: launch shape {forced} holds rows in shared memory, which needs a CUDA GPU of "
+                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
+                f"strides a multiple of 16; here: {refusal}")
+        return Plan(path_of(forced), forced, "forced (_CONFIG['force'])")
+    if refusal is None and v < SMEM_FROM:
+        refusal = f"V = {v} < SMEM_FROM = {SMEM_FROM}: the Triton kernel holds the row whole in registers"
+    if refusal is None:
+        skipped = []
+        for bound, cfg in SMEM_TABLE:
+            if v > bound:
+                continue
+            why = shape_refusal(cfg, n_rows, v, dtype.itemsize, device)
+            if why is None:
+                skip = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+                return Plan(path_of(cfg), cfg, f"V = {v} <= {bound}: SMEM_TABLE's first shape that runs here, "
+                                               f"{_describe(cfg)}{skip}")
+            skipped.append(f"{_describe(cfg)}: {why}")
+        refusal = ("no SMEM_TABLE shape runs here: " + "; ".join(skipped)) if skipped else \
+            f"V = {v} > {SMEM_TABLE[-1][0]}, SMEM_TABLE's last bound"
+    cfg = launch_config(v)
+    return Plan("triton", cfg, f"LAUNCH_TABLE's shape for V = {v} ({_describe(cfg)}): {refusal}")
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _facts(x: torch.Tensor) -> DeviceFacts:
+    return _CONFIG["device"] or device_facts(x.device)
+
+
+def plan_for(x: torch.Tensor, grad: Optional[torch.Tensor], facts: Optional[DeviceFacts] = None) -> Plan:
+    """plan() for logits x (N, V) and the gradient buffer grad (None: no gradient) on x's device (facts:
+    its DeviceFacts; default that of x's device, or _CONFIG["device"] standing in for it: tests)."""
+    facts = facts or _facts(x)
+    aligned = _aligned(x) and (grad is None or _aligned(grad))
+    return plan(x.shape[0], x.shape[1], x.dtype, grad_dtype=None if grad is None else grad.dtype, aligned=aligned,
+                device=facts)
+
+
+_PLANS: dict = {}  # plan_for's answers by everything plan() reads, so that a training step plans once per shape
+_SMEM_PATHS = ("smem", "smem-split", "smem-registers")
+
+
+def _planned(x: torch.Tensor, grad: Optional[torch.Tensor], facts: DeviceFacts) -> Plan:
+    """plan_for(x, grad, facts), remembered: the key holds the inputs, the knobs and the paths' state."""
+    key = (x.shape[0], x.shape[1], x.dtype, None if grad is None else grad.dtype,
+           _aligned(x) and (grad is None or _aligned(grad)), facts, _CONFIG["force"], _CONFIG["sm_count"],
+           SMEM_FROM, SPLIT_MIN_ROWS_PER_CLUSTER, tuple(_dispatch.path_on(OP, p) for p in _SMEM_PATHS))
+    got = _PLANS.get(key)
+    if got is None:
+        if len(_PLANS) > 1024:
+            _PLANS.clear()
+        got = _PLANS[key] = plan_for(x, grad, facts)
+    return got
 
 
 def _smem_module():
-    """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's helpers), or
-    None where it cannot run here (no Gluon, the interpreter, or it failed to build: _smem_failed)."""
-    if not _SMEM_MODULE:
-        if _INTERPRETED:  # no Gluon under the interpreter: do not even import it (Triton's compiler bindings)
-            _SMEM_MODULE.append(None)
-        else:
-            from fused_kernels import cross_entropy_smem
+    """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's Triton helpers)."""
+    from fused_kernels import cross_entropy_smem
 
-            _SMEM_MODULE.append(cross_entropy_smem if cross_entropy_smem.available() else None)
-    return _SMEM_MODULE[0]
-
-
-def _smem_failed(exc: Exception, cfg: LaunchConfig) -> None:
-    """Gluon is an experimental API that changes between Triton releases: when the kernel does not build
-    with this Triton, say so once and stop using what failed instead of failing the user's loss. A row
-    split over a cluster that fails turns split rows off (the unsplit shared-memory rows stay); an
-    unsplit one turns the shared-memory kernel off (the Triton kernel then serves every V: same numbers,
-    ~20 % slower)."""
-    import warnings
-
-    if cfg.in_registers:
-        what, instead, off = "with chunks of each row in registers ", "not holding chunks in registers", _REGISTERS_FAILED
-    elif cfg.ctas > 1:
-        what, instead, off = "rows split over a cluster of CTAs ", "not splitting rows", _SPLIT_FAILED
-    else:
-        what, instead, off = "", "using the Triton kernel for every vocabulary size", None
-    warnings.warn(
-        f"fused_kernels.cross_entropy: the shared-memory kernel (cross_entropy_smem.py) did not build or launch "
-        f"{what}with triton {triton.__version__} ({type(exc).__name__}: {str(exc)[:300]}); {instead} from now on",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    if off is not None:
-        off.append(cfg)
-    else:
-        _SMEM_MODULE[:] = [None]
-
-
-def smem_shape_fits(smem, x: torch.Tensor, cfg: LaunchConfig) -> bool:
-    """Whether SMEM_TABLE's shape cfg can run for logits x here (smem.fits) and, for a row split over a
-    cluster, whether x has enough rows for the clusters to pay off (SPLIT_MIN_ROWS_PER_CLUSTER)."""
-    n, v = x.shape
-    if cfg.ctas > 1 and (_SPLIT_FAILED or n < SPLIT_MIN_ROWS_PER_CLUSTER * grid_programs(cfg, n, x.device)):
-        return False
-    if cfg.in_registers and _REGISTERS_FAILED:
-        return False
-    return smem.fits(v, cfg.warps, cfg.per_sm, cfg.ctas, x.element_size(), x.device, cfg.in_registers)
-
-
-def _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, **options) -> bool:
-    """Run the shared-memory kernel if SMEM_TABLE has a shape for x here (True), else leave it to the
-    Triton kernel (False). A first build that fails is forgiven once per kind (_smem_failed) and the
-    dispatch retried; a shape that has run before and then fails, or a forced one, raises."""
-    v = x.shape[1]
-    while True:
-        smem = _smem_module()
-        in_smem = smem is not None and smem.eligible(x, grad)
-        cfg = launch_config(v, (lambda c: smem_shape_fits(smem, x, c)) if in_smem else None)
-        if not cfg.smem:
-            return False
-        if not in_smem:
-            raise RuntimeError(
-                f"cross_entropy: launch shape {cfg} holds rows in shared memory, which needs a CUDA GPU of "
-                f"compute capability >= 8.0 (9.0 for ctas > 1) with Gluon, 16-bit logits and gradient with row "
-                f"strides a multiple of 16; got {x.dtype} on {x.device} with row stride {x.stride(0)}"
-            )
-        key = (v, x.dtype, cfg, row_scale is not None, options["softcap"] is not None,
-               options["logit_scale"] != 1.0, options["label_smoothing"] > 0)
-        try:
-            with device_guard(x):
-                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
-                                    ctas=cfg.ctas, grid=grid_programs(cfg, x.shape[0], x.device),
-                                    in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
-        except Exception as exc:  # noqa: BLE001 - only a first build is forgiven (below)
-            if key in _SMEM_LAUNCHED or _CONFIG["force"] is not None:
-                raise
-            _smem_failed(exc, cfg)
-            continue
-        _SMEM_LAUNCHED.add(key)
-        return True
+    return cross_entropy_smem
 
 
 def launch_ce(
@@ -554,7 +629,9 @@ def launch_ce(
     softcap: Optional[float],
     logit_scale: float = 1.0,
 ) -> None:
-    """Run the cross-entropy kernel over the rows of x (N, V; unit column stride).
+    """Run the cross-entropy kernel over the rows of x (N, V; unit column stride) that plan_for(x, grad)
+    names. A smem path whose first build fails is turned off (_dispatch.run_path) and the call planned
+    again; a shape that has run before and then fails, or a forced one, raises.
 
     loss_rows (N,) fp32 gets loss_i (0 for ignored rows). When grad (N, V; may be x itself) is given
     it gets coef[0] · row_scale[i] · ∂loss_i/∂x_i. flag (int32) is set to 1 when a target lies outside
@@ -564,21 +641,37 @@ def launch_ce(
     if n == 0:
         return
     assert v == 1 or (x.stride(1) == 1 and (grad is None or grad.stride(1) == 1)), "unit class stride"
-    if _launch_smem(x, target, grad, loss_rows, coef, row_scale, flag, ignore_index=ignore_index,
-                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, logit_scale=logit_scale):
-        return
-    cfg = launch_config(v)
+    options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                   logit_scale=logit_scale)
+    facts = _facts(x)
+    while True:
+        p = _planned(x, grad, facts)
+        if p.path == "triton":
+            break
+        cfg = p.config
+        key = (v, x.dtype, cfg, row_scale is not None, softcap is not None, logit_scale != 1.0, label_smoothing > 0)
+        smem = _smem_module()
+
+        def run(cfg=cfg):
+            with device_guard(x):
+                smem.launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, warps=cfg.warps,
+                                    ctas=cfg.ctas, grid=_programs(cfg, n, _grid_sms(facts)),
+                                    in_registers=cfg.in_registers, per_sm=cfg.per_sm, **options)
+
+        if _dispatch.run_path(OP, p.path, key, run, instead=_INSTEAD[p.path], forced=_CONFIG["force"] is not None):
+            return
+    cfg = p.config
     g = grad if grad is not None else x  # never written when WRITE_GRAD is False
     rs = row_scale if row_scale is not None else coef  # never read when HAS_ROW_SCALE is False
     scalars = (n, v, ignore_index, float(logit_scale), float(softcap if softcap is not None else 1.0),
                float(label_smoothing), float(z_loss))
-    options = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
-                   has_row_scale=row_scale is not None)
+    flags = dict(has_scale=logit_scale != 1.0, has_softcap=softcap is not None, has_ls=label_smoothing > 0.0,
+                 has_row_scale=row_scale is not None)
     with device_guard(x):
         launch(
-            _ce_kernel, (grid_programs(cfg, n, x.device),),
+            _ce_kernel, (_programs(cfg, n, _grid_sms(facts)),),
             (x, x.stride(0), target, g, g.stride(0), loss_rows, coef, rs, flag) + scalars,
-            dict(kernel_constexprs(cfg, v, **options, write_grad=grad is not None), num_warps=cfg.warps),
+            dict(kernel_constexprs(cfg, v, **flags, write_grad=grad is not None), num_warps=cfg.warps),
         )
 
 
@@ -610,7 +703,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor, per_row: bool = False) -> None:
     block = 4096 if t.is_cuda else 1024
     per = triton.cdiv(row_len, block)
     n_blocks = rows * per
-    cap = 8 * _sm_count(t.device) if t.is_cuda else 16
+    cap = 8 * _grid_sms(device_facts(t.device)) if t.is_cuda else 16
     with device_guard(t):
         launch(_scale_kernel, (min(n_blocks, cap),), (t, g, row_len, per, n_blocks),
                dict(PER_ROW=per_row, BLOCK=block, EXACT_BF16=_INTERPRETED, num_warps=8))
@@ -625,7 +718,7 @@ def start_loss(target: torch.Tensor, ignore_index: int, reduction: str, divisor:
     loss sum, are multiplied by: 1 / #non-ignored rows for "mean" (1 when none), 1 / num_items_in_batch
     (0 when it is 0), else 1. flag (1,) int32 = 0: the cross-entropy kernel sets it on a bad target.
     Replaces ~7 small torch ops (count, clamp, reciprocal, a zeroed flag), whose host time outlasted
-    the GPU work of a 0.1–0.4 ms loss."""
+    the loss's GPU work."""
     coef = torch.empty((1,), dtype=torch.float32, device=device)
     flag = torch.empty((1,), dtype=torch.int32, device=device)
     div = coef  # never read unless MODE 2
@@ -651,8 +744,8 @@ def finish_loss(loss_rows: torch.Tensor, coef: torch.Tensor, flag: torch.Tensor,
                 target: torch.Tensor, v: int, ignore_index: int) -> torch.Tensor:
     """The loss: coef · Σ loss_rows as a fresh 0-d tensor (one launch), or loss_rows itself for "none";
     then the out-of-range target check. On a GPU that is a device-side assert, as in torch's own cross
-    entropy: no host sync (a sync per call cost 0.3–0.9 ms of idle GPU per forward+backward on the H200,
-    waiting for the CPU to launch the backward), but the CUDA context is lost when it fires. On the CPU
+    entropy: no host sync (a sync per call leaves the GPU idle while the CPU catches up to launch the
+    backward), but the CUDA context is lost when it fires. On the CPU
     (the interpreter) a ValueError names the bad targets. The 0-d loss is not a view: a custom op must
     not return one (an in-place `loss += aux_loss`, as MoE models do, would be refused by autograd)."""
     reduce = reduction != "none"

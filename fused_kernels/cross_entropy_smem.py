@@ -15,9 +15,8 @@ CTAS classes; each thread copies and reads the same 16 bytes of every chunk).
   - Pass 1 reads it from shared memory: a per-thread online max and Σ exp (one exp2 per class, one
     per 8-class vector to rescale), Σ z for label smoothing, then a CTA reduction. A split row's CTAs
     then write their partials to one of the cluster's two slots in global memory (used in turn), meet
-    at one cluster barrier (release / acquire) and each combines all of them into lse. (A reduction
-    across the cluster's shared memory is what Triton 3.9 would generate, but 3.6 cannot:
-    benchmarks/session9.)
+    at one cluster barrier (release / acquire) and each combines all of them into lse (Triton 3.6's
+    Gluon cannot reduce across the cluster's shared memory).
   - Pass 2 reads it again and writes ∂loss/∂x chunk by chunk. The target's term is applied only in the
     chunk that holds it (a uniform branch, no per-class compare elsewhere), and as each chunk is
     consumed the cp.async of the same chunk of the program's next row is issued into its slot, so
@@ -32,23 +31,18 @@ gradient is stored), the buffer shrinks by as much, and the launch caps ptxas at
 let per_sm CTAs share an SM (maxnreg = 65536 / (per_sm · threads); a few bytes spill with the optional
 terms). At V = 128256 that is 8 CTAs of 4 warps per SM, 132 rows in flight instead of 92.
 
-Bytes moved, 8192 × 32000 bf16: read 524 MB + write 524 MB, the copy floor; the two-sweep kernel moved
-~30 % more through HBM (second sweep missing L2). H200, triton 3.6, no ignored rows
-(benchmarks/session9/exp_ce_library.txt; table = the Triton kernel, copy = a copy of the logits):
-V = 16384 0.184 ms (table 0.200, copy 0.134); 32000 0.322 (0.399, 0.254); 50304 0.495 (0.648, 0.394);
-65536 split over 2 CTAs 0.643 (0.817, 0.511); 128256 over 4 1.273 (1.508, 0.998); 151936 over 8 1.568
-(1.800, 1.166); 262144 over 8 2.654 (3.191, 2.012): 69-80 % of a copy. With chunks in registers
-(benchmarks/session13/exp_ce_register_rows*.txt): 32000 0.282, 65536 0.573, 128256 1.115-1.126,
-151936 1.312, 201088 1.782, 262144 2.321-2.344: 86-89 % of a copy. With softcap the kernel is bound by
-the special-function units (exp2 and a reciprocal for tanh in both passes): 45 % of a copy.
+Bytes moved, 8192 × 32000 bf16: read 524 MB + write 524 MB, the copy floor; the two-sweep Triton
+kernel moves more through HBM when its second sweep misses L2. With softcap the kernel is bound by the
+special-function units (exp2 and a reciprocal for tanh in both passes) rather than by memory.
 
-When it runs (`eligible` and `fits`): a CUDA device of compute capability >= 8.0 (cp.async; 9.0 for
-clusters) with Gluon importable, not the interpreter, 16-bit logits and gradient, row strides a
-multiple of 16 elements and 16-byte aligned bases (16-byte copies), the gradient wanted (without it the
-table's kernel reads each row once anyway), and per_sm row buffers fitting one SM's shared memory.
-Otherwise cross_entropy's LAUNCH_TABLE falls through to the Triton kernel's row for that V. There is no
-CPU interpreter for Gluon: the CPU suite compiles this kernel for sm_90 (tests/test_cross_entropy.py),
-the gpu tests check its numbers.
+When it runs: cross_entropy.plan() decides (its paths "smem", "smem-split", "smem-registers"): a CUDA
+device of compute capability >= 8.0 (cp.async; 9.0 for clusters) with Gluon importable, not the
+interpreter, 16-bit logits and gradient, row strides a multiple of 16 elements and 16-byte aligned
+bases (16-byte copies), the gradient wanted (without it the Triton kernel reads each row once anyway),
+and per_sm row buffers fitting one SM's shared memory (programs_that_fit) with the chunks in registers
+allowed (registers_allowed). There is no CPU interpreter for Gluon: the CPU suite compiles this kernel
+for sm_90 (scripts/check_sm90.py, from tests/test_cross_entropy.py), the GPU tests check its numbers.
+The cluster barrier, row claiming, layouts and copies are fused_kernels._gpu's.
 """
 
 from __future__ import annotations
@@ -124,7 +118,7 @@ if gluon is not None:
     ):
         """Rows of a program (CTAS = 1) or of a cluster of CTAS CTAs: loss_i into loss_ptr[row],
         coef·row_scale_i·∂loss_i/∂x into the gradient row (see the module docstring). REG / SMEM:
-        `layouts(WARPS, CTAS)`. IN_REGS (0-4, <= NFULL): the first chunks of every slice held in
+        `_gpu.layouts(WARPS, CTAS)`. IN_REGS (0-4, <= NFULL): the first chunks of every slice held in
         registers (r0-r3) instead of shared memory."""
         T: gl.constexpr = 32 * WARPS  # threads of one CTA
         CHUNK: gl.constexpr = CTAS * T * 8  # classes per chunk: 8 per thread of the cluster
@@ -298,8 +292,8 @@ def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1, in_regist
 
 
 MAX_IN_REGISTERS = 4  # r0-r3 in the kernel
-# A shared buffer of one chunk ([1, CTAS, T, 8]) does not build on triton 3.6 (PassManager::run failed,
-# benchmarks/session13): chunks held in registers leave at least two in shared memory.
+# A shared buffer of one chunk ([1, CTAS, T, 8]) does not build on triton 3.6 (PassManager::run
+# failed): chunks held in registers leave at least two in shared memory.
 MIN_SHARED_CHUNKS = 2
 
 
@@ -324,43 +318,11 @@ def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_sof
                 WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
 
 
-def programs_that_fit(v: int, warps: int, element_size: int, device: torch.device, ctas: int = 1,
+def programs_that_fit(v: int, warps: int, element_size: int, smem_per_sm: int, ctas: int = 1,
                       in_registers: int = 0) -> int:
-    """How many CTAs' row buffers one SM's shared memory holds."""
+    """How many CTAs' row buffers one SM's shared memory (smem_per_sm bytes: _gpu.smem_per_sm) holds."""
     need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _gpu.SMEM_RESERVED + _SMEM_SLACK
-    return _gpu.smem_per_sm(device) // need
-
-
-def fits(v: int, warps: int, per_sm: int, ctas: int, element_size: int, device: torch.device,
-         in_registers: int = 0) -> bool:
-    """Whether a launch shape can run here: per_sm CTAs' row buffers fit one SM, a row split over a
-    cluster (ctas > 1) has thread-block clusters (compute capability >= 9.0) of at most 8 CTAs (the
-    portable cluster size), and in_registers chunks may live in registers (registers_allowed)."""
-    if ctas > 1 and (ctas > 8 or _gpu.capability(device) < (9, 0)):
-        return False
-    if not registers_allowed(v, warps, ctas, in_registers):
-        return False
-    return programs_that_fit(v, warps, element_size, device, ctas, in_registers) >= per_sm
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def eligible(x: torch.Tensor, grad) -> bool:
-    """Whether the tensors allow this path at all (see the module docstring); fits() then decides per
-    launch shape. Asked only where available() holds (cross_entropy._smem_module)."""
-    return (
-        grad is not None
-        and x.is_cuda
-        and torch.version.hip is None
-        and x.element_size() == 2
-        and grad.dtype == x.dtype
-        and x.shape[0] > 0
-        and _aligned(x)
-        and _aligned(grad)
-        and _gpu.capability(x.device) >= (8, 0)
-    )
+    return smem_per_sm // need
 
 
 def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, ctas: int, grid: int,
@@ -369,7 +331,7 @@ def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: 
     """cross_entropy.launch_ce's contract, on this kernel: `grid` programs of `warps` warps
     (cross_entropy.grid_programs), each a cluster of `ctas` CTAs splitting a row when ctas > 1; with
     in_registers > 0 the first chunks of each slice live in registers, and ptxas is held to the
-    registers that let per_sm CTAs share an SM (register_cap)."""
+    registers that let per_sm CTAs share an SM (_gpu.register_cap)."""
     n, v = x.shape
     rs = row_scale if row_scale is not None else coef  # never read without HAS_ROW_SCALE
     if ctas > 1:  # per cluster: two exchange slots of partials, its first row and two claimed rows; the counter

@@ -27,33 +27,30 @@ reduction="none" has one upstream value per token, unknown in the forward: the f
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
-Chunk rows: C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS' leading-dimension
-granule; at least 1, at most N), then shrunk to split N into equal chunks of that many. The default
-budget, 252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values
-take the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
-262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per chunk:
-at 8192 × 4096 → 128256 on an H200, 1024 rows took 38.9–39.4 ms of GPU time where 768 (192 MiB) took
-40.2–40.5 (benchmarks/session12); at 16384 × 2304 → 262144, 504 rows took 107.6 ms where a 128-row
-granule's 384 took 110.9, and at Qwen3's lm_head (16384 × 1024 → 151936) 864 rows 26.5 ms where 768 took
-27.6 (benchmarks/session15). A multiple of 128 is not needed: only 448 rows, 3.5 GEMM tiles, was slower
-than 384 there (113.9 ms). FUSED_KERNELS_FLCE_CHUNK_MB sets the budget;
-`_CONFIG["chunk_rows"]` forces C (tests use it to run several chunks).
+Chunk rows (`plan()`): C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS'
+leading-dimension granule; at least 1, at most N), then shrunk to split N into equal chunks of that many.
+The budget is the `chunk_mb` argument (autopatch passes FUSED_KERNELS_FLCE_CHUNK_MB); the default,
+252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values take
+the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
+262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per
+chunk; a multiple of 128 rows is not needed. `_CONFIG["chunk_rows"]` forces C (tests use it to run
+several chunks).
 
 Memory beyond inputs and their gradients: the C × V logits buffer, N + V fp32 values, and cuBLAS'
-workspace. Time: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N × V (read + write);
-8192 × 4096 → 128256 bf16: 25.8 TFLOP, 37.6 ms at 686 TFLOP/s, plus ≈ 1 ms of cross entropy.
+workspace. Work: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N × V (read + write);
+8192 × 4096 → 128256 bf16: 25.8 TFLOP.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-import os
 from typing import Optional
 
 import torch
 import triton
 
+from fused_kernels._dispatch import Plan
 from fused_kernels._utils import check_float, count_launch
 
 # `fused_kernels.cross_entropy` the attribute is the function; the module is loaded by name.
@@ -61,53 +58,60 @@ _ce = importlib.import_module("fused_kernels.cross_entropy")
 
 __all__ = ["fused_linear_cross_entropy"]
 
-DEFAULT_CHUNK_MB = 252
-
-
-def budget_from_env() -> int:
-    """The logits chunk budget in bytes: FUSED_KERNELS_FLCE_CHUNK_MB (MiB, read at import), else the default."""
-    raw = os.environ.get("FUSED_KERNELS_FLCE_CHUNK_MB", "").strip()
-    if not raw:
-        return DEFAULT_CHUNK_MB * 2**20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = math.nan
-    if not (math.isfinite(mb) and mb > 0):
-        raise ValueError(f"FUSED_KERNELS_FLCE_CHUNK_MB={raw!r}: expected a positive number of MiB for the fused "
-                         f"linear cross entropy's logits chunk, e.g. 128 (default {DEFAULT_CHUNK_MB})")
-    return int(mb * 2**20)
-
+DEFAULT_CHUNK_MB = 252  # MiB of logits per chunk when the caller names no budget (see the module docstring)
+GRANULE = 8  # chunk rows are a multiple of this (cuBLAS' leading-dimension granule) unless fewer fit
 
 _CONFIG = {
-    "budget_bytes": budget_from_env(),
     "chunk_rows": None,  # force the chunk size (tests)
 }
 
 
-def chunk_rows(n: int, v: int, elem_size: int) -> int:
-    """Rows per chunk for n tokens over v classes with logits of elem_size bytes (see docstring)."""
+def check_chunk_mb(chunk_mb) -> int:
+    """The chunk budget in bytes for chunk_mb MiB (None: DEFAULT_CHUNK_MB); ValueError unless it is a
+    positive finite number."""
+    if chunk_mb is None:
+        return DEFAULT_CHUNK_MB * 2**20
+    if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not (
+            math.isfinite(chunk_mb) and chunk_mb > 0):
+        raise ValueError(f"chunk_mb must be a positive number of MiB for the logits chunk, e.g. 128 "
+                         f"(None: the default {DEFAULT_CHUNK_MB}); got {chunk_mb!r}")
+    return int(chunk_mb * 2**20)
+
+
+def plan(n: int, v: int, elem_size: int, *, chunk_mb=None) -> Plan:
+    """Rows per chunk for n tokens over v classes with logits of elem_size bytes and a budget of
+    chunk_mb MiB (None: DEFAULT_CHUNK_MB), and why: Plan("chunks", rows, reason). C = budget / (V ·
+    elem_size) rounded down to a multiple of GRANULE (at least 1, at most n), then shrunk so that the
+    n rows split into equal chunks of at most C. Default budget: 1024 rows at V = 128256 bf16 for 8192
+    tokens (8 chunks), 864 at 151936 for 16384, 504 at 262144 for 16384, 4096 at 32000 for 8192."""
+    budget = check_chunk_mb(chunk_mb)
     if n == 0:
-        return 1
+        return Plan("chunks", 1, "no tokens")
     if _CONFIG["chunk_rows"]:
-        return max(1, min(n, int(_CONFIG["chunk_rows"])))
-    rows = _CONFIG["budget_bytes"] // max(1, v * elem_size)
-    granule = 8 if rows >= 8 else 1
-    rows = max(1, rows // granule * granule)
-    rows = min(rows, n)
+        return Plan("chunks", max(1, min(n, int(_CONFIG["chunk_rows"]))), "forced (_CONFIG['chunk_rows'])")
+    fit = budget // max(1, v * elem_size)
+    granule = GRANULE if fit >= GRANULE else 1
+    rows = min(max(1, fit // granule * granule), n)
     n_chunks = triton.cdiv(n, rows)
     # Equal chunks, still a multiple of the granule: never more than `rows` (a granule multiple).
-    return min(rows, triton.cdiv(triton.cdiv(n, n_chunks), granule) * granule)
+    rows = min(rows, triton.cdiv(triton.cdiv(n, n_chunks), granule) * granule)
+    return Plan("chunks", rows, f"{fit} rows of {v} x {elem_size} B fit {budget / 2**20:g} MiB; {n} tokens in "
+                                f"{triton.cdiv(n, rows)} chunks of {rows} (multiples of {granule})")
 
 
-def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts) -> None:
+def chunk_rows(n: int, v: int, elem_size: int, chunk_mb=None) -> int:
+    """plan(n, v, elem_size, chunk_mb=chunk_mb).config: the rows per chunk."""
+    return plan(n, v, elem_size, chunk_mb=chunk_mb).config
+
+
+def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts, chunk_mb) -> None:
     """The chunk loop shared by the forward (row_scale None) and the reduction="none" backward.
     grads: (grad_hidden, grad_weight, grad_bias_fp32), each None when not wanted."""
     n, _ = hidden.shape
     v = weight.shape[0]
     gh, gw, gb = grads
     want_grad = gh is not None or gw is not None or gb is not None
-    rows = chunk_rows(n, v, hidden.element_size())
+    rows = chunk_rows(n, v, hidden.element_size(), chunk_mb)
     buf = hidden.new_empty((min(rows, n), v)) if n else None
     wt = weight.t()
     for start in range(0, n, rows):
@@ -153,8 +157,12 @@ def _cast_bias_grad(grads, bias):
     return gh, gw, (gb.to(bias.dtype) if gb is not None else None)
 
 
+def _budget(chunk_mb: float):
+    return chunk_mb if chunk_mb > 0 else None  # the custom ops carry a float, 0.0 for the default
+
+
 def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                  logit_scale, divisor_value, need_gh, need_gw, need_gb):
+                  logit_scale, divisor_value, need_gh, need_gw, need_gb, chunk_mb=0.0):
     """(loss, grad_hidden, grad_weight, grad_bias); a gradient is None unless asked for and the
     reduction is "mean"/"sum" (then it is final but for the upstream factor)."""
     _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
@@ -165,13 +173,13 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
     in_forward = reduction != "none"
     grads = _grad_buffers(hidden, weight, bias, need_gh and in_forward, need_gw and in_forward, need_gb and in_forward)
     _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb))
     loss = _ce.finish_loss(loss_rows, coef, flag, reduction, target, weight.shape[0], ignore_index)
     return (loss, *_cast_bias_grad(grads, bias))
 
 
 def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                        logit_scale, need_gh, need_gw, need_gb):
+                        logit_scale, need_gh, need_gw, need_gb, chunk_mb=0.0):
     """Backward of reduction "none": recompute each chunk's logits, scale row i by grad_loss[i]."""
     _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_bwd")
@@ -181,7 +189,7 @@ def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, l
     loss_rows = torch.empty((n,), dtype=torch.float32, device=hidden.device)  # recomputed, unused
     grads = _grad_buffers(hidden, weight, bias, need_gh, need_gw, need_gb)
     _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale))
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb))
     return _cast_bias_grad(grads, bias)
 
 
@@ -227,18 +235,20 @@ def _flce_fwd(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
+    chunk_mb: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (loss, grad_hidden, grad_weight, grad_bias); the gradients are computed here for
-    reduction "mean"/"sum" when asked for, else they are empty tensors. softcap 0 means none."""
+    reduction "mean"/"sum" when asked for, else they are empty tensors. softcap 0 means none; chunk_mb
+    0 the default budget."""
     loss, *grads = _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing,
                                  z_loss, softcap, logit_scale, divisor_value, need_grad_hidden, need_grad_weight,
-                                 need_grad_bias)
+                                 need_grad_bias, chunk_mb)
     return (loss, *_empty_if_none(grads, hidden))
 
 
 @_flce_fwd.register_fake
 def _(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
-      logit_scale, divisor_value, need_grad_hidden, need_grad_weight, need_grad_bias):
+      logit_scale, divisor_value, need_grad_hidden, need_grad_weight, need_grad_bias, chunk_mb=0.0):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     in_forward = reduction != "none"
@@ -278,16 +288,17 @@ def _flce_bwd_none(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     need_grad_bias: bool,
+    chunk_mb: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of reduction "none": recompute each chunk's logits, scale row i by grad_loss[i]."""
     grads = _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss,
-                                softcap, logit_scale, need_grad_hidden, need_grad_weight, need_grad_bias)
+                                softcap, logit_scale, need_grad_hidden, need_grad_weight, need_grad_bias, chunk_mb)
     return _empty_if_none(grads, hidden)
 
 
 @_flce_bwd_none.register_fake
 def _(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, logit_scale,
-      need_grad_hidden, need_grad_weight, need_grad_bias):
+      need_grad_hidden, need_grad_weight, need_grad_bias, chunk_mb=0.0):
     return (hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty((0,)),
             weight.new_empty(weight.shape) if need_grad_weight else hidden.new_empty((0,)),
             bias.new_empty(bias.shape) if need_grad_bias else hidden.new_empty((0,)))
@@ -295,14 +306,16 @@ def _(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_
 
 def _flce_setup_context(ctx, inputs, output):
     (hidden, weight, target, bias, _divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
-     logit_scale, _divisor_value, need_gh, need_gw, need_gb) = inputs
+     logit_scale, _divisor_value, need_gh, need_gw, need_gb, *chunk_mb) = inputs
     _loss, gh, gw, gb = output
     ctx.mark_non_differentiable(gh, gw, gb)
+    ctx.n_inputs = len(inputs)
     ctx.needs = (need_gh, need_gw, need_gb)
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias)
         ctx.options = (ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+        ctx.chunk_mb = chunk_mb[0] if chunk_mb else 0.0
     else:
         ctx.grads = (gh, gw, gb)
 
@@ -310,11 +323,11 @@ def _flce_setup_context(ctx, inputs, output):
 def _flce_backward(ctx, grad_loss, *_grads_of_grads):
     need_gh, need_gw, need_gb = ctx.needs
     if not (need_gh or need_gw or need_gb):  # only a num_items_in_batch tensor asked for a gradient
-        return (None,) * 15
+        return (None,) * 15 + ((None,) if ctx.n_inputs > 15 else ())
     if ctx.reduction == "none":
         hidden, weight, target, bias = ctx.saved_tensors
         gh, gw, gb = torch.ops.fused_kernels.fused_linear_cross_entropy_bwd_none(
-            grad_loss, hidden, weight, target, bias, *ctx.options, need_gh, need_gw, need_gb)
+            grad_loss, hidden, weight, target, bias, *ctx.options, need_gh, need_gw, need_gb, ctx.chunk_mb)
     else:
         grads = ctx.grads
         ctx.grads = None
@@ -322,7 +335,8 @@ def _flce_backward(ctx, grad_loss, *_grads_of_grads):
             raise RuntimeError(_SECOND_BACKWARD)
         gh, gw, gb = grads
         torch.ops.fused_kernels.fused_linear_cross_entropy_scale_grads(gh, gw, gb, grad_loss)
-    return (gh if need_gh else None, gw if need_gw else None, None, gb if need_gb else None) + (None,) * 11
+    return (gh if need_gh else None, gw if need_gw else None, None, gb if need_gb else None) + \
+        (None,) * (ctx.n_inputs - 4)
 
 
 _flce_fwd.register_autograd(_flce_backward, setup_context=_flce_setup_context)
@@ -336,15 +350,16 @@ _flce_fwd.register_autograd(_flce_backward, setup_context=_flce_setup_context)
 class _FLCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, logit_scale, divisor_value):
+                softcap, logit_scale, divisor_value, chunk_mb):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         loss, *grads = _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction,
-                                     label_smoothing, z_loss, softcap, logit_scale, divisor_value, *needs)
+                                     label_smoothing, z_loss, softcap, logit_scale, divisor_value, *needs, chunk_mb)
         ctx.needs = needs
         ctx.reduction = reduction
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, target, bias)
             ctx.options = (ignore_index, label_smoothing, z_loss, softcap, logit_scale)
+            ctx.chunk_mb = chunk_mb
         else:
             ctx.grads = tuple(grads)  # not saved, not outputs: popped by the backward
         return loss
@@ -353,10 +368,11 @@ class _FLCEFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         if not any(ctx.needs):  # only a num_items_in_batch tensor asked for a gradient
-            return (None,) * 12
+            return (None,) * 13
         if ctx.reduction == "none":
             hidden, weight, target, bias = ctx.saved_tensors
-            gh, gw, gb = _backward_none_impl(grad_loss, hidden, weight, target, bias, *ctx.options, *ctx.needs)
+            gh, gw, gb = _backward_none_impl(grad_loss, hidden, weight, target, bias, *ctx.options, *ctx.needs,
+                                             ctx.chunk_mb)
         else:
             grads = ctx.grads
             ctx.grads = None
@@ -365,7 +381,7 @@ class _FLCEFunction(torch.autograd.Function):
             _scale_grads_impl(grads, grad_loss)
             gh, gw, gb = grads
             del grads
-        return (gh, gw, None, gb) + (None,) * 8
+        return (gh, gw, None, gb) + (None,) * 9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,11 +400,14 @@ def fused_linear_cross_entropy(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     num_items_in_batch=None,
+    *,
+    chunk_mb: Optional[float] = None,
 ) -> torch.Tensor:
     """cross_entropy(logit_scale · (hidden @ weight.T + bias), target, ...) without the full logits.
 
     hidden (..., H); weight (V, H); bias (V,) or None, all of one float dtype; target (...) integer.
-    Options as for fused_kernels.cross_entropy. Under autocast the three are cast to the autocast
+    Options as for fused_kernels.cross_entropy. chunk_mb: the MiB of logits computed at a time (None:
+    DEFAULT_CHUNK_MB = 252; rows per chunk: plan()); smaller saves memory, larger runs a little faster. Under autocast the three are cast to the autocast
     dtype first, as the lm_head Linear would be. Returns float32: a scalar, or the per-token losses
     (shape of target) for reduction="none" (whose backward recomputes the logits; see the module
     docstring).
@@ -416,6 +435,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
     divisor, divisor_value = _ce.check_options(reduction, ignore_index, label_smoothing, z_loss, softcap,
                                                num_items_in_batch)
+    check_chunk_mb(chunk_mb)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
@@ -432,16 +452,17 @@ def fused_linear_cross_entropy(
     t = target.reshape(-1).contiguous()
     options = (divisor, ignore_index, reduction, float(label_smoothing), float(z_loss),
                float(softcap) if softcap is not None else 0.0, float(logit_scale), divisor_value)
+    mb = float(chunk_mb) if chunk_mb is not None else 0.0
     grad_on = torch.is_grad_enabled()
     if torch.compiler.is_compiling():
         loss, *_ = torch.ops.fused_kernels.fused_linear_cross_entropy_fwd(
             h2, weight, t, bias, *options, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-            grad_on and bias is not None and bias.requires_grad,
+            grad_on and bias is not None and bias.requires_grad, mb,
         )
     elif grad_on and any(x is not None and x.requires_grad for x in (hidden, weight, bias, divisor)):
-        loss = _FLCEFunction.apply(h2, weight, t, bias, *options)
+        loss = _FLCEFunction.apply(h2, weight, t, bias, *options, mb)
     else:
-        loss = _forward_impl(h2, weight, t, bias, *options, False, False, False)[0]
+        loss = _forward_impl(h2, weight, t, bias, *options, False, False, False, mb)[0]
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return loss

@@ -18,7 +18,7 @@ The backward recomputes act(g) from g, so autograd saves only gate and up (which
 anyway, as the projections' outputs), never the output; dgate and dup come from one kernel.
 
 Bytes moved, for N elements of b bytes: forward 3·N·b (read g, u; write out), backward 5·N·b (read
-dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB, 0.885 ms at 4.25 TB/s.
+dout, g, u; write dgate, dup). SwiGLU 16384×14336 bf16: 8 × 448 MiB = 3.76 GB.
 
 glu_linear(gate, up, weight, bias, activation) is the gated MLP's tail, `linear(act(g) · u, weight, bias)`
 (the down projection), as one autograd node that saves gate, up and the weight but not the product
@@ -33,7 +33,8 @@ Layout: contiguous inputs are processed as one flat row. Otherwise each tensor i
 rows × cols with a row stride and unit column stride — this covers the two halves of a fused
 gate_up_proj output (`gate, up = x.chunk(2, dim=-1)`, row stride 2·cols) without a copy; a tensor that
 cannot be viewed that way (transposed, or leading dims that do not collapse) is copied first.
-Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block chosen by `_block_config`.
+Programs tile rows × cols with a (BLOCK_M, BLOCK_N) block: `plan()` says which (path "flat" for
+contiguous operands, "rows" for row views), from `_block_config`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
@@ -208,6 +210,44 @@ def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> 
     return _BlockConfig(block_m, block_n, num_warps)
 
 
+class GluConfig(NamedTuple):
+    """A launch of the GLU kernels: the (block_m, block_n) tile, warps, whether every tile is full
+    (no masks), whether offsets need 64-bit arithmetic, and how many programs (one per tile)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    even: bool
+    wide_index: bool
+    programs: int
+
+
+def plan(n_rows: int, n_cols: int, elem_bytes: int, direction: str, *, row_strides=None) -> Plan:
+    """How a GLU kernel (direction "fwd" or "bwd") runs over n_rows x n_cols elements of elem_bytes
+    bytes, and why. row_strides None: every operand is contiguous, path "flat": one row of n_rows · n_cols
+    elements. Otherwise path "rows": the operands are n_rows x n_cols views with these row strides (the
+    halves of a fused gate_up output: 2 · n_cols) and unit column stride. The tile comes from
+    _block_config; offsets past 2**31 take 64-bit indexing. SwiGLU 16384 x 14336 bf16 contiguous:
+    flat, 1 x 4096 tiles, 8 warps, 57344 programs, no masks; its gate_up halves (row stride 28672):
+    rows, 2 x 2048 tiles (14336 = 7 x 2048: no masked tail), 8 warps, 57344 programs."""
+    if row_strides is None:
+        path, rows, cols, strides = "flat", 1, n_rows * n_cols, (0,)
+    else:
+        path, rows, cols, strides = "rows", n_rows, n_cols, tuple(row_strides) or (n_cols,)
+    cfg = _block_config(rows, cols, elem_bytes, direction)
+    n_row_blocks = -(-rows // cfg.block_m)
+    n_col_blocks = -(-cols // cfg.block_n)
+    even = rows % cfg.block_m == 0 and cols % cfg.block_n == 0
+    # Largest offset any lane computes (masked lanes included), to pick 32- or 64-bit indexing.
+    max_offset = max(abs(st) for st in strides) * n_row_blocks * cfg.block_m + n_col_blocks * cfg.block_n
+    wide = max_offset >= _INT32_LIMIT or n_row_blocks * n_col_blocks >= _INT32_LIMIT
+    config = GluConfig(cfg.block_m, cfg.block_n, cfg.num_warps, even, wide, n_row_blocks * n_col_blocks)
+    return Plan(path, config, f"{rows} x {cols} elements of {elem_bytes} B: {cfg.block_m} x {cfg.block_n} tiles "
+                              f"(_TILE_ELEMS {_TILE_ELEMS[elem_bytes]}), {cfg.num_warps} warps, {config.programs} "
+                              f"programs, {'no masks' if even else 'masked edges'}, "
+                              f"{'64' if wide else '32'}-bit offsets")
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 
@@ -233,29 +273,26 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], act: int):
     """Run `kernel` over same-shaped `inputs` (read) and `outputs` (written): fresh contiguous tensors,
     or (the in-place backward) views that `_writable_rows` accepted, all with one row stride."""
+    elem = inputs[0].element_size()
     if all(t.is_contiguous() for t in (*inputs, *outputs)):
         # One flat row: the longest contiguous run there is, and no row arithmetic.
         n_rows, n_cols = 1, outputs[0].numel()
         ins, in_strides = inputs, [0] * len(inputs)
         out_stride = 0
+        p = plan(1, n_cols, elem, direction)
     else:
         ins = [_as_rows(t) for t in inputs]
         outputs = [t.view(-1, t.shape[-1]) for t in outputs]
         n_rows, n_cols = ins[0].shape
         in_strides = [t.stride(0) for t in ins]
         out_stride = outputs[0].stride(0) if n_rows > 1 else n_cols
-    cfg = _block_config(n_rows, n_cols, inputs[0].element_size(), direction)
-    n_row_blocks = -(-n_rows // cfg.block_m)
+        p = plan(n_rows, n_cols, elem, direction, row_strides=(*in_strides, out_stride))
+    cfg = p.config
     n_col_blocks = -(-n_cols // cfg.block_n)
-    even = n_rows % cfg.block_m == 0 and n_cols % cfg.block_n == 0
-    # Largest offset any lane computes (masked lanes included), to pick 32- or 64-bit indexing.
-    padded_rows = n_row_blocks * cfg.block_m
-    max_offset = max(abs(s) for s in [*in_strides, out_stride]) * padded_rows + n_col_blocks * cfg.block_n
-    wide = max_offset >= _INT32_LIMIT or n_row_blocks * n_col_blocks >= _INT32_LIMIT
     with device_guard(outputs[0]):
-        launch(kernel, (n_row_blocks * n_col_blocks,),
+        launch(kernel, (cfg.programs,),
                (*ins, *outputs, n_rows, n_cols, n_col_blocks, *in_strides, out_stride),
-               dict(ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=even, WIDE_INDEX=wide,
+               dict(ACT=act, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, EVEN=cfg.even, WIDE_INDEX=cfg.wide_index,
                     num_warps=cfg.num_warps))
 
 
@@ -395,8 +432,8 @@ _geglu_fwd.register_autograd(_geglu_autograd, setup_context=_geglu_setup_context
 
 
 # ----------------------------------------------------------------------------------------------
-# Eager autograd: the same launches as the custom ops without their dispatch (tens of µs of Python
-# per call). torch.compile traces the custom ops instead.
+# Eager autograd: the same launches as the custom ops without their dispatch (Python per call).
+# torch.compile traces the custom ops instead.
 
 
 class _GLUFunction(torch.autograd.Function):

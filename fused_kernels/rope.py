@@ -32,12 +32,12 @@ the head counts, head dims, rot, the variant, direction, dtypes and the token co
 `heuristic_config` gives one config. `launch_config` says which applies (tests and scripts/tune_rope.py
 replace it to force a config).
 
-Dispatch: eager calls run a torch.autograd.Function (a few µs of Python); torch.compile traces the custom ops
-fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`.
+Dispatch: eager calls run a torch.autograd.Function; torch.compile traces the custom ops
+fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`, as `plan()` says (path "fixed" or "autotune").
 
 Bytes moved per pass (forward, or backward):  2 * (|q| + |k|) * elem  +  2 * B_cos * seq * r * elem_cos.
 Llama-3-8B shape, q 4x32x4096x128 + k 4x8x4096x128 bf16, cos/sin (4, 4096, 128) bf16: 320 MiB + 8 MiB;
-forward + backward 656 MiB, 0.16 ms at 4.25 TB/s.
+forward + backward 656 MiB.
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of, triton_can_run
+from fused_kernels._utils import check_float, count_launch, interpreter_on, triton_can_run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,11 +208,29 @@ def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: in
     return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
 
 
-def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int):
+def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, interpreted: bool = _INTERPRETED):
     """The config a launch must use, or None to let triton.autotune choose among `candidate_configs` (on a
     GPU, where the best tile depends on the chip: neighbouring configs differ by 2x on the H200). The
     interpreter gets the heuristic config. Tests and scripts/tune_rope.py replace this function to force one."""
-    return heuristic_config(n_tokens, n_q_heads, n_k_heads, head_dim) if _INTERPRETED else None
+    return heuristic_config(n_tokens, n_q_heads, n_k_heads, head_dim) if interpreted else None
+
+
+def plan(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, *, interpreted: bool = _INTERPRETED) -> Plan:
+    """How rope launches for n_tokens = batch · seq tokens of n_q_heads / n_k_heads heads (head_dim: the
+    larger of q's and k's), and why. Path "fixed": one RopeConfig (launch_config's: the heuristic under
+    the CPU interpreter, or one forced by replacing launch_config). Path "autotune" (a GPU; config None):
+    triton.autotune times `candidate_configs` once per key (head counts, head dims, rot, variant,
+    direction, dtypes, the token count's power-of-two bucket) and later launches reuse the winner.
+    Llama-3-8B under the interpreter (16384 tokens, 32 / 8 heads, head_dim 128): fixed, 1 token x 32 q
+    heads x 8 k heads per program, 4 warps."""
+    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, interpreted)
+    if cfg is None:
+        return Plan("autotune", None, f"a GPU: triton.autotune picks among candidate_configs({n_q_heads}, "
+                                      f"{n_k_heads}, {head_dim}, {_token_bucket(n_tokens)}), once per key")
+    why = "the CPU interpreter: heuristic_config" if cfg == heuristic_config(n_tokens, n_q_heads, n_k_heads,
+                                                                            head_dim) else "launch_config forces it"
+    return Plan("fixed", cfg, f"{why}; {cfg.block_t} token(s) x {cfg.block_hq} q heads x {cfg.block_hk} k heads per "
+                              f"program, {cfg.num_warps} warps, {_cdiv(max(n_tokens, 1), cfg.block_t)} programs")
 
 
 # The autotuner's static config list: every (tokens, q heads, k heads per tile, warps) it may be asked
@@ -286,7 +306,7 @@ _rope_tuned = triton.autotune(
 
 # What the autotuner chose, by a key holding everything its key holds (the key arguments and the tensor
 # dtypes): later launches with that key go straight to the kernel with the chosen meta-parameters,
-# skipping triton.autotune's per-call Python (tens of µs: it rebuilds its key from all 32 arguments).
+# skipping triton.autotune's per-call Python (it rebuilds its key from all 32 arguments).
 _CHOSEN: dict = {}
 _TUNING_LOCK = threading.Lock()
 
@@ -353,7 +373,6 @@ def _new_output(x: torch.Tensor, order: list[int]) -> torch.Tensor:
     return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
 
 
-@launches_on_device_of(0)  # q
 def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: bool, q_order, k_order):
     """Run the kernel over q and k (or the output gradients, when backward) into new tensors laid out in
     q_order / k_order, and return them. The one launch path of the custom ops and the eager Function."""
@@ -389,8 +408,18 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
         BLOCK_PK=_next_pow2(k_dim - rot) if k_dim > rot else 0,
         INTERLEAVED=interleaved, BACKWARD=backward,
     )
-    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim))
-    if cfg is None:
+    with device_guard(q):
+        _run(plan(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim)), args, flags, n_tokens, interleaved, backward)
+    count_launch("rope_bwd" if backward else "rope_fwd")
+    return q_out, k_out
+
+
+def _run(p: Plan, args: tuple, flags: dict, n_tokens: int, interleaved: bool, backward: bool) -> None:
+    """Launch the kernel as plan p says: a fixed config, or the autotuner's choice for this key."""
+    q, k, cos, sin = args[0], args[1], args[4], args[5]
+    n_q_heads, n_k_heads, q_dim, k_dim, rot = args[8:13]
+    cfg = p.config
+    if p.path == "autotune":
         key = (n_q_heads, n_k_heads, q_dim, k_dim, rot, args[-1], interleaved, backward, q.dtype, k.dtype, cos.dtype,
                sin.dtype)
         chosen = _CHOSEN.get(key)
@@ -403,8 +432,6 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
             launch(_rope_kernel, (_cdiv(n_tokens, chosen["BLOCK_T"]),), args, {**flags, **chosen})
     else:
         launch(_rope_kernel, (_cdiv(n_tokens, cfg.block_t),), args, dict(flags, **cfg.meta(), num_warps=cfg.num_warps))
-    count_launch("rope_bwd" if backward else "rope_fwd")
-    return q_out, k_out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -480,8 +507,8 @@ _rope_bwd.register_autograd(_rope_bwd_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Eager autograd: the same launches without the custom-op dispatch (tens of µs of Python per call, which
-# leaves the GPU idle between 0.1 ms kernels)
+# Eager autograd: the same launches without the custom-op dispatch (whose Python per call can leave the
+# GPU idle between short kernels)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -546,7 +573,7 @@ def _check_args(q, k, cos, sin, unsqueeze_dim, interleaved) -> int:
         if rot > t.shape[-1]:
             raise ValueError(
                 f"cos/sin last dim (rot={rot}) must be <= {name}'s head_dim ({t.shape[-1]}); "
-                f"a shorter cos rotates the leading rot channels (partial rotary)"
+                f"a shorter cos rotates the first rot channels (partial rotary)"
             )
     seq_dim = 2 if ud == 1 else 1
     batch, seq = q.shape[0], q.shape[seq_dim]
@@ -586,7 +613,7 @@ def rope(
             either may have no heads (k = q.narrow(head_axis, 0, 0) rotates q alone, for one-tensor
             functions such as Gemma 4's apply_rotary_pos_emb(x, cos, sin)).
       cos, sin: (batch, seq, rot) or (seq, rot), any float dtype; batch or seq of 1 broadcasts. When
-            rot < head_dim the leading rot channels are rotated and the rest passed through (partial rotary).
+            rot < head_dim the first rot channels are rotated and the rest passed through (partial rotary).
       interleaved: rotate channel pairs (2i, 2i+1) instead of (i, i + rot/2), i.e.
             rotate_half(x) = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) as in Cohere and GLM models;
             cos/sin are then given at full rot size with each frequency repeated for its pair

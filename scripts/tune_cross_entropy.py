@@ -1,4 +1,4 @@
-"""Tune fused_kernels.cross_entropy's launch shapes on the GPU (the lead runs this once on the H200).
+"""Tune fused_kernels.cross_entropy's launch shapes on the GPU (run once on the target GPU, e.g. an H200).
 
     TRITON_INTERPRET=0 python scripts/tune_cross_entropy.py            (one command, <= ~90 s)
     options: --budget-s 80 (time for the search; the summary always prints) --rows 8192 --no-flce

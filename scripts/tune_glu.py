@@ -1,4 +1,4 @@
-"""Sweep fused_kernels.glu's block configuration on a GPU (the lead runs this on the H200).
+"""Sweep fused_kernels.glu's block configuration on a GPU (run on the target GPU).
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/tune_glu.py [--rows 16384 --cols 14336 --dtype bf16]
 

@@ -1,4 +1,4 @@
-"""How fast fused_kernels.rope is on a GPU, and which tile the autotuner picked (the lead runs this on the H200).
+"""How fast fused_kernels.rope is on a GPU, and which tile the autotuner picked (run on the target GPU).
 
     TRITON_INTERPRET=0 .venv/bin/python scripts/tune_rope.py [--batch 4 --seq 4096 --q-heads 32 --k-heads 8 --dim 128]
                                                              [--interleaved] [--sweep]

@@ -1,5 +1,5 @@
 """autopatch.config: every form of FUSED_KERNELS, the toggles, the per-model overrides, precedence of
-flags > environment > env file > defaults, and every bad input of issue 3 with its message."""
+flags > environment > env file > defaults, and every bad input with its message."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_settings_reads_os_environ(tmp_path, monkeypatch):
     assert Settings().kernels() == {"rope", "rms_norm"}
 
 
-# --------------------------------------------------------------------------- bad input (issue 3)
+# --------------------------------------------------------------------------- bad input
 def expect_error(env, tmp_path, *fragments, **flags):
     with pytest.raises(ConfigError) as info:
         load(env, tmp_path, **flags)
@@ -294,6 +294,25 @@ def test_bad_env_file_unknown_or_forbidden_variable(tmp_path):
     expect_error({}, tmp_path, f"{f}, line 1", "'FUSED_KERNEL'", "did you mean FUSED_KERNELS")
     write(f, "AUTOPATCH_ENV_FILE=other.env\n")
     expect_error({}, tmp_path, "line 1", "cannot be set in an env file")
+
+
+def test_flce_chunk_mb(tmp_path):
+    assert load({}, tmp_path).flce_chunk_mb is None  # the kernel's default (252 MiB)
+    assert load({"FUSED_KERNELS_FLCE_CHUNK_MB": "128"}, tmp_path).flce_chunk_mb == 128
+    assert load({"FUSED_KERNELS_FLCE_CHUNK_MB": ""}, tmp_path).flce_chunk_mb is None
+    f = write(tmp_path / "autopatch.env", "FUSED_KERNELS_FLCE_CHUNK_MB=64\n")
+    assert load({}, tmp_path).flce_chunk_mb == 64 and load({}, tmp_path).summary()["flce_chunk_mb"] == 64
+    assert load({"FUSED_KERNELS_FLCE_CHUNK_MB": "32"}, tmp_path).flce_chunk_mb == 32  # the environment wins
+    f.unlink()
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-5", "64.5", "nan", "inf", "1e3"])
+def test_bad_flce_chunk_mb(tmp_path, raw):
+    msg = expect_error({"FUSED_KERNELS_FLCE_CHUNK_MB": raw}, tmp_path, "FUSED_KERNELS_FLCE_CHUNK_MB (environment)",
+                       repr(raw), "positive whole number of MiB", "e.g. 128")
+    assert "\n" not in msg
+    write(tmp_path / "autopatch.env", f"FUSED_KERNELS=all\nFUSED_KERNELS_FLCE_CHUNK_MB={raw}\n")
+    expect_error({}, tmp_path, "FUSED_KERNELS_FLCE_CHUNK_MB", "line 2", "positive whole number")
 
 
 def test_bad_report_directory(tmp_path):

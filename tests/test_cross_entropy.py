@@ -12,6 +12,7 @@ following the buffer's address and its storage's reference count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import math
 
@@ -26,6 +27,10 @@ from helpers import REL_TOL, assert_close
 
 ce = importlib.import_module("fused_kernels.cross_entropy")
 gpu = importlib.import_module("fused_kernels._gpu")
+dispatch = importlib.import_module("fused_kernels._dispatch")
+H200 = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
+A100 = gpu.DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=167936, gluon=True)
+ROOMY = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=10**9, gluon=True)  # every shape fits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 VOCABS = [1, 7, 100, 257, 1000]
@@ -639,6 +644,66 @@ def test_smem_table_rows_and_fallback():
         assert ce.launch_config(8193, lambda c: True).smem
 
 
+def _plan(n, v, dtype=torch.bfloat16, grad=True, device=H200, **kw):
+    return ce.plan(n, v, dtype, grad_dtype=dtype if grad else None, device=device, **kw)
+
+
+def test_plan_names_the_path_and_shape(monkeypatch):
+    """plan() from a device's facts, no GPU: the shapes its docstring names, on an H200-like device (132
+    SMs, sm_90, 228 KiB per SM) and an A100-like one (108 SMs, sm_80, 164 KiB)."""
+    monkeypatch.setattr(dispatch, "_OFF", {})
+    L = ce.LaunchConfig
+    with ce_config(force=None):
+        p = _plan(8192, 32000)
+        assert (p.path, p.config) == ("smem-registers", L(2048, 8, 4, smem=True, in_registers=4))
+        assert "36864" in p.reason
+        p = _plan(8192, 128256)
+        assert (p.path, p.config) == ("smem-registers", L(1024, 4, 8, smem=True, ctas=8, in_registers=3))
+        assert _plan(2112, 128256).config == p.config  # 16 rows for each of 132 clusters
+        p = _plan(2111, 128256)  # one row short: the 4-CTA split row (99 clusters), no registers
+        assert (p.path, p.config) == ("smem-split", L(2048, 8, 3, smem=True, ctas=4))
+        assert "2111 rows < 16 per cluster for 132 clusters" in p.reason
+        p = _plan(768, 128256)  # a fused_linear_cross_entropy chunk: too few rows for any cluster
+        assert (p.path, p.config) == ("triton", ce.LAUNCH_TABLE[3][1]) and "per cluster" in p.reason
+        p = _plan(8192, 262144)
+        assert (p.path, p.config) == ("smem-registers", L(2048, 8, 4, smem=True, ctas=8, in_registers=3))
+        assert _plan(8192, 262145).path == "triton"
+        assert _plan(8192, 50304).config == L(2048, 8, 2, smem=True) and _plan(8192, 50304).path == "smem"
+        assert _plan(100, 65536).config == L(8192, 32, 1, smem=True)  # few rows: the unsplit 32-warp row
+        # fp32, no gradient, short rows, rows the 16-byte copies cannot take: the Triton kernel
+        p = _plan(8192, 32000, torch.float32)
+        assert (p.path, p.config) == ("triton", ce.LAUNCH_TABLE[2][1]) and "16-bit" in p.reason
+        assert "no gradient" in _plan(8192, 32000, grad=False).reason
+        assert _plan(8192, 8192).path == "triton" and "SMEM_FROM" in _plan(8192, 8192).reason
+        assert "aligned" in _plan(8192, 32000, aligned=False).reason
+        assert _plan(8192, 32000, device=gpu.OFF_GPU).path == "triton"
+        assert _plan(8192, 32000, device=dataclasses.replace(H200, capability=(7, 5))).path == "triton"
+        # an A100: no clusters, less shared memory
+        assert _plan(8192, 32000, device=A100).config == L(2048, 8, 2, smem=True)
+        assert _plan(8192, 65536, device=A100).config == L(8192, 32, 1, smem=True)
+        p = _plan(8192, 128256, device=A100)
+        assert p.path == "triton" and "compute capability >= 9.0" in p.reason
+        # a path turned off (its first build failed): the next shape, from the same table
+        monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem-registers"): "test"})
+        assert _plan(8192, 32000).config == L(2048, 8, 3, smem=True)
+        assert _plan(8192, 128256).config == L(2048, 8, 3, smem=True, ctas=4)
+        monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem-split"): "test"})
+        assert _plan(8192, 65536).config == L(8192, 32, 1, smem=True)
+        assert _plan(8192, 128256).path == "triton"
+        monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem"): "test"})
+        assert _plan(8192, 32000).path == "triton" and "smem turned off" in _plan(8192, 32000).reason
+    with ce_config(force=L(64, 4, 0)):
+        assert _plan(8192, 32000) == ce.Plan("triton", L(64, 4, 0), "forced (_CONFIG['force'])")
+
+
+def test_plan_grid_matches_the_launch():
+    """The grid launch_ce gives a plan's shape: per_sm per SM over ctas, at most one per row."""
+    cfg = _plan(8192, 128256).config
+    assert ce.grid_programs(cfg, 8192, H200) == 132 and ce.grid_programs(cfg, 100, H200) == 100
+    assert ce.grid_programs(_plan(8192, 32000).config, 8192, H200) == 4 * 132
+    assert ce.grid_programs(cfg, 8192, gpu.OFF_GPU) == 8192  # off the GPU: a program per row
+
+
 def test_chunks_in_registers_rules():
     """Which chunks a CTA may hold in registers (whole chunks, at most MAX_IN_REGISTERS, two left in shared
     memory: a one-chunk buffer does not build), the shared memory the rest takes, and the register cap
@@ -664,22 +729,18 @@ def test_chunks_in_registers_rules():
 def test_split_rows_only_where_clusters_have_rows_to_loop_over():
     """A row split over a cluster is taken only with >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (the
     640-row chunks of fused_linear_cross_entropy go to the Triton kernel); unsplit rows at any count."""
-    class AlwaysFits:
-        def fits(self, v, warps, per_sm, ctas, element_size, device, in_registers=0):
-            return True
-
     split = ce.launch_config(128256, lambda c: True)
     assert split.ctas == 8
     clusters = int(split.per_sm) * 132 // split.ctas
     with ce_config(sm_count=132):
-        many = torch.empty(ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters, 8)
-        few = torch.empty(ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters - 1, 8)
-        assert ce.smem_shape_fits(AlwaysFits(), many, split)
-        assert not ce.smem_shape_fits(AlwaysFits(), few, split)
-        assert ce.smem_shape_fits(AlwaysFits(), torch.empty(5, 8), ce.SMEM_TABLE[0][1])
-        chunk = torch.empty(768, 8)  # a fused_linear_cross_entropy chunk at V = 128256
+        many = ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters
+        few = ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters - 1
+        assert ce.shape_refusal(split, many, 128256, 2, ROOMY) is None
+        assert "per cluster" in ce.shape_refusal(split, few, 128256, 2, ROOMY)
+        assert ce.shape_refusal(ce.SMEM_TABLE[0][1], 5, 32000, 2, ROOMY) is None
+        chunk = 768  # a fused_linear_cross_entropy chunk at V = 128256
         for v in (128256, 151936, 262144):
-            assert ce.launch_config(v, lambda c: ce.smem_shape_fits(AlwaysFits(), chunk, c)) is ce.launch_config(v)
+            assert ce.launch_config(v, lambda c: ce.shape_refusal(c, chunk, v, 2, ROOMY) is None) is ce.launch_config(v)
 
 
 def test_smem_shape_forced_where_it_cannot_run_says_why():
@@ -691,22 +752,24 @@ def test_smem_shape_forced_where_it_cannot_run_says_why():
 
 
 class _FailingSmem:
-    """Stands in for cross_entropy_smem on a Triton whose Gluon API the kernel does not build with."""
+    """Stands in for cross_entropy_smem on a Triton whose Gluon API the kernel does not build with (the
+    plan is made for an H200: _use_fake)."""
 
     def __init__(self):
         self.launches = 0
 
-    def eligible(self, x, grad):
-        return grad is not None
-
-    def fits(self, v, warps, per_sm, ctas, element_size, device, in_registers=0):
-        # a GPU with room for every shape; chunks in registers only where the kernel allows them
-        return importlib.import_module("fused_kernels.cross_entropy_smem").registers_allowed(v, warps, ctas,
-                                                                                              in_registers)
-
     def launch_ce_smem(self, *args, **kwargs):
         self.launches += 1
         raise RuntimeError("PassManager::run failed")
+
+
+def _use_fake(monkeypatch, fake):
+    """Plan as on an H200 (room for every shape) with fresh path states, and launch the fake module."""
+    monkeypatch.setattr(ce, "_smem_module", lambda: fake)
+    monkeypatch.setattr(ce, "_PLANS", {})
+    monkeypatch.setattr(dispatch, "_OFF", {})
+    monkeypatch.setattr(dispatch, "_BUILT", set())
+    monkeypatch.setitem(ce._CONFIG, "device", ROOMY)
 
 
 def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
@@ -714,29 +777,30 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     Triton kernel), one RuntimeWarning says why, and the shared-memory path is not tried again. A
     kernel that has run before and then fails is an error, not a fallback."""
     fake = _FailingSmem()
-    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
+    _use_fake(monkeypatch, fake)
     gen = torch.Generator().manual_seed(3)
-    v = ce.SMEM_FROM + 7  # the shortest rows the shared-memory path takes
-    logits = torch.randn(6, v, generator=gen).requires_grad_()
+    v = ce.SMEM_FROM + 15  # the shortest rows the shared-memory path takes (stride a multiple of 16)
+    logits = torch.randn(6, v, generator=gen).to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, v, (6,), generator=gen)
-    with pytest.warns(RuntimeWarning, match="shared-memory kernel.*did not build.*Triton kernel"):
+    assert ce.plan_for(logits, logits).path == "smem"
+    with pytest.warns(RuntimeWarning, match="smem kernel.*did not build.*Triton kernel"):
         loss = fused_kernels.cross_entropy(logits, target)
     loss.backward()
     x64 = logits.detach().double().requires_grad_()
     ref = F.cross_entropy(x64, target)
     ref.backward()
     assert abs(loss.item() - ref.item()) <= LOSS_TOL * abs(ref.item())
-    assert_close(logits.grad, x64.grad, torch.float32, "gradient after the fallback")
-    assert fake.launches == 1 and ce._SMEM_MODULE == [None]
-    fused_kernels.cross_entropy(logits.detach(), target)  # no second attempt, no warning
+    assert_close(logits.grad, x64.grad, torch.bfloat16, "gradient after the fallback")
+    assert fake.launches == 1 and not dispatch.path_on("cross_entropy", "smem")
+    fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)  # no second attempt, no warning
     assert fake.launches == 1
 
     fake = _FailingSmem()
-    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
-    cfg = ce.launch_config(v, lambda c: ce.smem_shape_fits(fake, logits, c))
-    assert cfg.smem
-    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", {(v, torch.float32, cfg, False, False, False, False)})
+    _use_fake(monkeypatch, fake)
+    p = ce.plan_for(logits, logits)
+    assert p.config.smem
+    key = (v, torch.bfloat16, p.config, False, False, False, False)
+    monkeypatch.setattr(dispatch, "_BUILT", {("cross_entropy", p.path, key)})
     with pytest.raises(RuntimeError, match="PassManager"):
         fused_kernels.cross_entropy(logits.detach().requires_grad_(), target)
 
@@ -766,7 +830,7 @@ class _RegistersFailingSmem(_SplitFailingSmem):
 
 
 def _launch_args(n, v):
-    x = torch.empty(n, v)
+    x = torch.empty(n, v, dtype=torch.bfloat16)
     return (x, torch.zeros(n, dtype=torch.long), x, torch.empty(n), torch.ones(1), None,
             torch.zeros(1, dtype=torch.int32)), dict(ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None)
 
@@ -776,10 +840,7 @@ def test_split_row_build_failure_turns_off_split_rows_only(monkeypatch):
     then takes the unsplit shared-memory row (V = 65536), and later calls go straight to it. (The
     first shape tried holds chunks in registers: its failure turns those shapes off first.)"""
     fake = _SplitFailingSmem()
-    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
-    monkeypatch.setattr(ce, "_SPLIT_FAILED", [])
-    monkeypatch.setattr(ce, "_REGISTERS_FAILED", [])
+    _use_fake(monkeypatch, fake)
     # 128 rows: >= SPLIT_MIN_ROWS_PER_CLUSTER rows for each of the 8 (6) clusters of 2 CTAs on 4 SMs
     args, kwargs = _launch_args(128, 65536)
     with ce_config(sm_count=4, force=None):
@@ -787,9 +848,10 @@ def test_split_row_build_failure_turns_off_split_rows_only(monkeypatch):
             ce.launch_ce(*args, **kwargs)
         messages = [str(w.message) for w in warned]
         assert len(messages) == 2, messages
-        assert "chunks of each row in registers" in messages[0] and "not holding chunks in registers" in messages[0]
-        assert "split over a cluster" in messages[1] and "not splitting rows" in messages[1]
-        assert fake.ctas == [(2, 3), (2, 0), (1, 0)] and ce._SMEM_MODULE == [fake] and ce._SPLIT_FAILED
+        assert "smem-registers kernel" in messages[0] and "not holding chunks in registers" in messages[0]
+        assert "smem-split kernel" in messages[1] and "not splitting rows" in messages[1]
+        assert fake.ctas == [(2, 3), (2, 0), (1, 0)]
+        assert dispatch.path_on("cross_entropy", "smem") and not dispatch.path_on("cross_entropy", "smem-split")
         ce.launch_ce(*args, **kwargs)
         assert fake.ctas[3:] == [(1, 0)]
 
@@ -799,15 +861,13 @@ def test_register_row_build_failure_turns_off_register_rows_only(monkeypatch):
     the same call takes the split row without registers (V = 128256: 4 CTAs), and later calls go
     straight to it."""
     fake = _RegistersFailingSmem()
-    monkeypatch.setattr(ce, "_SMEM_MODULE", [fake])
-    monkeypatch.setattr(ce, "_SMEM_LAUNCHED", set())
-    monkeypatch.setattr(ce, "_SPLIT_FAILED", [])
-    monkeypatch.setattr(ce, "_REGISTERS_FAILED", [])
+    _use_fake(monkeypatch, fake)
     args, kwargs = _launch_args(16 * 8, 128256)  # 8 clusters of 8 CTAs on 8 SMs (6 of 4 for the fallback)
     with ce_config(sm_count=8, force=None):
-        with pytest.warns(RuntimeWarning, match="chunks of each row in registers.*not holding chunks in registers"):
+        with pytest.warns(RuntimeWarning, match="smem-registers kernel.*not holding chunks in registers"):
             ce.launch_ce(*args, **kwargs)
-        assert fake.ctas == [(8, 3), (4, 0)] and ce._REGISTERS_FAILED and not ce._SPLIT_FAILED
+        assert fake.ctas == [(8, 3), (4, 0)] and not dispatch.path_on("cross_entropy", "smem-registers")
+        assert dispatch.path_on("cross_entropy", "smem-split")
         ce.launch_ce(*args, **kwargs)
         assert fake.ctas[2:] == [(4, 0)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 
 import pytest
 import torch
@@ -178,22 +177,22 @@ def test_eager_grads_are_the_forward_buffers(hidden_shape):
         assert_close(got, want, torch.float32, f"d {name}")
 
 
-@pytest.mark.parametrize("budget_mb", (252, 192))  # the default (FUSED_KERNELS_FLCE_CHUNK_MB changes it); the old
-def test_chunk_rule(monkeypatch, budget_mb):
-    budget = budget_mb * 2**20
-    monkeypatch.setitem(flce._CONFIG, "budget_bytes", budget)
-    if budget_mb == 252:
-        assert flce.chunk_rows(8192, 128256, 2) == 1024  # 8 chunks; 250.5 MiB of logits
-        assert flce.chunk_rows(8192, 262144, 2) == 488  # 504 fit: 17 equal chunks of 488 (the last 376)
-        assert flce.chunk_rows(16384, 262144, 2) == 504  # 33 chunks (a 128-row granule: 43 of 384)
-        assert flce.chunk_rows(16384, 151936, 2) == 864  # 869 fit; 19 chunks
-        assert flce.chunk_rows(100, 1000, 2) == 100
-        assert flce.chunk_rows(8192, 32000, 2) == 4096  # 4128 fit; 2 chunks
+@pytest.mark.parametrize("budget_mb", (None, 252, 192))  # the default, the default named, a smaller one
+def test_chunk_rule(budget_mb):
+    budget = (budget_mb or flce.DEFAULT_CHUNK_MB) * 2**20
+    rows_of = lambda n, v, e: flce.chunk_rows(n, v, e, budget_mb)  # noqa: E731
+    if budget_mb != 192:
+        assert rows_of(8192, 128256, 2) == 1024  # 8 chunks; 250.5 MiB of logits
+        assert rows_of(8192, 262144, 2) == 488  # 504 fit: 17 equal chunks of 488 (the last 376)
+        assert rows_of(16384, 262144, 2) == 504  # 33 chunks (a 128-row granule: 43 of 384)
+        assert rows_of(16384, 151936, 2) == 864  # 869 fit; 19 chunks
+        assert rows_of(100, 1000, 2) == 100
+        assert rows_of(8192, 32000, 2) == 4096  # 4128 fit; 2 chunks
     else:
-        assert flce.chunk_rows(8192, 128256, 2) == 752  # 784 fit; 11 chunks of 752 (the last 672)
-        assert flce.chunk_rows(8192, 32000, 2) == 2736  # 3144 fit; 3 chunks of 2736 (the last 2720)
+        assert rows_of(8192, 128256, 2) == 752  # 784 fit; 11 chunks of 752 (the last 672)
+        assert rows_of(8192, 32000, 2) == 2736  # 3144 fit; 3 chunks of 2736 (the last 2720)
     for n, v, e in [(8192, 128256, 2), (8192, 128256, 4), (5000, 151936, 2), (300, 10**7, 2), (7, 10**9, 4)]:
-        rows = flce.chunk_rows(n, v, e)
+        rows = rows_of(n, v, e)
         assert 1 <= rows <= n
         assert rows == 1 or rows * v * e <= budget
         assert rows % 8 == 0 or rows < 8 or rows == n
@@ -201,27 +200,53 @@ def test_chunk_rule(monkeypatch, budget_mb):
 
 def test_default_budget_keeps_the_op_within_256_mib():
     """The default chunk budget (252 MiB) leaves room, at the benchmark's shapes, for the N + V fp32
-    values beside the logits buffer under 256 MiB (issue 6's bound on memory beyond inputs and grads)."""
-    if "FUSED_KERNELS_FLCE_CHUNK_MB" in os.environ:
-        pytest.skip("FUSED_KERNELS_FLCE_CHUNK_MB overrides the default here")
-    assert flce._CONFIG["budget_bytes"] == flce.DEFAULT_CHUNK_MB * 2**20 == 252 * 2**20
+    values beside the logits buffer under 256 MiB (the bound on memory beyond inputs and grads)."""
+    assert flce.check_chunk_mb(None) == flce.DEFAULT_CHUNK_MB * 2**20 == 252 * 2**20
     for n, v in ((8192, 128256), (16384, 262144), (8192, 262144), (8192, 151936), (16384, 32000)):
         rows = flce.chunk_rows(n, v, 2)
         assert rows * v * 2 + (n + v) * 4 <= 256 * 2**20, (n, v, rows)
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf"])
-def test_bad_chunk_budget_names_the_variable(monkeypatch, raw):
-    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", raw)
-    with pytest.raises(ValueError, match=r"FUSED_KERNELS_FLCE_CHUNK_MB=.*positive number of MiB"):
-        flce.budget_from_env()
+def test_plan_says_the_chunk_rows_and_why():
+    p = flce.plan(8192, 128256, 2)
+    assert p == flce.plan(8192, 128256, 2, chunk_mb=252)
+    assert (p.path, p.config) == ("chunks", 1024)
+    assert "1030 rows of 128256 x 2 B fit 252 MiB" in p.reason and "8 chunks of 1024" in p.reason
+    assert flce.plan(8192, 128256, 2, chunk_mb=64.5).config == 256  # 263 fit
+    assert flce.plan(0, 128256, 2).config == 1
+    with chunk_rows(3):
+        assert flce.plan(8192, 128256, 2) == flce.Plan("chunks", 3, "forced (_CONFIG['chunk_rows'])")
 
 
-def test_chunk_budget_from_env(monkeypatch):
-    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", " 64.5 ")
-    assert flce.budget_from_env() == int(64.5 * 2**20)
-    monkeypatch.setenv("FUSED_KERNELS_FLCE_CHUNK_MB", "")
-    assert flce.budget_from_env() == flce.DEFAULT_CHUNK_MB * 2**20
+@pytest.mark.parametrize("bad", ["64", 0, -5, float("nan"), float("inf"), True])
+def test_bad_chunk_budget_says_what_is_expected(bad):
+    with pytest.raises(ValueError, match=r"chunk_mb must be a positive number of MiB"):
+        flce.check_chunk_mb(bad)
+    h, w, t = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    with pytest.raises(ValueError, match=r"chunk_mb must be a positive number of MiB.*got"):
+        fused_kernels.fused_linear_cross_entropy(h, w, t, chunk_mb=bad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_chunk_mb_sets_the_chunks(monkeypatch, reduction):
+    """chunk_mb reaches the chunk loop, in the forward and in the reduction="none" backward: a budget
+    of 60 rows' logits runs 3 chunks over 150 tokens, and the results match the one-chunk default."""
+    gen = torch.Generator().manual_seed(5)
+    h = torch.randn(150, 8, generator=gen, dtype=torch.float64).float()
+    w = torch.randn(4096, 8, generator=gen, dtype=torch.float64).float()
+    t = torch.randint(0, 4096, (150,), generator=gen)
+    seen = []
+    real = flce.chunk_rows
+    monkeypatch.setattr(flce, "chunk_rows", lambda *a: seen.append(real(*a)) or seen[-1])
+    results = []
+    for mb in (60 * 4096 * 4 / 2**20, None):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fused_kernels.fused_linear_cross_entropy(hh, ww, t, reduction=reduction, chunk_mb=mb)
+        (loss.sum() if reduction == "none" else loss).backward()
+        results.append((loss.detach(), hh.grad, ww.grad))
+    assert seen == ([56, 150] if reduction == "mean" else [56, 56, 150, 150]), seen  # 60 fit: 3 chunks of 56
+    for a, b, name in zip(results[0], results[1], ("loss", "grad hidden", "grad weight")):
+        assert_close(a, b, torch.float32, f"{name}: 3 chunks against 1")
 
 
 def test_default_chunks_and_no_grad():
@@ -334,10 +359,13 @@ def test_opcheck():
         torch.library.opcheck(fwd, grad_args, test_utils=NO_AOT)
         # reduction="none" saves its inputs and recomputes: nothing is mutated, so the aot test runs too.
         torch.library.opcheck(fwd, grad_args[:6] + ("none",) + grad_args[7:])
+        torch.library.opcheck(fwd, grad_args[:6] + ("none",) + grad_args[7:] + (0.5,))  # chunk_mb: 0.5 MiB
         torch.library.opcheck(torch.ops.fused_kernels.fused_linear_cross_entropy_scale_grads.default,
                               (torch.randn(5, 8), torch.randn(12, 8), torch.randn(12), torch.tensor(0.25)))
         torch.library.opcheck(torch.ops.fused_kernels.fused_linear_cross_entropy_bwd_none.default,
                               (torch.rand(5), h, w, t, b, -100, 0.0, 0.0, 0.0, 1.0, True, True, True))
+        torch.library.opcheck(torch.ops.fused_kernels.fused_linear_cross_entropy_bwd_none.default,
+                              (torch.rand(5), h, w, t, b, -100, 0.0, 0.0, 0.0, 1.0, True, True, True, 0.5))
 
 
 def test_torch_compile_fullgraph_no_graph_breaks():

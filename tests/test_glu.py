@@ -346,6 +346,26 @@ def test_block_config():
             assert cfg.block_m <= triton_pow2(n_rows) and 1 <= cfg.num_warps <= 32
 
 
+def test_plan_for_named_shapes():
+    """plan() names the layout path, the tile and why: SwiGLU 16384 x 14336 bf16 contiguous (one flat
+    row) and as the halves of a fused gate_up output (row stride 2 x 14336); fp32 tiles are half as
+    long; offsets past 2**31 switch to 64-bit indexing."""
+    G = glu.GluConfig
+    p = glu.plan(16384, 14336, 2, "fwd")
+    assert (p.path, p.config) == ("flat", G(1, 4096, 8, True, False, 16384 * 14336 // 4096))
+    assert "1 x 4096 tiles" in p.reason and "no masks" in p.reason and "32-bit" in p.reason
+    p = glu.plan(16384, 14336, 2, "bwd", row_strides=(28672, 28672, 14336))
+    assert (p.path, p.config) == ("rows", G(2, 2048, 8, True, False, 8192 * 7))
+    p = glu.plan(16384, 14336, 4, "fwd", row_strides=(28672, 28672, 14336))
+    assert p.config[:4] == (1, 2048, 8, True)
+    p = glu.plan(5, 4097, 2, "fwd", row_strides=(4097, 4097, 4097))
+    assert p.config.even is False and "masked" in p.reason
+    p = glu.plan(70000, 16384, 2, "bwd", row_strides=(32768, 32768, 16384))  # 70000 x 32768 > 2**31
+    assert p.config.wide_index and "64-bit" in p.reason
+    assert not glu.plan(60000, 16384, 2, "bwd", row_strides=(32768, 32768, 16384)).config.wide_index
+    assert glu.plan(1, 1, 4, "fwd").config == G(1, 1, 1, True, False, 1)
+
+
 def triton_pow2(n):
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 

@@ -39,7 +39,7 @@ def rotate_half_interleaved(x):
 
 
 def reference_rope(q, k, cos, sin, unsqueeze_dim=1, interleaved=False):
-    """q*cos + rotate(q)*sin on the leading rot channels, the rest passed through; all in float64.
+    """q*cos + rotate(q)*sin on the first rot channels, the rest passed through; all in float64.
     A (seq, rot) cos broadcasts over batch, whatever the layout."""
     cos, sin = cos.to(torch.float64), sin.to(torch.float64)
     if cos.dim() == 2:
@@ -665,3 +665,20 @@ def test_real_size_one_tensor_gemma4_layout():
                            ("grad x", grad_x, g.float() * c + rotate_half(g.float()) * -s)):
         assert torch.isfinite(out).all(), name
         assert_close(out, ref, torch.bfloat16, name)
+
+
+def test_plan_for_named_shapes():
+    """plan(): under the interpreter (or forced) one fixed config, on a GPU triton.autotune; Llama-3-8B
+    (16384 tokens, 32 / 8 heads, head_dim 128) and a tiny GQA shape."""
+    p = rope_module.plan(16384, 32, 8, 128, interpreted=True)
+    assert (p.path, p.config) == ("fixed", rope_module.RopeConfig(1, 32, 8, 4))
+    assert "interpreter" in p.reason and "16384 programs" in p.reason
+    p = rope_module.plan(16384, 32, 8, 128, interpreted=False)
+    assert (p.path, p.config) == ("autotune", None) and "candidate_configs(32, 8, 128, 16384)" in p.reason
+    p = rope_module.plan(6, 3, 1, 16, interpreted=True)
+    assert p.config == rope_module.RopeConfig(8, 4, 1, 4) and "1 programs" in p.reason
+    with launch_config_override((2, 2, 1)):
+        p = rope_module.plan(16384, 32, 8, 128, interpreted=False)
+        assert (p.path, p.config) == ("fixed", rope_module.RopeConfig(2, 2, 1, num_warps=4))
+        assert "forces" in p.reason
+

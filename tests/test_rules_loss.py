@@ -659,6 +659,37 @@ def test_return_logits_variable_is_validated():
         load_settings({"AUTOPATCH_RETURN_LOGITS": "sometimes"})
 
 
+def test_flce_chunk_setting_reaches_the_kernel(kernels, monkeypatch):
+    """FUSED_KERNELS_FLCE_CHUNK_MB (Settings.flce_chunk_mb) is the chunk_mb every fused training call
+    passes to fused_linear_cross_entropy; unset, the kernel's default (None); the loss and gradients do
+    not depend on it."""
+    model = _build("llama")
+    ids, labels = _inputs()
+    ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
+    assert loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    flce = __import__("importlib").import_module("fused_kernels.fused_linear_cross_entropy")
+    seen = []
+    real = flce.chunk_rows
+    monkeypatch.setattr(flce, "chunk_rows", lambda n, v, e, mb=None: seen.append(mb) or real(n, v, e, mb))
+    for mb in (None, 1):
+        monkeypatch.setattr(loss_runtime, "flce_chunk_mb", lambda mb=mb: mb)
+        seen.clear()
+        out, grads = _train_step(model, input_ids=ids, labels=labels)
+        assert seen and all(x == (float(mb) if mb else None) for x in seen), (mb, seen)
+        assert_close(out.loss, ref_out.loss, FP32, f"chunk_mb={mb}: loss")
+        for pname, ref_grad in ref_grads.items():
+            assert_close(grads[pname], ref_grad, FP32, f"chunk_mb={mb}: grad {pname}")
+
+
+def test_flce_chunk_variable_is_validated():
+    from autopatch.config import ConfigError, load_settings
+
+    assert load_settings({}).flce_chunk_mb is None
+    assert load_settings({"FUSED_KERNELS_FLCE_CHUNK_MB": " 128 "}).flce_chunk_mb == 128
+    with pytest.raises(ConfigError, match="FUSED_KERNELS_FLCE_CHUNK_MB.*positive whole number of MiB"):
+        load_settings({"FUSED_KERNELS_FLCE_CHUNK_MB": "lots"})
+
+
 # --- torch.nn.CrossEntropyLoss in modules whose causal LM computes its own loss ------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -184,11 +184,12 @@ class LMHeadStandIn:
 class FusedLinearLossCall:
     """One forward call of a patched model that computes its loss with fused_linear_cross_entropy."""
 
-    def __init__(self, lm_head, logit_scale, softcap, keep_logits=False):
+    def __init__(self, lm_head, logit_scale, softcap, keep_logits=False, chunk_mb=None):
         self.lm_head = lm_head
         self.logit_scale = logit_scale
         self.softcap = softcap
         self.keep_logits = keep_logits  # the output carries the (no-grad) logits instead of None
+        self.chunk_mb = chunk_mb  # FUSED_KERNELS_FLCE_CHUNK_MB (None: the kernel's default)
         self.hidden_states = None
         self.stand_in_logits = None
         self.lm_head_stand_in = LMHeadStandIn(self, lm_head)
@@ -224,7 +225,7 @@ class FusedLinearLossCall:
         return reduce_like_fixed_cross_entropy(
             lambda reduction: fk.fused_linear_cross_entropy(
                 hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
-                softcap=self.softcap, logit_scale=self.logit_scale,
+                softcap=self.softcap, logit_scale=self.logit_scale, chunk_mb=self.chunk_mb,
             ),
             num_items_in_batch,
         )
@@ -384,7 +385,8 @@ def _start_fused_call(model, patch: LossPatch):
             "run as the model defines them",
         )
         return None
-    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], keep_logits=keep_logits())
+    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], keep_logits=keep_logits(),
+                               chunk_mb=flce_chunk_mb())
 
 
 _mode_read: list[str] = []
@@ -403,6 +405,24 @@ def return_logits_mode() -> str:
 
         _mode_read.append(load_settings().return_logits)
     return _mode_read[0]
+
+
+_chunk_read: list = []
+
+
+def flce_chunk_mb():
+    """FUSED_KERNELS_FLCE_CHUNK_MB (MiB, or None for the kernel's default): from the settings the import
+    hooks loaded, else read once from the environment (autopatch.apply without the hooks)."""
+    from autopatch import hooks
+
+    settings = hooks.active_settings()
+    if settings is not None:
+        return settings.flce_chunk_mb
+    if not _chunk_read:
+        from autopatch.config import load_settings
+
+        _chunk_read.append(load_settings().flce_chunk_mb)
+    return _chunk_read[0]
 
 
 def keep_logits() -> bool:

@@ -188,7 +188,8 @@ def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
                       variant="ForCausalLMLoss -> fused_kernels.cross_entropy")
     patch.fused_linear = True
     _watch_runs()
-    runtime.return_logits_mode()  # read the setting now, eagerly, not first inside a compiled forward
+    runtime.return_logits_mode()  # read the settings now, eagerly, not first inside a compiled forward
+    runtime.flce_chunk_mb()
     patching.replace(cls, "lm_head", runtime.make_lm_head_property())
     patching.replace(cls, "forward", runtime.make_forward(forward, patch))
     return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
