@@ -19,12 +19,26 @@ architecture; no forward is copied):
   - otherwise `loss_function` returns what transformers would (a user-set loss included), with
     ForCausalLMLoss replaced by `fused_causal_lm_loss` when the cross_entropy kernel is on.
 
-In that fused case the output's `logits` is None (a tuple output holds None at its position): the full
-logits are exactly what the fused kernel avoids materialising. With AUTOPATCH_RETURN_LOGITS=true (or
-auto, the default, while `trl` is loaded: TRL's SFTTrainer reads the logits in training) the stand-in
-returns the real lm_head output computed without a graph instead, the forward's own transformations run
-on it and the output keeps it; the loss and its gradients still come from the fused kernel. Eval, no
-labels, or no grad: the original forward runs untouched and returns the logits.
+What the fused case returns in the logits slot (a tuple output keeps every position), by
+AUTOPATCH_RETURN_LOGITS:
+  - auto (default): a LazyLogits, a tensor of the logits' shape and dtype with no storage. The full
+    logits are what the fused kernel avoids materialising, and most training loops never read them;
+    a loop that does (TRL's older SFTTrainer for its metrics, a custom loss) gets them computed on the
+    first read: lm_head over the kept final hidden states, the logits transformations, with a graph
+    when grad is on, so a loss built on them trains as on the plain model's. Reading metadata
+    (shape, dtype, device, size(), dim()) computes nothing. So what is actually read decides, not
+    which library is imported;
+  - true: the real logits computed at once (no graph; the loss and its gradients come from the fused
+    kernel);
+  - false: None.
+Side outputs of the same pass, as attributes of a ModelOutput (not fields: to_tuple() and the
+layout stay the model's): `token_loss` (float32, the labels' shape, each target's loss, 0 where
+ignored; free) and `is_top1` (bool, whether the target is the most likely token, False where
+ignored; one more read of each logits chunk, skipped with AUTOPATCH_RETURN_LOGITS=false), so token
+accuracy and per-token losses need no [tokens, vocab] tensor. Position i scores labels[i + 1] (the
+shifted targets), as ForCausalLMLoss does. Eager only: under torch.compile the slot holds None (or
+the real logits with true) and there are no side outputs.
+Eval, no labels, or no grad: the original forward runs untouched and returns the logits.
 
 Nothing here swaps attributes of instances except `_autopatch_flce_call`, a plain Python attribute set
 and cleared around the call, which torch.compile(fullgraph=True) traces as a side effect.
@@ -174,7 +188,7 @@ class LMHeadStandIn:
 
     def __call__(self, hidden_states):
         self._call.hidden_states = hidden_states
-        if self._call.keep_logits:
+        if self._call.logits_mode == "true":
             # the real logits, without a graph: the loss comes from the fused kernel all the same
             with torch.no_grad():
                 return self._lm_head(hidden_states)
@@ -184,11 +198,14 @@ class LMHeadStandIn:
 class FusedLinearLossCall:
     """One forward call of a patched model that computes its loss with fused_linear_cross_entropy."""
 
-    def __init__(self, lm_head, logit_scale, softcap, keep_logits=False, chunk_mb=None):
+    def __init__(self, lm_head, logit_scale, softcap, logits_mode="false", chunk_mb=None):
         self.lm_head = lm_head
         self.logit_scale = logit_scale
         self.softcap = softcap
-        self.keep_logits = keep_logits  # the output carries the (no-grad) logits instead of None
+        # AUTOPATCH_RETURN_LOGITS: "true" real no-grad logits, "auto" a LazyLogits, "false" None
+        self.logits_mode = logits_mode
+        self.stats = None  # the kernel's side outputs (eager calls)
+        self.target_shape = None
         self.chunk_mb = chunk_mb  # FUSED_KERNELS_FLCE_CHUNK_MB (None: the kernel's default)
         self.hidden_states = None
         self.stand_in_logits = None
@@ -222,10 +239,15 @@ class FusedLinearLossCall:
                 f"mat1 and mat2 must have the same dtype, but got {hidden.dtype} and {weight.dtype}"
             )
         fk = kernels()
+        stats = None
+        if not torch.compiler.is_compiling():
+            stats = {"token_loss": None} if self.logits_mode == "false" else {"token_loss": None, "is_top1": None}
+            self.stats = stats
+            self.target_shape = (labels if shift_labels is None else shift_labels).shape
         return reduce_like_fixed_cross_entropy(
             lambda reduction: fk.fused_linear_cross_entropy(
                 hidden, weight, target, bias=bias, ignore_index=ignore_index, reduction=reduction,
-                softcap=self.softcap, logit_scale=self.logit_scale, chunk_mb=self.chunk_mb,
+                softcap=self.softcap, logit_scale=self.logit_scale, chunk_mb=self.chunk_mb, stats=stats,
             ),
             num_items_in_batch,
         )
@@ -238,17 +260,52 @@ class FusedLinearLossCall:
         self.hidden_states = None
         self.stand_in_logits = None
         self.lm_head_stand_in = None
+        self.stats = None
 
-    def drop_logits(self, output):
-        """The forward's output with None for the stand-in logits, unless they are real. A tuple keeps
-        its length: every later element stays at the position the plain model gives it."""
+    def _lazy_logits(self, stand_in):
+        """The LazyLogits for this call's output, or None where it cannot be made (compiling)."""
+        hidden = self.hidden_states
+        if hidden is None or torch.compiler.is_compiling():
+            return None
+        lm_head, scale, softcap = self.lm_head, self.logit_scale, self.softcap
+        device_type = hidden.device.type
+        autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+        def compute():
+            # what lm_head and the forward's transformations give, in the autocast state of the call
+            with torch.autocast(device_type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                z = lm_head(hidden)
+            if scale != 1.0:
+                z = z * scale
+            if softcap is not None:
+                z = torch.tanh(z / softcap) * softcap
+            return z.to(stand_in.dtype)
+
+        shape = (*stand_in.shape[:-1], lm_head.out_features)
+        return LazyLogits(shape, stand_in.dtype, stand_in.device, compute)
+
+    def finish_output(self, output):
+        """The forward's output with the stand-in logits replaced (AUTOPATCH_RETURN_LOGITS: None, a
+        LazyLogits, or kept when real) and the side outputs attached. A tuple keeps its length: every
+        later element stays at the position the plain model gives it."""
         stand_in = self.stand_in_logits
-        if stand_in is None or self.keep_logits:
+        if stand_in is None:
             return output
-        if isinstance(output, tuple):
-            return tuple(None if x is stand_in else x for x in output)
-        fields = {k: v for k, v in output.items() if v is not stand_in}
-        return type(output)(**fields)
+        if self.logits_mode != "true":
+            replacement = self._lazy_logits(stand_in) if self.logits_mode == "auto" else None
+            if isinstance(output, tuple):
+                return tuple(replacement if x is stand_in else x for x in output)
+            # the replacement keeps the logits' place among the fields (to_tuple() order); None drops out
+            fields = {k: replacement if v is stand_in else v for k, v in output.items()
+                      if v is not stand_in or replacement is not None}
+            output = type(output)(**fields)
+        if self.stats is not None and not isinstance(output, tuple):
+            for key in ("token_loss", "is_top1"):
+                value = self.stats.get(key)
+                # plain attributes: ModelOutput keeps them out of its keys, so to_tuple() is unchanged
+                object.__setattr__(output, key, None if value is None else value.reshape(self.target_shape))
+        return output
+
 
 
 def _labels_position(forward) -> int | None:
@@ -286,7 +343,7 @@ def make_forward(original_forward, patch: LossPatch):
         setattr(self, CALL_ATTR, call)
         try:
             output = original_forward(self, *args, **kwargs)
-            return call.drop_logits(output)
+            return call.finish_output(output)
         finally:
             setattr(self, CALL_ATTR, None)
             call.close()
@@ -385,7 +442,7 @@ def _start_fused_call(model, patch: LossPatch):
             "run as the model defines them",
         )
         return None
-    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], keep_logits=keep_logits(),
+    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], logits_mode=return_logits_mode(),
                                chunk_mb=flce_chunk_mb())
 
 
@@ -426,22 +483,102 @@ def flce_chunk_mb():
 
 
 def keep_logits() -> bool:
-    """Whether a fused training call also returns the logits: AUTOPATCH_RETURN_LOGITS=true, or auto
-    (the default) while `trl` is loaded: TRL's SFTTrainer reads outputs.logits for its entropy and
-    token-accuracy metrics and fails on None."""
-    mode = return_logits_mode()
-    if mode == "auto":
-        import sys
+    """Whether a fused training call returns the real logits at once (AUTOPATCH_RETURN_LOGITS=true).
+    auto returns a LazyLogits instead (see the module docstring)."""
+    return return_logits_mode() == "true"
 
-        if "trl" not in sys.modules:
-            return False
-        _notice_once(
-            "fused_linear_cross_entropy",
-            "trl is loaded, so fused training calls also return the logits (no grad; tokens x vocab memory) "
-            "for TRL's entropy and token-accuracy metrics; AUTOPATCH_RETURN_LOGITS=false leaves them out",
-        )
-        return True
-    return mode == "true"
+
+class LazyLogits(torch.Tensor):
+    """The logits of a fused training call, computed only when read.
+
+    A tensor subclass with the logits' shape, dtype and device but no storage. Metadata reads (shape,
+    dtype, device, size(), dim(), requires_grad) and repr() compute nothing; any other use (an op, a
+    method, indexing) computes the real logits once (lm_head over the call's final hidden states,
+    then the forward's scale and softcap; with a graph when grad is enabled, so a loss built on them
+    back-propagates as on the plain model's), says so once per process on stderr, and runs on them.
+    `materialize()` gives them as a plain tensor. Holding a LazyLogits keeps the final hidden states
+    (and their graph) alive, as the plain model's logits would keep theirs."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, compute):
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        t._compute = compute
+        t._value = None
+        return t
+
+    def materialize(self) -> torch.Tensor:
+        if self._value is None:
+            _notice_once(
+                "fused_linear_cross_entropy",
+                "a fused training call's logits were read, so they were computed (tokens x vocab memory); "
+                "outputs.token_loss and outputs.is_top1 give per-token losses and top-1 without them, "
+                "AUTOPATCH_RETURN_LOGITS=false returns None instead",
+            )
+            self._value = self._compute()
+            self._compute = None
+        return self._value
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"LazyLogits(shape={tuple(self.shape)}, dtype={self.dtype}, computed={self._value is not None})"
+
+    def _lazy_cast(self, dtype):
+        """A LazyLogits of another dtype over the same computation (accelerate's mixed-precision wrapper
+        calls .float() on every bf16 tensor of an output; that alone must not compute the logits)."""
+        if dtype == self.dtype:
+            return self
+        return LazyLogits(self.shape, dtype, self.device, lambda: self.materialize().to(dtype))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _LAZY_METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _LAZY_CASTS and isinstance(args[0], LazyLogits) and args[0]._value is None:
+            dtype = _cast_dtype(func, args[1:], kwargs)
+            if dtype is not None:
+                return args[0]._lazy_cast(dtype)
+        from torch.utils._pytree import tree_map
+
+        def real(x):
+            return x.materialize() if isinstance(x, LazyLogits) else x
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # reached only by code below torch functions (C++ callers); __torch_function__ handles Python's
+        from torch.utils._pytree import tree_map
+
+        def real(x):
+            return x.materialize().detach() if isinstance(x, LazyLogits) else x
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs or {}))
+
+
+_LAZY_CASTS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+               torch.Tensor.bfloat16: torch.bfloat16, torch.Tensor.double: torch.float64, torch.Tensor.to: None}
+
+
+def _cast_dtype(func, args, kwargs):
+    """The dtype a cast asks for, or None when it does more than change the dtype (a device, a copy,
+    a memory format: then the logits are computed)."""
+    fixed = _LAZY_CASTS[func]
+    if fixed is not None:
+        return fixed if not args and not kwargs else None
+    if len(args) == 1 and not kwargs and isinstance(args[0], torch.dtype):
+        return args[0]
+    if not args and set(kwargs) == {"dtype"} and isinstance(kwargs["dtype"], torch.dtype):
+        return kwargs["dtype"]
+    return None
+
+
+_LAZY_METADATA = {torch.Tensor.size, torch.Tensor.dim} | {
+    getattr(torch.Tensor, name).__get__
+    for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout", "is_leaf", "grad_fn",
+                 "is_sparse", "is_quantized", "is_meta", "is_nested")
+}
 
 
 _noticed: set[str] = set()

@@ -9,7 +9,7 @@ Kernels:
   fused_linear_cross_entropy  the class's forward is wrapped so that in training with labels the
                               lm_head + loss run as fused_kernels.fused_linear_cross_entropy without
                               full logits (see autopatch.rules._causal_lm_loss for the mechanism;
-                              logits are None in that output). Only for forwards whose logits
+                              the logits slot holds a LazyLogits or None). Only for forwards whose logits
                               transformations are all in the LOGIT_STEPS table
                               (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
 With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
