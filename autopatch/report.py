@@ -136,15 +136,19 @@ def watch_training() -> None:
         pass  # an old torch without the global hook: training calls still count
 
 
-def note_bypass(kernel: str, target: str, why: str, model_type: str = "", *, certain: bool = False) -> None:
-    """The component a patch replaced was passed over by its caller (`why`: who and how, e.g. TRL's own
-    fused LM head). Kept for the exit check (the first one per kernel). With `certain` (the caller is
-    known to bypass the patch on every call) strict mode stops here, as it does for a kernel left
-    alone: raises StrictModeError naming the override."""
+def note_bypass(kernel: str, target: str, why: str, model_type: str = "", *, certain: bool = False,
+                fallback: bool = False) -> None:
+    """The component a patch replaced was passed over (`why`: who and how, e.g. TRL's own fused LM
+    head), kept for the exit check: per kernel the strongest seen, a `certain` bypass (the caller is
+    known to pass the patch over on every call) before a `fallback` (the patched code itself chose
+    the original, e.g. a wrapped lm_head) before anything else (a read that may be harmless), the
+    first of each. With `certain`, strict mode stops here, as it does for a kernel left alone:
+    raises StrictModeError naming the override."""
+    rank = 2 if certain else 1 if fallback else 0
     with _lock:
-        first = kernel not in _bypassed
-        if first or certain and not _bypassed[kernel].get("certain"):
-            _bypassed[kernel] = {"why": why, "target": target, "model_type": model_type, "certain": certain}
+        if kernel not in _bypassed or rank > _bypassed[kernel]["rank"]:
+            _bypassed[kernel] = {"why": why, "target": target, "model_type": model_type, "certain": certain,
+                                 "rank": rank}
     if certain and _strict:
         with _lock:
             _bypassed[kernel]["raised"] = True  # said by the exception: the exit check stays quiet

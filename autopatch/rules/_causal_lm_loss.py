@@ -206,6 +206,7 @@ class FusedLinearLossCall:
         self.logits_mode = logits_mode
         self.stats = None  # the kernel's side outputs (eager calls)
         self.target_shape = None
+        self.through_module = False  # ZeRO-3: the loss runs inside a call of lm_head (its hooks gather it)
         self.chunk_mb = chunk_mb  # FUSED_KERNELS_FLCE_CHUNK_MB (None: the kernel's default)
         self.hidden_states = None
         self.stand_in_logits = None
@@ -226,18 +227,25 @@ class FusedLinearLossCall:
             raise ValueError(
                 f"Expected input batch_size ({hidden.shape[0]}) to match target batch_size ({target.shape[0]})."
             )
-        weight = self.lm_head.weight
-        bias = self.lm_head.bias
         device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             # nn.Linear under autocast runs in the autocast dtype; the custom op is not autocast-aware
-            dtype = torch.get_autocast_dtype(device_type)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
-        elif hidden.dtype != weight.dtype:
+            hidden = hidden.to(torch.get_autocast_dtype(device_type))
+        elif hidden.dtype != self.lm_head.weight.dtype:
             raise RuntimeError(
-                f"mat1 and mat2 must have the same dtype, but got {hidden.dtype} and {weight.dtype}"
+                f"mat1 and mat2 must have the same dtype, but got {hidden.dtype} and {self.lm_head.weight.dtype}"
             )
+        if self.through_module:
+            # ZeRO-3: the loss runs as lm_head's forward, so DeepSpeed's hooks gather its parameters
+            return run_through_module(self.lm_head, hidden, lambda h: self._fused_loss(
+                h, target, labels, shift_labels, ignore_index, num_items_in_batch))
+        return self._fused_loss(hidden, target, labels, shift_labels, ignore_index, num_items_in_batch)
+
+    def _fused_loss(self, hidden, target, labels, shift_labels, ignore_index, num_items_in_batch):
+        weight, bias = self.lm_head.weight, self.lm_head.bias
+        if weight.dtype != hidden.dtype:  # autocast
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
         fk = kernels()
         stats = None
         if not torch.compiler.is_compiling():
@@ -417,17 +425,22 @@ def _start_fused_call(model, patch: LossPatch):
     if patch.base_loss_property.fget(model) is not _original_causal_lm_loss():
         return None  # a user-set loss_function or a config loss_type other than ForCausalLM
     lm_head = model._modules.get("lm_head")
-    if not _probe.plain_linear(lm_head):
+    through_module = zero3_partitioned(lm_head)
+    if through_module:
+        if not zero3_can_gather(lm_head, model):
+            return None  # said once: the model's own head (its hooks gather it) and loss run
+    elif not _probe.plain_linear(lm_head):
         _notice_once(
             "fused_linear_cross_entropy",
             f"{type(model).__name__}.lm_head is not a plain nn.Linear here (a subclass, hooks, accelerate "
-            "or FSDP wrapping); lm_head and the loss run as the model defines them",
+            "or FSDP wrapping); lm_head and the loss run as the model defines them", model,
         )
         return None
     if lm_head.weight.dtype not in KERNEL_DTYPES:
         _notice_once(
             "fused_linear_cross_entropy",
             f"lm_head weight of dtype {lm_head.weight.dtype}; lm_head and the loss run as the model defines them",
+            model,
         )
         return None
     if not kernels().triton_can_run(lm_head.weight):
@@ -439,11 +452,69 @@ def _start_fused_call(model, patch: LossPatch):
         _notice_once(
             "fused_linear_cross_entropy",
             f"{type(model).__name__}: a logits scale or softcap is not a plain number; lm_head and the loss "
-            "run as the model defines them",
+            "run as the model defines them", model,
         )
         return None
-    return FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], logits_mode=return_logits_mode(),
+    call = FusedLinearLossCall(lm_head, logit_scale=values[0], softcap=values[1], logits_mode=return_logits_mode(),
                                chunk_mb=flce_chunk_mb())
+    call.through_module = through_module
+    return call
+
+
+# --------------------------------------------------------------------------- DeepSpeed ZeRO-3
+# Under ZeRO-3 every parameter is partitioned: outside its module's forward, `lm_head.weight` is an
+# empty tensor (ds_status NOT_AVAILABLE; the full size in ds_numel), gathered by the hooks DeepSpeed
+# puts on the module only while the module itself runs. A fused loss that read lm_head.weight inside
+# the model's forward without calling lm_head would read that empty tensor. So the fused loss runs as
+# lm_head's forward for one call (an instance `forward` set and removed around `lm_head(hidden)`):
+# DeepSpeed's pre-forward hook gathers the weight and bias, the kernel computes the loss and every
+# gradient with them, the post-forward hook releases them and hooks the loss so that the backward
+# gathers them again before the gradients are accumulated, exactly as for the model's own lm_head
+# call (DeepSpeed's gradient hooks then reduce-scatter the full-shape gradient). Its prefetch trace
+# sees lm_head called where the model calls it. Where that cannot be done (hooks that are not
+# DeepSpeed's, no DeepSpeed hook at all, an lm_head subclass), the model's own lm_head and loss run,
+# with one notice: never a loss over an empty weight.
+
+
+def zero3_partitioned(lm_head) -> bool:
+    """Whether lm_head's weight is a ZeRO-3 partitioned parameter (the attributes DeepSpeed sets)."""
+    weight = getattr(lm_head, "weight", None)
+    return all(hasattr(weight, name) for name in ("ds_id", "ds_status", "ds_numel"))
+
+
+def zero3_can_gather(lm_head, model=None) -> bool:
+    """Whether the fused loss can run inside a call of this ZeRO-3 lm_head: a plain nn.Linear whose
+    hooks are all DeepSpeed's, with a pre-forward one (the gather). Otherwise one notice, False."""
+    pre = list(lm_head._forward_pre_hooks.values())
+    hooks = pre + list(lm_head._forward_hooks.values())
+    why = None
+    if not (type(lm_head) is nn.Linear and "forward" not in lm_head.__dict__):
+        why = "is not a plain nn.Linear"
+    elif not any(_from_deepspeed(h) for h in pre):
+        why = "has no DeepSpeed hook to gather it"
+    elif not all(_from_deepspeed(h) for h in hooks):
+        why = "has hooks that are not DeepSpeed's"
+    if why is None:
+        return True
+    _notice_once(
+        "fused_linear_cross_entropy",
+        f"lm_head is a ZeRO-3 partitioned parameter but {why}; lm_head and the loss run as the model defines them",
+        model,
+    )
+    return False
+
+
+def _from_deepspeed(hook) -> bool:
+    return (getattr(hook, "__module__", None) or "").startswith("deepspeed")
+
+
+def run_through_module(lm_head, hidden, loss_fn):
+    """loss_fn(hidden) computed as lm_head's forward for one call, inside its hooks."""
+    lm_head.forward = loss_fn  # an instance attribute: nn.Module.__call__ runs it between the hooks
+    try:
+        return lm_head(hidden)
+    finally:
+        del lm_head.forward
 
 
 _mode_read: list[str] = []
@@ -534,6 +605,12 @@ class LazyLogits(torch.Tensor):
         if func in _LAZY_METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func is torch.Tensor.detach and len(args) == 1 and not kwargs and args[0]._value is None:
+            # DeepSpeed ZeRO-3 passes every output tensor of a module through an autograd function
+            # whose forward is `outputs.detach()`; that alone must not compute the logits (it would
+            # run lm_head inside DeepSpeed's hook)
+            parent = args[0]
+            return LazyLogits(parent.shape, parent.dtype, parent.device, lambda: parent.materialize().detach())
         if func in _LAZY_CASTS and isinstance(args[0], LazyLogits) and args[0]._value is None:
             dtype = _cast_dtype(func, args[1:], kwargs)
             if dtype is not None:
@@ -584,13 +661,18 @@ _LAZY_METADATA = {torch.Tensor.size, torch.Tensor.dim} | {
 _noticed: set[str] = set()
 
 
-def _notice_once(kernel: str, detail: str) -> None:
+def _notice_once(kernel: str, detail: str, model=None) -> None:
     """One stderr line per distinct reason a fused loss did not apply for reasons other than where
     Triton runs (report.fallback_notice covers those). Skipped while torch.compile traces: printing
-    would break the graph."""
+    would break the graph. With `model` (a fused call that falls back), the reason is also the exit
+    check's answer if the fused loss never runs (report.note_bypass)."""
     if torch.compiler.is_compiling() or detail in _noticed:
         return
     _noticed.add(detail)
+    if model is not None:
+        model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
+        report.note_bypass(kernel, type(model).__name__, f"the patched forward fell back: {detail}", model_type,
+                           fallback=True)
     import sys
 
     print(f"autopatch: {kernel}: {detail}", file=sys.stderr)
