@@ -12,9 +12,11 @@ the model defines it, with one notice.
   - real DeepSpeed (optional: the `deepspeed` extra), when it is installed: ZeRO-3 and ZeRO-2 at world
     size 1 on the CPU (gloo) in a subprocess, 2 optimizer steps of a tiny Llama, plain and with every
     kernel patched: the same losses and final parameters within the float32 bound, and the fused
-    linear cross entropy ran on every step.
+    linear cross entropy ran on every step; and the HF Trainer with `deepspeed=` (ZeRO-3), plain and
+    patched by FUSED_KERNELS=all alone, the same logged losses.
 
-    python tests/test_stack_deepspeed.py STAGE OUT.pt      (the subprocess's entry point)
+    python tests/test_stack_deepspeed.py STAGE OUT.pt                (the subprocesses' entry points)
+    python tests/test_stack_deepspeed.py trainer OUT.pt OUTPUT_DIR
 """
 
 from __future__ import annotations
@@ -150,6 +152,59 @@ def test_deepspeed_zero_plain_vs_patched(stage, tmp_path):
         assert launches.get(f"{kernel}_fwd", 0) > 0 and launches.get(f"{kernel}_bwd", 0) > 0, (kernel, launches)
 
 
+@pytest.mark.slow
+def test_hf_trainer_deepspeed_zero3_patched_by_environment_alone(tmp_path):
+    """TrainingArguments(deepspeed=ZeRO-3 config), 2 optimizer steps of gradient accumulation 2: plain,
+    then a fresh process with FUSED_KERNELS=all: the same logged losses, the fused linear cross
+    entropy on every micro-batch (Trainer's num_items_in_batch reaching it)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional test dependency (pip install -e .[deepspeed])")
+    from helpers import assert_close
+    from test_e2e_env import clean_env
+
+    runs = {}
+    for name, extra in (("plain", {}), ("patched", {"FUSED_KERNELS": "all"})):
+        out = tmp_path / f"{name}.pt"
+        proc = subprocess.run([sys.executable, str(Path(__file__)), "trainer", str(out), str(tmp_path / name)],
+                              env=clean_env(PYTHONPATH=str(REPO), MASTER_PORT=str(29100 + os.getpid() % 400), **extra),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{name} worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        runs[name] = torch.load(out, weights_only=False)
+    plain, patched = runs["plain"], runs["patched"]
+    assert len(plain["losses"]) == 2 and plain["launches"] == {}, plain
+    for step, (a, b) in enumerate(zip(patched["losses"], plain["losses"]), 1):
+        assert_close(torch.tensor(a), torch.tensor(b), F32, f"Trainer ZeRO-3 loss of step {step}")
+    launches = patched["launches"]
+    assert launches.get("fused_linear_cross_entropy_fwd") == 4 and launches.get("fused_linear_cross_entropy_bwd") == 4, \
+        launches
+
+
+def _train_hf_trainer_zero3(output_dir: str) -> dict:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class LossLog(TrainerCallback):
+        def __init__(self):
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "fp16": {"enabled": False}, "bf16": {"enabled": False}}
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, max_steps=2,
+        per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="constant",
+        seed=0, dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, deepspeed=config,
+    )
+    log = LossLog()
+    trainer = Trainer(model=stack_worker.tiny_llama(), args=args, train_dataset=stack_worker.VariableLengthDataset(),
+                      data_collator=stack_worker.pad_collate, callbacks=[log])
+    trainer.train()
+    return {"losses": log.losses, "launches": stack_worker.launches()}
+
+
 def _train_zero(stage: int, patch: bool) -> dict:
     import deepspeed
 
@@ -182,9 +237,12 @@ def _train_zero(stage: int, patch: bool) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    stage, out = int(argv[0]), argv[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", "29561")
+    if argv[0] == "trainer":
+        torch.save(_train_hf_trainer_zero3(argv[2]), argv[1])
+        return 0
+    stage, out = int(argv[0]), argv[1]
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
