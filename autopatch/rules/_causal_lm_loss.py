@@ -688,8 +688,8 @@ def make_lm_head_property():
         call = getattr(self, CALL_ATTR)
         if call is not None:
             return call.lm_head_stand_in
-        if (_looks.get(type(self), 0) < _LOOKS_PER_CLASS and not torch.compiler.is_compiling()
-                and self.training and torch.is_grad_enabled()):
+        if (not torch.compiler.is_compiling() and self.training and torch.is_grad_enabled()
+                and _looks.get(type(self), 0) < _LOOKS_PER_CLASS):
             _look_for_bypass(self)
         modules = self.__dict__.get("_modules")
         if modules is not None and "lm_head" in modules:
