@@ -18,10 +18,11 @@ def apply(model, config=None, **toggles):
 
 
 def applied():
-    """Every patch and refusal recorded in this process (list of autopatch.report.Record)."""
-    from autopatch.report import records
+    """Every patch and refusal recorded in this process (list of autopatch.report.Record); a patched
+    record's `runs` says how often its kernel's patched path ran so far (None: not counted)."""
+    from autopatch.report import records_with_runs
 
-    return records()
+    return records_with_runs()
 
 
 def enable():

@@ -16,9 +16,9 @@ Variables (process environment, or lines of an env file):
     AUTOPATCH_RUN_KERNELS=list            what `autopatch run --kernels LIST` sets for itself and its
                                           children: the kernel set, beating FUSED_KERNELS and toggles
     AUTOPATCH_RETURN_LOGITS=auto|true|false
-                                          in training with the fused linear cross entropy, also return
-                                          the logits (no grad; tokens x vocab memory): true, false, or
-                                          auto = when `trl` is loaded (its SFTTrainer reads them)
+                                          the logits slot of a fused training call: true = the real
+                                          logits (no grad), false = None, auto = a LazyLogits computed
+                                          only if read (autopatch.rules._causal_lm_loss)
     FUSED_KERNELS_FLCE_CHUNK_MB=252       MiB of logits the fused linear cross entropy computes at a
                                           time (a positive whole number; default 252)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 
 
@@ -15,9 +16,16 @@ class Record:
     patched: bool
     variant: str = ""  # detected variant when patched, e.g. "offset=1 casting=gemma"
     reason: str = ""  # why it was left alone, when not patched
+    # how often the kernel's patched path ran in this process (forward launches plus calls the rules
+    # count; per kernel, not per target): filled in by applied() and the JSON report, None where
+    # nothing is counted (causal_mask) or for a record not patched. Not part of equality.
+    runs: int | None = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["runs"] is None:
+            del out["runs"]  # not filled in: the JSON report gives the counts per kernel ("runs")
+        return out
 
 
 _records: list[Record] = []
@@ -37,6 +45,228 @@ def records() -> list[Record]:
 def clear() -> None:
     with _lock:
         _records.clear()
+
+
+# --------------------------------------------------------------------------- what ran
+# A patch says what *would* run; these say what did. The kernels count their launches
+# (fused_kernels.launch_counts(), by op: "rms_norm_fwd", "swiglu_bwd", ...); a rule whose fused path
+# is not one launch may count its own calls (count_call). Whether the process trained comes from a
+# global optimizer-step hook and from the patched causal-LM forwards called in training with labels.
+UNCOUNTED = frozenset({"causal_mask"})  # not a kernel: nothing launches, nothing to count
+LOSS_KERNELS = ("fused_linear_cross_entropy", "cross_entropy")
+_calls: dict[str, int] = {}
+_trained = {"optimizer_steps": 0, "training_calls": 0}
+_bypassed: dict[str, dict] = {}  # kernel -> {"why", "target", "model_type"}: the first bypass seen
+_watching = []  # the optimizer hook's handle, once registered
+_exit_check = []  # registered once
+
+
+def count_call(kernel: str, n: int = 1) -> None:
+    """A rule's fused path ran `n` times (for components whose fused path is not one kernel launch)."""
+    with _lock:
+        _calls[kernel] = _calls.get(kernel, 0) + n
+
+
+def count_training_call() -> None:
+    """A patched model was called in training mode with labels (grad enabled)."""
+    _trained["training_calls"] += 1
+
+
+def _launch_counts() -> dict[str, int]:
+    fused = sys.modules.get("fused_kernels")  # never import the kernels just to report
+    counts = getattr(fused, "launch_counts", None)
+    return dict(counts()) if callable(counts) else {}
+
+
+def runs() -> dict[str, dict]:
+    """Per patched kernel: {"calls": forward launches + counted calls (None where nothing is counted),
+    "launches": {op: count}}."""
+    launches = _launch_counts()
+    with _lock:
+        kernels = list(dict.fromkeys(r.kernel for r in _records if r.patched))
+        calls = dict(_calls)
+    out = {}
+    for kernel in kernels:
+        ops = {op: n for op, n in launches.items() if op.startswith(kernel + "_")}
+        counted = None if kernel in UNCOUNTED and kernel not in calls else ops.get(kernel + "_fwd", 0) + calls.get(kernel, 0)
+        out[kernel] = {"calls": counted, "launches": ops}
+    return out
+
+
+def records_with_runs() -> list[Record]:
+    """records() with `runs` filled in for the patched ones (applied())."""
+    return _with_runs(records())
+
+
+def reset_runs() -> None:
+    """Forget the counted calls, training and bypasses (tests; the kernels' launch counts are theirs:
+    fused_kernels.reset_launch_counts())."""
+    with _lock:
+        _calls.clear()
+        _bypassed.clear()
+        _trained.update(optimizer_steps=0, training_calls=0)
+        callbacks = list(_on_reset)
+    for callback in callbacks:
+        callback()
+
+
+_on_reset: list = []  # what the rules forget with reset_runs (their own per-class look-ups)
+
+
+def trained() -> dict:
+    """{"optimizer_steps": n, "training_calls": n} so far in this process."""
+    return dict(_trained)
+
+
+def watch_training() -> None:
+    """Count optimizer steps (any torch.optim optimizer, through torch's global post-step hook), so
+    the exit check knows whether this process trained. Idempotent; never raises."""
+    with _lock:
+        if _watching:
+            return
+        _watching.append(None)
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def stepped(optimizer, args, kwargs):
+            _trained["optimizer_steps"] += 1
+
+        _watching[0] = register_optimizer_step_post_hook(stepped)
+    except Exception:
+        pass  # an old torch without the global hook: training calls still count
+
+
+def note_bypass(kernel: str, target: str, why: str, model_type: str = "", *, certain: bool = False,
+                fallback: bool = False) -> None:
+    """The component a patch replaced was passed over (`why`: who and how, e.g. TRL's own fused LM
+    head), kept for the exit check: per kernel the strongest seen, a `certain` bypass (the caller is
+    known to pass the patch over on every call) before a `fallback` (the patched code itself chose
+    the original, e.g. a wrapped lm_head) before anything else (a read that may be harmless), the
+    first of each. With `certain`, strict mode stops here, as it does for a kernel left alone:
+    raises StrictModeError naming the override."""
+    rank = 2 if certain else 1 if fallback else 0
+    with _lock:
+        if kernel not in _bypassed or rank > _bypassed[kernel]["rank"]:
+            _bypassed[kernel] = {"why": why, "target": target, "model_type": model_type, "certain": certain,
+                                 "rank": rank}
+    if certain and _strict:
+        with _lock:
+            _bypassed[kernel]["raised"] = True  # said by the exception: the exit check stays quiet
+        raise StrictModeError(_bypass_message(kernel, _bypassed[kernel], strict=True))
+
+
+def bypassed() -> dict[str, str]:
+    """kernel -> why it was passed over (the first bypass seen per kernel)."""
+    with _lock:
+        return {k: v["why"] for k, v in _bypassed.items()}
+
+
+def run_state() -> dict:
+    """What ran (runs()), whether the process trained (trained()) and what was bypassed (bypassed())."""
+    return {"runs": runs(), "trained": trained(), "bypassed": bypassed()}
+
+
+def _override(kernel: str, model_type: str) -> str:
+    where = f"AUTOPATCH_MODELS__{model_type}__{kernel.upper()}=false" if model_type else f"AUTOPATCH_{kernel.upper()}=false"
+    return f"turn the kernel off for this model ({where}, or {kernel}=False in autopatch.apply)"
+
+
+def _bypass_message(kernel: str, info: dict, strict: bool) -> str:
+    head = "AUTOPATCH_STRICT: " if strict else "autopatch: "
+    target = f" on {info['target']}" if info.get("target") else ""
+    line = f"{head}{kernel} is patched{target} but the patched code was passed over: {info['why']}"
+    if strict:
+        line += f". To train this way, {_override(kernel, info.get('model_type', ''))}, or unset AUTOPATCH_STRICT."
+    return line
+
+
+def exit_verdict(strict: bool | None = None) -> str | None:
+    """The line the exit check says, or None: a patched loss kernel (fused_linear_cross_entropy,
+    cross_entropy) that never ran in a process that trained, and why if known. `strict` (default:
+    the current strict flag) words it as strict mode's failure."""
+    strict = _strict if strict is None else strict
+    state = runs()
+    loss = [k for k in LOSS_KERNELS if k in state]
+    steps, calls = _trained["optimizer_steps"], _trained["training_calls"]
+    with _lock:
+        known = {k: dict(v) for k, v in _bypassed.items()}
+    if not loss or not (steps or calls or any(known.get(k, {}).get("certain") for k in loss)):
+        return None
+    if any(state[k]["calls"] for k in loss) or any(known.get(k, {}).get("raised") for k in loss):
+        return None
+    with _lock:
+        targets = [r.target for r in _records if r.patched and r.kernel in loss]
+    how = f"{steps} optimizer step{'s' * (steps != 1)}" if steps else f"{calls} training call{'s' * (calls != 1)}"
+    names = ", ".join(loss)
+    line = (f"patched loss {'kernels' if len(loss) > 1 else 'kernel'} {names} "
+            f"({', '.join(dict.fromkeys(t.partition('.')[0] for t in targets))}) never ran in this process, which trained "
+            f"({how})")
+    why = next((known[k] for k in loss if k in known), None)
+    if why is not None:
+        line += f": {why['why']}"
+    else:
+        line += (": no patched model was called in training mode with labels (a caller that computes the loss "
+                 "from the logits itself, or a model built outside the patched classes)")
+    model_type = (why or {}).get("model_type", "")
+    if strict:
+        return (f"AUTOPATCH_STRICT: {line}. To train this way, {_override(loss[0], model_type)}, or unset "
+                "AUTOPATCH_STRICT.")
+    return f"autopatch: {line}"
+
+
+def check_at_exit() -> None:
+    """Register (once) the exit check: say exit_verdict() on stderr; in strict mode also write the
+    JSON report now and end the process with exit code 2."""
+    import atexit
+
+    with _lock:
+        if _exit_check:
+            return
+        _exit_check.append(True)
+    atexit.register(_check_now)
+
+
+STRICT_EXIT_CODE = 2
+
+
+def _strict_at_exit() -> bool:
+    """Strict mode as the process's settings say (what the hooks loaded, else the environment), not
+    a flag some caller left set: ending a process with exit code 2 needs AUTOPATCH_STRICT itself."""
+    try:
+        from autopatch import hooks
+
+        settings = hooks.active_settings()
+        if settings is None:
+            from autopatch.config import load_settings
+
+            settings = load_settings()
+        return bool(settings.strict)
+    except Exception:
+        return False
+
+
+def _check_now() -> None:
+    try:
+        line = exit_verdict(strict=False)
+        if line is None:
+            return
+        strict = _strict_at_exit()
+        if strict:
+            line = exit_verdict(strict=True)
+    except Exception:
+        return  # at exit: never raise
+    say(line)
+    if strict:
+        import os
+
+        if _json_path is not None:
+            _write_at_exit()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(STRICT_EXIT_CODE)
 
 
 # --------------------------------------------------------------------------- strict mode
@@ -202,7 +432,15 @@ def as_json(records_list=None) -> dict:
         "versions": versions,
         **meta,
         "records": [r.as_dict() for r in recs],
+        "runs": runs(),
+        "trained": trained(),
+        "bypassed": bypassed(),
     }
+
+
+def _with_runs(recs) -> list[Record]:
+    counts = {k: v["calls"] for k, v in runs().items()}
+    return [dataclasses.replace(r, runs=counts.get(r.kernel)) if r.patched else r for r in recs]
 
 
 def write_json(path: str) -> str:

@@ -104,9 +104,12 @@ def chunk_rows(n: int, v: int, elem_size: int, chunk_mb=None) -> int:
     return plan(n, v, elem_size, chunk_mb=chunk_mb).config
 
 
-def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts, chunk_mb) -> None:
+def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts, chunk_mb,
+                top1=None) -> None:
     """The chunk loop shared by the forward (row_scale None) and the reduction="none" backward.
-    grads: (grad_hidden, grad_weight, grad_bias_fp32), each None when not wanted."""
+    grads: (grad_hidden, grad_weight, grad_bias_fp32), each None when not wanted. top1 (N,) bool, or
+    None: whether each row's target is its most likely class, read from the chunk's logits before the
+    cross-entropy kernel overwrites them (one more read of the chunk)."""
     n, _ = hidden.shape
     v = weight.shape[0]
     gh, gw, gb = grads
@@ -122,6 +125,8 @@ def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, 
             torch.mm(h_c, wt, out=logits)
         else:
             torch.addmm(bias, h_c, wt, out=logits)
+        if top1 is not None:
+            _top1_(logits, target[start:end], opts["logit_scale"], top1[start:end])
         _ce.launch_ce(
             logits, target[start:end], logits if want_grad else None, loss_rows[start:end], coef,
             None if row_scale is None else row_scale[start:end], flag, **opts,
@@ -137,6 +142,19 @@ def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, 
             gb += logits.sum(0, dtype=torch.float32)
     if n == 0 and gw is not None:
         gw.zero_()
+
+
+def _top1_(logits, target, logit_scale, out) -> None:
+    """out[i] = target[i] is the arg-max of the transformed row i. The softcap is increasing and a
+    positive scale keeps the order, so the raw logits' arg-max is the transformed one's (a negative
+    scale reverses it; with scale 0 every class ties and the first, as torch.argmax picks, wins)."""
+    if logit_scale < 0:
+        best = logits.argmin(dim=-1)
+    elif logit_scale == 0:
+        best = torch.zeros_like(target)
+    else:
+        best = logits.argmax(dim=-1)
+    torch.eq(best, target, out=out)
 
 
 def _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale):
@@ -162,9 +180,10 @@ def _budget(chunk_mb: float):
 
 
 def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                  logit_scale, divisor_value, need_gh, need_gw, need_gb, chunk_mb=0.0):
+                  logit_scale, divisor_value, need_gh, need_gw, need_gb, chunk_mb=0.0, stats=None):
     """(loss, grad_hidden, grad_weight, grad_bias); a gradient is None unless asked for and the
-    reduction is "mean"/"sum" (then it is final but for the upstream factor)."""
+    reduction is "mean"/"sum" (then it is final but for the upstream factor). `stats`: see
+    fused_linear_cross_entropy."""
     _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_fwd")
     n = hidden.shape[0]
@@ -172,9 +191,16 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
     loss_rows = _ce.new_buffer((n,), torch.float32, hidden.device)
     in_forward = reduction != "none"
     grads = _grad_buffers(hidden, weight, bias, need_gh and in_forward, need_gw and in_forward, need_gb and in_forward)
+    top1 = torch.empty((n,), dtype=torch.bool, device=hidden.device) if stats is not None and "is_top1" in stats else None
     _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb))
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb), top1)
     loss = _ce.finish_loss(loss_rows, coef, flag, reduction, target, weight.shape[0], ignore_index)
+    if stats is not None:
+        if "token_loss" in stats:
+            # the rows the reduction sums, before its normaliser; a copy: "none" returns loss_rows itself
+            stats["token_loss"] = loss_rows.clone() if reduction == "none" else loss_rows
+        if top1 is not None:
+            stats["is_top1"] = top1.masked_fill_(target == ignore_index, False)
     return (loss, *_cast_bias_grad(grads, bias))
 
 
@@ -350,10 +376,11 @@ _flce_fwd.register_autograd(_flce_backward, setup_context=_flce_setup_context)
 class _FLCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, divisor, ignore_index, reduction, label_smoothing, z_loss,
-                softcap, logit_scale, divisor_value, chunk_mb):
+                softcap, logit_scale, divisor_value, chunk_mb, stats=None):
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         loss, *grads = _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction,
-                                     label_smoothing, z_loss, softcap, logit_scale, divisor_value, *needs, chunk_mb)
+                                     label_smoothing, z_loss, softcap, logit_scale, divisor_value, *needs, chunk_mb,
+                                     stats)
         ctx.needs = needs
         ctx.reduction = reduction
         if reduction == "none":
@@ -368,7 +395,7 @@ class _FLCEFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         if not any(ctx.needs):  # only a num_items_in_batch tensor asked for a gradient
-            return (None,) * 13
+            return (None,) * 14
         if ctx.reduction == "none":
             hidden, weight, target, bias = ctx.saved_tensors
             gh, gw, gb = _backward_none_impl(grad_loss, hidden, weight, target, bias, *ctx.options, *ctx.needs,
@@ -381,7 +408,7 @@ class _FLCEFunction(torch.autograd.Function):
             _scale_grads_impl(grads, grad_loss)
             gh, gw, gb = grads
             del grads
-        return (gh, gw, None, gb) + (None,) * 9
+        return (gh, gw, None, gb) + (None,) * 10
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,6 +429,7 @@ def fused_linear_cross_entropy(
     num_items_in_batch=None,
     *,
     chunk_mb: Optional[float] = None,
+    stats: Optional[dict] = None,
 ) -> torch.Tensor:
     """cross_entropy(logit_scale · (hidden @ weight.T + bias), target, ...) without the full logits.
 
@@ -411,6 +439,13 @@ def fused_linear_cross_entropy(
     dtype first, as the lm_head Linear would be. Returns float32: a scalar, or the per-token losses
     (shape of target) for reduction="none" (whose backward recomputes the logits; see the module
     docstring).
+
+    stats: a dict naming the side outputs wanted, filled in by the same pass (eager only; no
+    [N, V] tensor, no gradient): "token_loss" -> each token's loss, float32, target's shape, 0 where
+    the target is ignored (free: the rows the reduction sums); "is_top1" -> whether the target is the
+    most likely class, bool, target's shape, False where ignored (one more read of each logits chunk).
+    E.g. stats = {"token_loss": None, "is_top1": None}; token accuracy = is_top1.sum() / (target !=
+    ignore_index).sum().
     """
     check_float("hidden", hidden)
     check_float("weight", weight)
@@ -454,15 +489,25 @@ def fused_linear_cross_entropy(
                float(softcap) if softcap is not None else 0.0, float(logit_scale), divisor_value)
     mb = float(chunk_mb) if chunk_mb is not None else 0.0
     grad_on = torch.is_grad_enabled()
+    if stats is not None:
+        unknown = sorted(set(stats) - {"token_loss", "is_top1"})
+        if unknown or not isinstance(stats, dict):
+            raise ValueError(f"stats names the side outputs wanted, among 'token_loss' and 'is_top1'; got {unknown}")
+        if torch.compiler.is_compiling():
+            raise ValueError("stats is eager-only: under torch.compile use reduction='none' for per-token losses")
     if torch.compiler.is_compiling():
         loss, *_ = torch.ops.fused_kernels.fused_linear_cross_entropy_fwd(
             h2, weight, t, bias, *options, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
             grad_on and bias is not None and bias.requires_grad, mb,
         )
     elif grad_on and any(x is not None and x.requires_grad for x in (hidden, weight, bias, divisor)):
-        loss = _FLCEFunction.apply(h2, weight, t, bias, *options, mb)
+        loss = _FLCEFunction.apply(h2, weight, t, bias, *options, mb, stats)
     else:
-        loss = _forward_impl(h2, weight, t, bias, *options, False, False, False, mb)[0]
+        loss = _forward_impl(h2, weight, t, bias, *options, False, False, False, mb, stats)[0]
     if reduction == "none":
         loss = loss.reshape(target.shape)
+    if stats is not None:
+        for key in ("token_loss", "is_top1"):
+            if stats.get(key) is not None:
+                stats[key] = stats[key].reshape(target.shape)
     return loss

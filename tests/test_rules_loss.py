@@ -96,6 +96,12 @@ def _inputs(seed=1):
     return ids, labels
 
 
+def no_full_logits(x) -> bool:
+    """The fused path's logits slot: None (AUTOPATCH_RETURN_LOGITS=false) or, by default, a LazyLogits
+    whose values were never computed."""
+    return x is None or (isinstance(x, loss_runtime.LazyLogits) and x._value is None)
+
+
 def _train_step(model, **kwargs):
     """Loss, output and every parameter gradient of one training forward/backward."""
     model.train()
@@ -146,7 +152,7 @@ def test_patched_model_matches_original(arch, kernels):
         out, grads = _train_step(model, **kw)
         ref_out, ref_grads = refs[name]
         assert _launches(kernels, "fused_linear_cross_entropy") > flce_before, f"{name}: fused kernel did not run"
-        assert out.logits is None, f"{name}: full logits returned in the fused training path"
+        assert no_full_logits(out.logits), f"{name}: full logits returned in the fused training path"
         assert_close(out.loss, ref_out.loss, FP32, f"{arch} {name} loss")
         if getattr(ref_out, "aux_loss", None) is not None:
             assert_close(out.aux_loss, ref_out.aux_loss, FP32, f"{arch} {name} aux_loss")
@@ -196,17 +202,17 @@ def test_llama_edges(kernels):
     with torch.enable_grad():
         fused_tuple = model(input_ids=ids, labels=labels, return_dict=False)
     assert len(fused_tuple) == len(ref_tuple), "every tuple position stays where the plain model has it"
-    assert fused_tuple[1] is None, "the logits slot holds None in the fused training path"
+    assert no_full_logits(fused_tuple[1]), "the logits slot holds no logits in the fused training path"
     assert_close(fused_tuple[0], ref_tuple[0], FP32, "tuple loss")
     with pytest.raises(ValueError):
         model(input_ids=ids, labels=labels, logits_to_keep=3)
     out_positional, grads = _train_step_positional(model, ids, positional)
-    assert out_positional.logits is None
+    assert no_full_logits(out_positional.logits)
     assert_close(out_positional.loss, ref_positional.loss, FP32, "positional labels loss")
     for pname, ref_grad in ref_grads.items():
         assert_close(grads[pname], ref_grad, FP32, f"positional labels grad {pname}")
     out_ignore, grads = _train_step(model, input_ids=ids, labels=labels_minus1, ignore_index=-1)
-    assert out_ignore.logits is None
+    assert no_full_logits(out_ignore.logits)
     assert_close(out_ignore.loss, ref_ignore.loss, FP32, "ignore_index=-1 loss")
     for pname, ref_grad in ref_ignore_grads.items():
         assert_close(grads[pname], ref_grad, FP32, f"ignore_index=-1 grad {pname}")
@@ -256,7 +262,7 @@ def test_tuple_output_keeps_every_position(arch, kernels):
     assert isinstance(out, tuple) and len(out) == len(ref), (len(out), len(ref))
     logits_at = [i for i, x in enumerate(ref) if isinstance(x, torch.Tensor) and x.shape == (BATCH, SEQ, VOCAB)]
     assert len(logits_at) == 1, "the plain tuple has one logits element"
-    assert out[logits_at[0]] is None, "the logits slot holds None in the fused training path"
+    assert no_full_logits(out[logits_at[0]]), "the logits slot holds no logits in the fused training path"
     assert_close(out[0], ref[0], FP32, f"{arch} tuple loss")
     for i, (mine, theirs) in enumerate(zip(out, ref)):
         if i in (0, logits_at[0]):
@@ -265,7 +271,7 @@ def test_tuple_output_keeps_every_position(arch, kernels):
         if isinstance(theirs, torch.Tensor):
             assert_close(mine, theirs, FP32, f"{arch} tuple element {i}")
     out_dict = model(input_ids=ids, labels=labels)
-    assert out_dict.logits is None and list(out_dict.keys())[0] == "loss"
+    assert no_full_logits(out_dict.logits) and list(out_dict.keys())[0] == "loss"
 
 
 def test_kernels_toggle_separately(kernels):
@@ -291,7 +297,7 @@ def test_kernels_toggle_separately(kernels):
     records = loss_rule.RULE.patch_module(module, ALL_ON)
     assert all(r.patched for r in records) and cls.forward is not original_forward
     out, _ = _train_step(model, input_ids=ids, labels=labels)
-    assert out.logits is None and _launches(kernels, "fused_linear_cross_entropy") > flce
+    assert no_full_logits(out.logits) and _launches(kernels, "fused_linear_cross_entropy") > flce
     patching.restore_all()
     assert cls.forward is original_forward and "lm_head" not in vars(cls)
 
@@ -608,7 +614,7 @@ def test_gpu_bf16_loss_grads_and_memory(arch, kernels, device):
     ref, ref_grads, ref_peak = step()
     loss_rule.RULE.patch_module(_module(arch), ALL_ON)
     out, grads, peak = step()
-    assert out.logits is None
+    assert no_full_logits(out.logits)
     assert_close(out.loss, ref.loss, torch.bfloat16, f"{arch} bf16 loss")
     for pname, ref_grad in ref_grads.items():
         assert_close(grads[pname], ref_grad, torch.bfloat16, f"{arch} bf16 grad {pname}")
@@ -621,14 +627,17 @@ def test_gpu_bf16_loss_grads_and_memory(arch, kernels, device):
 def test_return_logits_setting(arch, kernels, monkeypatch, capsys):
     """AUTOPATCH_RETURN_LOGITS: "true" returns the real (no-grad) logits from a fused training call,
     equal to the plain model's, with the same loss and gradients; "false" returns None; "auto" (the
-    default) returns them while `trl` is loaded (its SFTTrainer reads them), with one notice."""
+    default) a LazyLogits whatever is imported (`trl` loaded or not), computed only when read, then equal
+    to the plain model's, with one notice. Every mode keeps the loss and gradients."""
+    from autopatch.rules._causal_lm_loss import LazyLogits
+
     monkeypatch.setattr(loss_runtime, "_noticed", set())  # notices are once per process
     model = _build(arch)
     ids, labels = _inputs()
     ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
     assert loss_rule.RULE.patch_module(_module(arch), ALL_ON)
-    for mode, trl_loaded, expect_logits in (("true", False, True), ("false", True, False),
-                                            ("auto", False, False), ("auto", True, True)):
+    for mode, trl_loaded, expect in (("true", False, "real"), ("false", True, None),
+                                     ("auto", False, "lazy"), ("auto", True, "lazy")):
         monkeypatch.setattr(loss_runtime, "return_logits_mode", lambda mode=mode: mode)
         if trl_loaded:
             monkeypatch.setitem(__import__("sys").modules, "trl", types.ModuleType("trl"))
@@ -641,12 +650,19 @@ def test_return_logits_setting(arch, kernels, monkeypatch, capsys):
         assert_close(out.loss, ref_out.loss, FP32, f"{what}: loss")
         for pname, ref_grad in ref_grads.items():
             assert_close(grads[pname], ref_grad, FP32, f"{what}: grad {pname}")
-        if expect_logits:
-            assert out.logits is not None and not out.logits.requires_grad, what
-            assert_close(out.logits, ref_out.logits, FP32, f"{what}: logits")
-        else:
+        if expect is None:
             assert out.logits is None, what
-    assert capsys.readouterr().err.count("trl is loaded") == 1
+            continue
+        assert isinstance(out.logits, LazyLogits) == (expect == "lazy"), (what, type(out.logits))
+        if expect == "lazy":
+            assert out.logits._value is None and out.logits.shape == ref_out.logits.shape, what
+            assert out.logits.dtype == ref_out.logits.dtype, what
+            assert out.logits._value is None, f"{what}: metadata reads must not compute the logits"
+        assert not out.logits.requires_grad, what
+        assert_close(out.logits.float(), ref_out.logits, FP32, f"{what}: logits")
+    err = capsys.readouterr().err
+    assert err.count("logits were read, so they were computed") == 1, err
+    assert "trl is loaded" not in err
 
 
 def test_return_logits_variable_is_validated():

@@ -9,7 +9,7 @@ Kernels:
   fused_linear_cross_entropy  the class's forward is wrapped so that in training with labels the
                               lm_head + loss run as fused_kernels.fused_linear_cross_entropy without
                               full logits (see autopatch.rules._causal_lm_loss for the mechanism;
-                              logits are None in that output). Only for forwards whose logits
+                              the logits slot holds a LazyLogits or None). Only for forwards whose logits
                               transformations are all in the LOGIT_STEPS table
                               (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
 With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
@@ -93,6 +93,15 @@ def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
             return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False, reason=problem)]
         patching.replace(module, TORCH_LOSS, FusedCrossEntropyLoss)
     return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=True, variant=variant)]
+
+
+def _watch_runs() -> None:
+    """A loss is patched: count optimizer steps and, at exit, say so if it never ran in a process that
+    trained (autopatch.report.exit_verdict)."""
+    from autopatch import report
+
+    report.watch_training()
+    report.check_at_exit()
 
 
 def _causal_lm_classes(module: ModuleType) -> list[type]:
@@ -189,9 +198,11 @@ def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
     patching.replace(cls, "loss_function", runtime.make_loss_function_property(patch))
     if kernel == CE:
         patch.cross_entropy = True
+        _watch_runs()
         return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
                       variant="ForCausalLMLoss -> fused_kernels.cross_entropy")
     patch.fused_linear = True
+    _watch_runs()
     runtime.return_logits_mode()  # read the settings now, eagerly, not first inside a compiled forward
     runtime.flce_chunk_mb()
     patching.replace(cls, "lm_head", runtime.make_lm_head_property())

@@ -1,0 +1,170 @@
+"""Side outputs of the fused linear cross entropy, so training metrics need no [tokens, vocab] tensor:
+the kernel's `stats` (per-token loss, top-1) against float64 references, and a patched model's
+training output: `token_loss` / `is_top1` attributes and the LazyLogits in the logits slot
+(AUTOPATCH_RETURN_LOGITS=auto), computed only when read, then equal to the plain model's logits and
+differentiable like them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_kernels as fk
+import stack_worker
+from helpers import assert_close
+
+from autopatch import patching
+from autopatch.rules import _causal_lm_loss as loss_runtime
+from autopatch.rules._causal_lm_loss import LazyLogits
+
+F32 = torch.float32
+
+
+def _reference(h, w, b, t, scale, softcap):
+    z = h.double() @ w.double().T + (0 if b is None else b.double())
+    z = z * scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+@pytest.mark.parametrize("scale,softcap,bias", [(1.0, None, False), (0.5, 3.0, True), (-2.0, None, False)])
+def test_kernel_stats_token_loss_and_top1(scale, softcap, bias):
+    g = torch.Generator().manual_seed(0)
+    n, hdim, v = 40, 16, 24
+    h = torch.randn(n, hdim, generator=g).requires_grad_()
+    w = torch.randn(v, hdim, generator=g).requires_grad_()
+    b = torch.randn(v, generator=g) if bias else None
+    z = _reference(h, w, b, None, scale, softcap)
+    # half the targets are the arg-max, the rest random, a few ignored: top-1 is neither all nor none
+    t = torch.where(torch.arange(n) % 2 == 0, z.argmax(-1), torch.randint(0, v, (n,), generator=g))
+    t[::7] = -100
+    stats = {"token_loss": None, "is_top1": None}
+    loss = fk.fused_linear_cross_entropy(h, w, t, bias=b, logit_scale=scale, softcap=softcap, stats=stats)
+    ref_rows = F.cross_entropy(z, t, reduction="none")  # 0 at ignored targets
+    assert_close(stats["token_loss"], ref_rows, F32, "token_loss")
+    assert stats["token_loss"].dtype == torch.float32 and not stats["token_loss"].requires_grad
+    top = (z.argmax(-1) == t) & (t != -100)
+    assert torch.equal(stats["is_top1"], top), (stats["is_top1"], top)
+    assert 0 < int(top.sum()) < int((t != -100).sum())
+    assert_close(loss, ref_rows.sum() / (t != -100).sum(), F32, "loss")
+    loss.backward()  # the stats take nothing from the gradients
+    assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+
+
+def test_kernel_stats_reduction_none_keeps_its_own_copy():
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(2, 5, 8, generator=g), torch.randn(12, 8, generator=g)
+    t = torch.randint(0, 12, (2, 5), generator=g)
+    stats = {"token_loss": None}
+    rows = fk.fused_linear_cross_entropy(h, w, t, reduction="none", stats=stats)
+    assert stats["token_loss"].shape == (2, 5) and "is_top1" not in stats or stats.get("is_top1") is None
+    assert torch.equal(stats["token_loss"], rows) and stats["token_loss"].data_ptr() != rows.data_ptr()
+    with pytest.raises(ValueError, match="token_loss.*is_top1"):
+        fk.fused_linear_cross_entropy(h, w, t, stats={"accuracy": None})
+
+
+@pytest.fixture
+def mode(monkeypatch):
+    def set_mode(value):
+        monkeypatch.setattr(loss_runtime, "return_logits_mode", lambda: value)
+
+    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    set_mode("auto")
+    yield set_mode
+    patching.restore_all()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, 256, (2, 10), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    return ids, labels
+
+
+def _shifted(labels):
+    return F.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+def test_model_side_outputs_and_lazy_logits(mode, capsys):
+    import autopatch
+
+    model = stack_worker.tiny_llama()
+    model.train()
+    ids, labels = _batch()
+    ref = model(input_ids=ids, labels=labels)
+    (ref.loss + 0.3 * ref.logits.logsumexp(-1).mean()).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    autopatch.apply(model, fused_linear_cross_entropy=True)
+    before = fk.launch_counts().get("fused_linear_cross_entropy_fwd", 0)
+    out = model(input_ids=ids, labels=labels)
+    assert fk.launch_counts().get("fused_linear_cross_entropy_fwd", 0) == before + 1
+    logits = out.logits
+    assert isinstance(logits, LazyLogits) and logits._value is None
+    assert logits.shape == ref.logits.shape and logits.dtype == ref.logits.dtype and logits.device == ref.logits.device
+    assert logits.size(-1) == 256 and logits.dim() == 3 and "computed=False" in repr(logits)
+    assert logits.float()._value is None, "a same-dtype cast computes nothing"
+    assert logits._value is None, "metadata, repr and casts must not compute the logits"
+    assert list(out.keys()) == list(ref.keys()) and len(out.to_tuple()) == len(ref.to_tuple())
+
+    shift = _shifted(labels)
+    ref_rows = F.cross_entropy(ref.logits.double().reshape(-1, 256), shift.reshape(-1), reduction="none")
+    assert out.token_loss.shape == labels.shape
+    assert_close(out.token_loss, ref_rows.reshape(labels.shape), F32, "token_loss")
+    assert torch.equal(out.is_top1, (ref.logits.argmax(-1) == shift) & (shift != -100))
+    assert "token_loss" not in out.keys(), "side outputs are attributes, not fields"
+    assert_close(out.loss, ref.loss, F32, "loss")
+
+    # reading the logits computes them once, differentiably: a loss built on them trains as plain
+    assert capsys.readouterr().err.count("logits were read") == 0
+    extra = 0.3 * logits.logsumexp(-1).mean()
+    assert logits._value is not None and not isinstance(logits._value, LazyLogits)
+    assert_close(logits._value, ref.logits, F32, "computed logits")
+    (out.loss + extra).backward()
+    for name, g in ref_grads.items():
+        assert_close(model.get_parameter(name).grad, g, F32, f"grad {name} through loss + f(logits)")
+    assert capsys.readouterr().err.count("logits were read, so they were computed") == 1
+
+
+def test_accelerate_fp32_conversion_does_not_compute_the_logits(mode):
+    pytest.importorskip("accelerate")
+    from accelerate.utils import convert_to_fp32
+
+    import autopatch
+
+    model = stack_worker.tiny_llama().to(torch.bfloat16)
+    model.train()
+    ids, labels = _batch()
+    autopatch.apply(model, fused_linear_cross_entropy=True)
+    out = model(input_ids=ids, labels=labels)
+    assert isinstance(out.logits, LazyLogits) and out.logits.dtype == torch.bfloat16
+    converted = convert_to_fp32(out)
+    assert isinstance(converted.logits, LazyLogits) and converted.logits.dtype == torch.float32
+    assert out.logits._value is None and converted.logits._value is None
+    ref = model.lm_head(model.model(input_ids=ids).last_hidden_state).float()
+    assert_close(converted.logits.detach(), ref, torch.bfloat16, "converted logits")
+
+
+@pytest.mark.parametrize("value", ["false", "true"])
+def test_return_logits_false_and_true(mode, value):
+    import autopatch
+
+    mode(value)
+    model = stack_worker.tiny_llama()
+    model.train()
+    ids, labels = _batch()
+    autopatch.apply(model, fused_linear_cross_entropy=True)
+    out = model(input_ids=ids, labels=labels)
+    tup = model(input_ids=ids, labels=labels, return_dict=False)
+    if value == "false":
+        assert out.logits is None and tup[1] is None
+        assert out.is_top1 is None, "false skips the top-1 read"
+    else:
+        assert type(out.logits) is torch.Tensor and not out.logits.requires_grad
+        assert torch.equal(out.is_top1, (out.logits.argmax(-1) == _shifted(labels)) & (_shifted(labels) != -100))
+    assert out.token_loss.shape == labels.shape and torch.isfinite(out.token_loss).all()
+    assert out.token_loss[_shifted(labels) == -100].eq(0).all()
