@@ -61,7 +61,7 @@ def _git_commit() -> str | None:
 def source_digest() -> str:
     """sha256 (first 12 hex digits) of the library's Python sources (fused_kernels/, autopatch/), file
     names included: the same code gives the same digest on any machine, so a result can be matched to
-    its commit here (python3 -c "import sys; sys.path.insert(0, 'scripts'); import bench_common;
+    its commit here (python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import bench_common;
     print(bench_common.source_digest())" after a checkout)."""
     import hashlib
 
