@@ -384,9 +384,14 @@ def _stop(message: str) -> None:
     if _in_ipython():
         _say("fix the setting, then restart the kernel")
         raise _Stopping(EXIT_CODE)
+    exit_now(EXIT_CODE)
+
+
+def exit_now(code: int) -> None:
+    """End the process at once with `code`, stdout and stderr flushed, atexit handlers skipped."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    os._exit(EXIT_CODE)
+    os._exit(code)

@@ -45,15 +45,8 @@ def replace(owner, name: str, new) -> bool:
 def restore_all() -> None:
     """Undo every patch (tests; never called in normal use)."""
     with _lock:
-        for owner, name, value in _originals.values():
-            if value is _MISSING:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
-            else:
-                setattr(owner, name, value)
-        _originals.clear()
+        keys = list(_originals)
+    restore(keys)
 
 
 def patched_keys() -> set:

@@ -257,16 +257,11 @@ def _check_now() -> None:
         return  # at exit: never raise
     say(line)
     if strict:
-        import os
+        from autopatch import hooks
 
         if _json_path is not None:
             _write_at_exit()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(STRICT_EXIT_CODE)
+        hooks.exit_now(STRICT_EXIT_CODE)
 
 
 # --------------------------------------------------------------------------- strict mode

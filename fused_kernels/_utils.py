@@ -88,6 +88,26 @@ def reset_launch_counts() -> None:
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer a kernel writes in full. Ops allocate through their module's `_new_output` name, which
+    tests replace to fill buffers with NaN and catch unwritten elements."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def rows_view(t: torch.Tensor) -> torch.Tensor:
+    """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
+    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def row_stride(t2: torch.Tensor) -> int:
+    """The row stride of a rows_view; a (1, N) or (0, N) view may report any stride, and the kernel
+    never steps by it then."""
+    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
+
+
 def check_float(name: str, t: torch.Tensor) -> None:
     """Raise TypeError unless `t` is a tensor of a dtype our kernels take."""
     if not isinstance(t, torch.Tensor):

@@ -53,6 +53,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import sm_count
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
+from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of
 
 # How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
@@ -373,25 +374,6 @@ _SUM_SHAPE = (32, 16, 8)
 # ----------------------------------------------------------------------------------------------
 # Host side (one implementation, called by the custom ops and by the eager autograd.Function)
 # ----------------------------------------------------------------------------------------------
-
-def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the kernels write is allocated here (tests fill it with NaN to catch unwritten
-    elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
-    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
-
-def _row_stride(t2: torch.Tensor) -> int:
-    # A (1, N) or (0, N) view may report any row stride; the kernel never steps by it then.
-    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
-
 
 def _plan_for(n_rows: int, n_cols: int, x: torch.Tensor) -> Plan:
     return plan(n_rows, n_cols, x.dtype, sm_count(x.device), _INTERPRETED)

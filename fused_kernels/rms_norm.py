@@ -61,7 +61,6 @@ which execute plan()'s choice. "none" casting: see above; weight None: y = x·r 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 from typing import Optional
@@ -75,6 +74,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import DeviceFacts, device_facts
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
+from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -828,25 +828,6 @@ def output_dtype(x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], cast
     if casting_mode == "llama" and weight_dtype is not None:
         return torch.promote_types(weight_dtype, x_dtype)
     return x_dtype
-
-
-def _new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Every buffer the kernels write is allocated here (tests fill it with NaN to catch unwritten
-    elements)."""
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """t as a 2-D (rows, n_cols) tensor with unit column stride; a view when the strides allow."""
-    t2 = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
-    if t2.shape[-1] > 1 and t2.stride(-1) != 1:
-        t2 = t2.contiguous()
-    return t2
-
-
-def _row_stride(t2: torch.Tensor) -> int:
-    # A (1, N) or (0, N) view may report any row stride; the kernel never steps by it then.
-    return t2.stride(0) if t2.shape[0] > 1 else t2.shape[1]
 
 
 @launches_on_device_of(0)  # x

@@ -37,3 +37,12 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """Where the kernels under test run: the GPU when the suite runs there, else the CPU (interpreter)."""
     return torch.device("cuda") if HAS_GPU else torch.device("cpu")
+
+
+@pytest.fixture
+def restore_patches():
+    """Undo every patch the test made (the rule tests use it for every test: pytestmark)."""
+    yield
+    from autopatch import patching
+
+    patching.restore_all()

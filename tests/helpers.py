@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -78,3 +79,57 @@ def tensors_with_history() -> int:
     with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated module aliases
         warnings.simplefilter("ignore", FutureWarning)
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@contextlib.contextmanager
+def poisoned_outputs(module):
+    """Every buffer `module` (an op of fused_kernels) allocates through its `_new_output` for its kernels
+    to write starts as NaN, so an element the kernels never write shows up."""
+    original = module._new_output
+
+    def nan_filled(shape, dtype, device):
+        return original(shape, dtype, device).fill_(float("nan"))
+
+    module._new_output = nan_filled
+    try:
+        yield
+    finally:
+        module._new_output = original
+
+
+def loss_logger():
+    """A transformers TrainerCallback that keeps every logged training loss in `.losses`."""
+    from transformers import TrainerCallback
+
+    class LossLog(TrainerCallback):
+        def __init__(self):
+            self.losses: list[float] = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    return LossLog()
+
+
+def check_class_verdict(rule, model: str, cls_name: str, variant, reason, kernel: str | None = None):
+    """A class rule on one class of a modeling module: patched as `variant` (the forward replaced, the
+    original kept, a second run idempotent), or with variant None left alone with `reason` in its
+    record (the forward untouched). Returns the record."""
+    from autopatch import patching
+
+    module = modeling(model)
+    cls = getattr(module, cls_name)
+    before = cls.forward
+    record = verdict_of(rule.patch_module(module, everything), cls_name)
+    assert record.module == module.__name__ and (kernel is None or record.kernel == kernel), record
+    if variant is None:
+        assert not record.patched and reason in record.reason, record
+        assert cls.forward is before
+    else:
+        assert record.patched and record.variant == variant, record
+        assert cls.forward is not before and patching.original(cls, "forward") is before
+        patched = cls.forward
+        assert verdict_of(rule.patch_module(module, everything), cls_name) == record  # idempotent
+        assert cls.forward is patched
+    return record

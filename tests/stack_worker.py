@@ -79,15 +79,7 @@ def pad_collate(features: list[dict]) -> dict:
 def train_with_trainer(output_dir: str, apply_config: dict | None = None, steps: int = 2) -> dict:
     """`steps` optimizer steps of Trainer (batch 2, gradient accumulation 2) from a fixed start.
     With `apply_config`, autopatch.apply(trainer.model, **apply_config) runs before training."""
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    class LossLog(TrainerCallback):
-        def __init__(self):
-            self.losses: list[float] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
+    from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
@@ -95,7 +87,9 @@ def train_with_trainer(output_dir: str, apply_config: dict | None = None, steps:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, seed=0, data_seed=0,
         dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
     )
-    log = LossLog()
+    from helpers import loss_logger
+
+    log = loss_logger()
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=VariableLengthDataset(),
                       data_collator=pad_collate, callbacks=[log])
     if apply_config is not None:

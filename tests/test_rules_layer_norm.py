@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import everything, modeling, rel_err, verdict_of
+from helpers import check_class_verdict, everything, modeling, rel_err, verdict_of
 
 pytest.importorskip("transformers")
 
@@ -21,10 +21,7 @@ from autopatch.rules import layer_norm  # noqa: E402
 RULE = layer_norm.RULE
 
 
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    patching.restore_all()
+pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
 CLASS_CASES = [
@@ -37,19 +34,7 @@ CLASS_CASES = [
 
 @pytest.mark.parametrize("model,cls_name,variant,reason", CLASS_CASES, ids=[c[1] for c in CLASS_CASES])
 def test_class_verdicts(model, cls_name, variant, reason):
-    module = modeling(model)
-    cls = getattr(module, cls_name)
-    before = cls.forward
-    record = verdict_of(RULE.patch_module(module, everything), cls_name)
-    if variant is None:
-        assert not record.patched and reason in record.reason, record
-        assert cls.forward is before
-    else:
-        assert record.patched and record.variant == variant, record
-        assert patching.original(cls, "forward") is before
-        patched = cls.forward
-        assert verdict_of(RULE.patch_module(module, everything), cls_name) == record
-        assert cls.forward is patched
+    check_class_verdict(RULE, model, cls_name, variant, reason, kernel="layer_norm")
 
 
 def test_torch_layer_norm_is_proved_and_not_patched_process_wide():

@@ -21,14 +21,11 @@ RULE = moe_gate.RULE
 FP32 = torch.float32
 ARCHS = {a.class_name: a for a in tiny_models.causal_lm_architectures()}
 
-pytestmark = pytest.mark.skipif(moe_gate.default_gate() is None,
-                                reason="this transformers has no shared expert gate (integrations.moe)")
+pytestmark = [pytest.mark.skipif(moe_gate.default_gate() is None,
+                                 reason="this transformers has no shared expert gate (integrations.moe)"),
+              pytest.mark.usefixtures("restore_patches")]
 
 
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    patching.restore_all()
 
 
 def _step(model, inputs):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_close, everything, modeling, verdict_of
+from helpers import assert_close, check_class_verdict, everything, modeling, verdict_of
 
 pytest.importorskip("transformers")
 
@@ -22,10 +22,7 @@ from autopatch.rules import rms_norm  # noqa: E402
 RULE = rms_norm.RULE
 
 
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    patching.restore_all()
+pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
 # (model, class, variant when patched / None, reason fragment when left alone)
@@ -49,21 +46,7 @@ CASES = [
 
 @pytest.mark.parametrize("model,cls_name,variant,reason", CASES, ids=[c[1] for c in CASES])
 def test_verdicts_on_real_modules(model, cls_name, variant, reason):
-    module = modeling(model)
-    cls = getattr(module, cls_name)
-    before = cls.forward
-    record = verdict_of(RULE.patch_module(module, everything), cls_name)
-    assert record.kernel == "rms_norm" and record.module == module.__name__
-    if variant is None:
-        assert not record.patched and reason in record.reason, record
-        assert cls.forward is before
-    else:
-        assert record.patched and record.variant == variant, record
-        assert cls.forward is not before and patching.original(cls, "forward") is before
-        # idempotent: the same verdict, nothing patched twice
-        patched_forward = cls.forward
-        assert verdict_of(RULE.patch_module(module, everything), cls_name) == record
-        assert cls.forward is patched_forward
+    check_class_verdict(RULE, model, cls_name, variant, reason, kernel="rms_norm")
 
 
 def _make(cls, hidden, gen, weight_dtype=torch.float32):

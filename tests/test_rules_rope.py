@@ -23,10 +23,7 @@ TARGET = "apply_rotary_pos_emb"
 INTERLEAVE = "apply_rotary_pos_emb_interleave"  # DeepSeek-V3's de-interleaving rotation
 
 
-@pytest.fixture(autouse=True)
-def restore():
-    yield
-    patching.restore_all()
+pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
 def record_for(records, target=TARGET):

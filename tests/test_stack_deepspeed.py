@@ -179,15 +179,7 @@ def test_hf_trainer_deepspeed_zero3_patched_by_environment_alone(tmp_path):
 
 
 def _train_hf_trainer_zero3(output_dir: str) -> dict:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    class LossLog(TrainerCallback):
-        def __init__(self):
-            self.losses: list[float] = []
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
+    from transformers import Trainer, TrainingArguments
 
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "zero_allow_untested_optimizer": True,
@@ -198,7 +190,9 @@ def _train_hf_trainer_zero3(output_dir: str) -> dict:
         per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-3, lr_scheduler_type="constant",
         seed=0, dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True, deepspeed=config,
     )
-    log = LossLog()
+    from helpers import loss_logger
+
+    log = loss_logger()
     trainer = Trainer(model=stack_worker.tiny_llama(), args=args, train_dataset=stack_worker.VariableLengthDataset(),
                       data_collator=stack_worker.pad_collate, callbacks=[log])
     trainer.train()

@@ -228,6 +228,26 @@ def probing():
             torch.set_num_threads(threads)
 
 
+def build_norm(cls: type, module: ModuleType, attempts: list):
+    """try_build for a norm class: from a probe config first when its __init__ takes a config (the
+    sizes come from it), else by the (hidden size, eps) argument sets in `attempts`."""
+    params = positional_params(cls.__init__) or []
+    if params and "config" in params[0].name:
+        attempts = [lambda c=config: ((c,), {}) for config in probe_configs(cls, module)] + attempts
+    return try_build(cls, attempts)
+
+
+def run_forward(fn, *args):
+    """(fn(*args), None) when it returns a tensor, else (None, why): a probe's call of the original."""
+    try:
+        out = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the probe reports it
+        return None, describe_exc(exc)
+    if not isinstance(out, torch.Tensor):
+        return None, f"returned {type(out).__name__}, not a tensor"
+    return out, None
+
+
 def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
     """Instantiate `cls` with the first argument set that works. Returns (instance, None) or
     (None, reason). Call inside probing()."""

@@ -47,6 +47,7 @@ from torch import nn
 from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
+from autopatch.rules._class_forward import ClassForwardRule, Verdict
 from autopatch.rules._kernels import import_problem, kernels
 
 KERNEL = "layer_norm"
@@ -74,13 +75,6 @@ class Variant:
         if not self.mixed_ok:
             text += " (original code when parameter and input dtypes differ)"
         return text
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    target: str
-    variant: Variant | None
-    reason: str = ""
 
 
 def reference(x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
@@ -117,20 +111,8 @@ def _build(cls: type, module: ModuleType):
         lambda: ((h,), {}),
         lambda: ((), {"hidden_size": h, "eps": eps}),
     ]
-    params = _probe.positional_params(cls.__init__) or []
-    if params and "config" in params[0].name:
-        attempts = [lambda c=config: ((c,), {}) for config in _probe.probe_configs(cls, module)] + attempts
-    return _probe.try_build(cls, attempts)
+    return _probe.build_norm(cls, module, attempts)
 
-
-def _run(fn, *args):
-    try:
-        out = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the probe reports it
-        return None, _probe.describe_exc(exc)
-    if not isinstance(out, torch.Tensor):
-        return None, f"returned {type(out).__name__}, not a tensor"
-    return out, None
 
 
 def probe_instance(target: str, instance, forward) -> Verdict:
@@ -171,7 +153,7 @@ def probe_instance(target: str, instance, forward) -> Verdict:
         for other in eps_attrs:  # the chosen attribute carries the probe's eps, any other a different one
             setattr(instance, other, eps if other == eps_attr else 1e-3)
         instance.float()
-        out32, err = _run(forward, instance, x32)
+        out32, err = _probe.run_forward(forward, instance, x32)
         if err:
             return Verdict(target, None, f"probe failed in float32 ({err})")
         ref32 = reference(x32, weight, bias, eps)
@@ -179,7 +161,7 @@ def probe_instance(target: str, instance, forward) -> Verdict:
             continue
         instance.to(torch.bfloat16)
         x16 = x32.to(torch.bfloat16)
-        out16, err16 = _run(forward, instance, x16)
+        out16, err16 = _probe.run_forward(forward, instance, x16)
         instance.float()
         if err16:
             first_error = first_error or f"probe failed in bfloat16 ({err16})"
@@ -190,7 +172,7 @@ def probe_instance(target: str, instance, forward) -> Verdict:
         if out16.dtype != ref16.dtype or _probe.rel_err(out16, ref16) > BF16_TOL:
             first_error = first_error or "rounds in between in bfloat16 (not one final rounding)"
             continue
-        out_mixed, err_mixed = _run(forward, instance, x16)
+        out_mixed, err_mixed = _probe.run_forward(forward, instance, x16)
         ref_mixed = reference(x16, weight, bias, eps)
         mixed_ok = (not err_mixed and out_mixed.dtype == ref_mixed.dtype
                     and _probe.rel_err(out_mixed, ref_mixed) <= BF16_TOL)
@@ -303,16 +285,19 @@ def patch_instances(model) -> int:
     """Set FusedLayerNorm as the class of every nn.LayerNorm (exactly) over one dimension in `model`;
     returns how many were set (instances already set count too)."""
     count = 0
-    modules_fn = getattr(model, "modules", None)
-    if not callable(modules_fn):
-        return 0
-    for m in modules_fn():
+    for m in _submodules(model):
         if type(m) is FusedLayerNorm:
             count += 1
         elif type(m) is nn.LayerNorm and len(m.normalized_shape) == 1 and "forward" not in vars(m):
             m.__class__ = FusedLayerNorm
             count += 1
     return count
+
+
+def _submodules(model):
+    """model.modules(), or nothing for an object without it."""
+    modules_fn = getattr(model, "modules", None)
+    return modules_fn() if callable(modules_fn) else ()
 
 
 def _post_init_hook(original_post_init):
@@ -354,6 +339,7 @@ def _uses_torch_layer_norm(module: ModuleType) -> bool:
 # --- the rule --------------------------------------------------------------------------------
 
 _verdicts: dict[type, Verdict] = {}
+_CLASSES = ClassForwardRule(KERNEL, detect, make_forward, _verdicts)
 
 
 class _Rule:
@@ -361,18 +347,12 @@ class _Rule:
     kernels = (KERNEL,)
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        records = []
         try:
             classes = [c for c in _probe.defined_classes(module) if looks_like_layer_norm(c)]
             classes = [c for c in classes if not _is_model_class(c)]
         except Exception as exc:  # noqa: BLE001
             return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        for cls in classes:
-            try:
-                records.append(self._patch_class(cls, module, enabled))
-            except Exception as exc:  # noqa: BLE001 - never raise into an import
-                records.append(Record(KERNEL, module.__name__, cls.__name__, False,
-                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
+        records = _CLASSES.patch_classes(module, classes, enabled)
         try:
             record = self._hook_models(module, enabled)
         except Exception as exc:  # noqa: BLE001
@@ -380,29 +360,6 @@ class _Rule:
         if record is not None:
             records.append(record)
         return records
-
-    def _patch_class(self, cls, module, enabled) -> Record:
-        verdict = _verdicts.get(cls)
-        if verdict is None:
-            verdict = _verdicts[cls] = detect(cls, module)
-        record = lambda patched, variant="", reason="": Record(  # noqa: E731
-            KERNEL, module.__name__, verdict.target, patched, variant, reason)
-        if verdict.variant is None:
-            return record(False, reason=verdict.reason)
-        variant = verdict.variant.describe()
-        if patching.is_patched(cls, "forward"):
-            ours = getattr(cls.forward, "_autopatch_variant", None) == variant
-            return record(True, variant) if ours else record(False, variant, "forward patched by another rule")
-        if not enabled(KERNEL):
-            return record(False, variant, "kernel layer_norm disabled")
-        missing = import_problem()
-        if missing:
-            return record(False, variant, missing)
-        original = cls.forward
-        params = _probe.positional_params(original) or []
-        input_name = params[0].name if params else "hidden_states"
-        patching.replace(cls, "forward", make_forward(original, verdict.variant, input_name))
-        return record(True, variant)
 
     def _hook_models(self, module, enabled) -> Record | None:
         roots = _root_model_classes(module)
@@ -442,10 +399,7 @@ RULE = _Rule()
 def unpatch_instances(model) -> int:
     """Set nn.LayerNorm back as the class of the model's FusedLayerNorm instances; returns how many."""
     count = 0
-    modules_fn = getattr(model, "modules", None)
-    if not callable(modules_fn):
-        return 0
-    for m in modules_fn():
+    for m in _submodules(model):
         if type(m) is FusedLayerNorm:
             m.__class__ = nn.LayerNorm
             count += 1

@@ -33,10 +33,10 @@ from typing import Callable
 
 import torch
 
-from autopatch import patching
 from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules._class_forward import ClassForwardRule, Verdict
+from autopatch.rules._kernels import kernels
 
 KERNEL = "rms_norm"
 # What the patched norms keep for the backward (fused_kernels.rms_norm's `keep`): "output" frees the
@@ -70,13 +70,6 @@ class Variant:
         if not self.mixed_ok:
             text += " (original code when weight and input dtypes differ)"
         return text
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    target: str
-    variant: Variant | None
-    reason: str = ""
 
 
 def looks_like_rms_norm(cls: type) -> bool:
@@ -120,20 +113,8 @@ def _build(cls: type, module: ModuleType):
         lambda: ((_probe.HIDDEN,), {}),
         lambda: ((), {"eps": _probe.EPS}),
     ]
-    params = _probe.positional_params(cls.__init__) or []
-    if params and "config" in params[0].name:  # built from a config: the sizes come from it
-        attempts = [lambda c=config: ((c,), {}) for config in _probe.probe_configs(cls, module)] + attempts
-    return _probe.try_build(cls, attempts)
+    return _probe.build_norm(cls, module, attempts)
 
-
-def _run(fn, *args):
-    try:
-        out = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the probe reports it
-        return None, _probe.describe_exc(exc)
-    if not isinstance(out, torch.Tensor):
-        return None, f"returned {type(out).__name__}, not a tensor"
-    return out, None
 
 
 def detect(cls: type, module: ModuleType) -> Verdict:
@@ -189,14 +170,14 @@ def _probe_instance(target: str, cls: type, instance) -> Verdict:
         for other in eps_attrs:
             setattr(instance, other, _probe.EPS if other == eps_attr else 1e-3)
         instance.float()
-        out32, err = _run(forward, instance, x32)
+        out32, err = _probe.run_forward(forward, instance, x32)
         if err:
             return Verdict(target, None, f"probe failed in float32 ({err})")
         instance.to(torch.bfloat16)
         x16 = x32.to(torch.bfloat16)
-        out16, err16 = _run(forward, instance, x16)
+        out16, err16 = _probe.run_forward(forward, instance, x16)
         instance.float()
-        out_mixed, err_mixed = _run(forward, instance, x16)
+        out_mixed, err_mixed = _probe.run_forward(forward, instance, x16)
         for offset, casting in _candidates(weight is not None):
             ref32 = reference(x32, weight, _probe.EPS, offset, casting)
             if _probe.rel_err(out32, ref32) > FP32_TOL or out32.dtype != ref32.dtype:
@@ -266,6 +247,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
 # --- the rule --------------------------------------------------------------------------------
 
 _verdicts: dict[type, Verdict] = {}
+_CLASSES = ClassForwardRule(KERNEL, detect, make_forward, _verdicts)
 
 
 class _Rule:
@@ -273,40 +255,11 @@ class _Rule:
     kernels = (KERNEL,)
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        records = []
         try:
             classes = [c for c in _probe.defined_classes(module) if looks_like_rms_norm(c)]
         except Exception as exc:  # noqa: BLE001
             return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        for cls in classes:
-            try:
-                records.append(self._patch_class(cls, module, enabled))
-            except Exception as exc:  # noqa: BLE001 - never raise into an import
-                records.append(Record(KERNEL, module.__name__, cls.__name__, False,
-                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
-        return records
-
-    def _patch_class(self, cls, module, enabled) -> Record:
-        verdict = _verdicts.get(cls)
-        if verdict is None:
-            verdict = _verdicts[cls] = detect(cls, module)
-        record = lambda patched, variant="", reason="": Record(  # noqa: E731
-            KERNEL, module.__name__, verdict.target, patched, variant, reason)
-        if verdict.variant is None:
-            return record(False, reason=verdict.reason)
-        variant = verdict.variant.describe()
-        if patching.is_patched(cls, "forward"):
-            return record(True, variant)
-        if not enabled(KERNEL):
-            return record(False, variant, "kernel rms_norm disabled")
-        missing = import_problem()
-        if missing:
-            return record(False, variant, missing)
-        original = cls.forward
-        params = _probe.positional_params(original) or []
-        input_name = params[0].name if params else "hidden_states"
-        patching.replace(cls, "forward", make_forward(original, verdict.variant, input_name))
-        return record(True, variant)
+        return _CLASSES.patch_classes(module, classes, enabled)
 
 
 RULE = _Rule()
