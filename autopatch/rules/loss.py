@@ -1,4 +1,6 @@
-"""The loss rule: `*ForCausalLM` classes whose loss is transformers' ForCausalLMLoss.
+"""The loss rule: `*ForCausalLM` classes whose loss is transformers' ForCausalLMLoss, and the
+multimodal heads AutoModelForImageTextToText builds (`*ForConditionalGeneration` of Qwen2-VL, Gemma 3,
+LLaVA, ...) whose forward has the same lm_head -> logits -> self.loss_function structure.
 
 Kernels:
   cross_entropy               the class gets a `loss_function` property that returns
@@ -14,6 +16,14 @@ Kernels:
                               (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
 With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
 
+A multimodal head is taken on the same proof as a causal LM: its forward is analysed the same way
+(autopatch.rules._causal_lm_source), and the fused loss computes what the ForCausalLMLoss it calls
+would, from the same arguments (labels with -100 on image and pad tokens, num_items_in_batch,
+shift_labels, logits_to_keep through the sliced hidden states; the `vocab_size` it passes, e.g.
+`config.text_config.vocab_size`, is the lm_head's out_features). Heads that fail the analysis
+(Q-Former heads without lm_head, encoder-decoders computing their own loss, logits post-processing
+outside LOGIT_STEPS) are left alone with the reason.
+
 A module whose *ForCausalLM forward computes its own loss with `CrossEntropyLoss()` (imported from
 torch.nn: Bart, Marian, Pegasus, ... decoders) gets that global rebound to a torch.nn.CrossEntropyLoss
 subclass running fused_kernels.cross_entropy (kernel cross_entropy; autopatch.rules._torch_ce).
@@ -24,6 +34,7 @@ targets, same reduction); the tests compare patched and unpatched models per arc
 
 from __future__ import annotations
 
+import functools
 import re
 from types import ModuleType
 
@@ -61,7 +72,10 @@ class _LossRule:
                                           patched=False, reason=f"rule raised {type(exc).__name__}: {exc}"))
         try:
             if enabled(CE):
-                records.extend(_patch_torch_loss(module, classes))
+                # the torch-loss rebinding is for causal LMs only: a multimodal head computing its own
+                # loss (BLIP, Pix2Struct, UDOP) keeps its module's CrossEntropyLoss
+                causal = set(_causal_lm_classes(module, multimodal=False))
+                records.extend(_patch_torch_loss(module, [c for c in classes if c in causal]))
         except Exception as exc:
             records.append(Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False,
                                   reason=f"rule raised {type(exc).__name__}: {exc}"))
@@ -104,12 +118,16 @@ def _watch_runs() -> None:
     report.check_at_exit()
 
 
-def _causal_lm_classes(module: ModuleType) -> list[type]:
-    """*ForCausalLM classes, and the causal LMs AutoModelForCausalLM builds under other names
-    (GPT2LMHeadModel, OpenAIGPTLMHeadModel, ...), defined in `module`."""
+def _causal_lm_classes(module: ModuleType, multimodal: bool = True) -> list[type]:
+    """*ForCausalLM classes, the causal LMs AutoModelForCausalLM builds under other names
+    (GPT2LMHeadModel, OpenAIGPTLMHeadModel, ...) and, with `multimodal`, the heads
+    AutoModelForImageTextToText builds (Qwen2VLForConditionalGeneration, LlavaForConditionalGeneration,
+    ...), defined in `module`."""
     from transformers.modeling_utils import PreTrainedModel
 
-    causal = _auto_causal_lm_names()
+    causal = _auto_head_names("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
+    if multimodal:
+        causal = causal | _auto_head_names("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
     return [
         obj for name, obj in sorted(vars(module).items())
         if isinstance(obj, type)
@@ -119,13 +137,18 @@ def _causal_lm_classes(module: ModuleType) -> list[type]:
     ]
 
 
-def _auto_causal_lm_names() -> frozenset:
+@functools.lru_cache(maxsize=None)
+def _auto_head_names(mapping: str) -> frozenset:
+    """The class names of one of transformers' auto mappings (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, ...);
+    empty when this transformers has no such mapping (then the *ForCausalLM names alone)."""
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    except Exception:  # noqa: BLE001 - an older layout: the *ForCausalLM names alone
+        from transformers.models.auto import modeling_auto
+
+        table = getattr(modeling_auto, mapping)
+    except Exception:  # noqa: BLE001 - an older layout
         return frozenset()
     names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    for value in table.values():
         names.update([value] if isinstance(value, str) else value)
     return frozenset(names)
 
