@@ -95,7 +95,29 @@ def _llava():
                                                                pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g))
 
 
-MODELS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "llava": _llava}
+def _paligemma():
+    # a Gemma 2 text model: the final-logit softcap, read as
+    # getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+    cfg = transformers.PaliGemmaConfig(
+        text_config=dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, final_logit_softcapping=3.0, sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4, projection_dim=32),
+        image_token_index=IMAGE, projection_dim=32, hidden_size=32)
+    g = torch.Generator().manual_seed(1)
+    ids = _text_ids(10, g)
+    ids[:, :4] = IMAGE  # 2 x 2 patches, then the prefix, then the suffix (token_type_ids 1)
+    token_type_ids = torch.zeros_like(ids)
+    token_type_ids[:, 6:] = 1
+    return "paligemma", "PaliGemmaForConditionalGeneration", cfg, dict(
+        input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g), token_type_ids=token_type_ids)
+
+
+MODELS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "llava": _llava, "paligemma": _paligemma}
+# what each model's forward does to the logits, as the rule's record says
+VARIANTS = {"qwen2_vl": "plain lm_head", "gemma3": "plain lm_head", "llava": "plain lm_head",
+            "paligemma": "softcap_if_set(config.get_text_config().final_logit_softcapping)"}
 
 
 def _build(name):
@@ -151,7 +173,7 @@ def _no_full_logits(x) -> bool:
 def test_vlm_patched_matches_original(name, kernels):
     module, cls_name, model, inputs = _build(name)
     tied = model.lm_head.weight is model.get_input_embeddings().weight
-    assert tied == (name == "gemma3"), "tied embeddings are covered by gemma3"
+    assert tied == (name in ("gemma3", "paligemma")), "tied embeddings are covered by gemma3 and paligemma"
     scenarios = _scenarios(inputs)
     refs = {key: _train_step(model, kw) for key, kw in scenarios.items()}
     vision = [n for n in refs["labels"][1] if "visual" in n or "vision" in n]
@@ -165,6 +187,7 @@ def test_vlm_patched_matches_original(name, kernels):
     for kernel, target in ((FLCE, f"{cls_name}.forward"), ("cross_entropy", f"{cls_name}.loss_function")):
         record = verdict_of([r for r in records if r.kernel == kernel], target)
         assert record.patched, record
+    assert VARIANTS[name] in verdict_of(records, f"{cls_name}.forward").variant
 
     for key, kw in scenarios.items():
         before = _launches(kernels, FLCE)

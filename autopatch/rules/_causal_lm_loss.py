@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import operator
 import numbers
 
 import torch
@@ -58,7 +57,7 @@ from torch import nn
 from autopatch import report
 from autopatch.rules import _probe
 from autopatch.rules._kernels import kernels
-from autopatch.rules._causal_lm_source import Transform
+from autopatch.rules._causal_lm_source import Transform, resolve_attribute
 
 CALL_ATTR = "_autopatch_flce_call"
 # what the kernels take (fused_kernels._utils.FLOAT_DTYPES); float64 models keep the original loss
@@ -148,12 +147,12 @@ def logit_transform_values(model, transforms):
     scale = 1.0
     softcap = None
     for t in transforms:
-        value = operator.attrgetter(t.attribute)(model)
-        if t.kind == "softcap_if_set" and value is None:
+        value = resolve_attribute(model, t.attribute, t.optional)
+        if t.kind.endswith("_if_set") and value is None:
             continue
         if not _number(value):
             return None
-        if t.kind == "scale_mul":
+        if t.kind in ("scale_mul", "scale_mul_if_set"):
             scale = scale * float(value)
         elif t.kind == "scale_div":
             scale = scale / float(value)

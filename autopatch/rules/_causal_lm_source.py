@@ -15,7 +15,11 @@ on something other than the logits — leaves the class alone, with the reason.
 
 The table is data: each step is a normalised source template (`ast.unparse` of the statement with
 the logits variable renamed `logits`) in which `{A}` / `{C}` stand for an attribute path on the
-model such as `self.config.logits_scaling`; the same placeholder must name the same path each time.
+model such as `self.config.logits_scaling` (multimodal heads: `self.config.get_text_config().x`, the
+only call allowed in a path); the same placeholder must name the same path each time. A local alias of
+such a path (`cap = self.config.x`, `if (cap := self.config.x) is not None:`) is read as the path, and
+`getattr(<path>, "x", None)` as the path to an attribute that may be missing, which only a
+"softcap when set" step may use (a missing one is then None: no softcap, as in the forward).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class LogitStep:
 
     name: str
     template: str  # normalised statement source; {A}: scale attribute, {C}: softcap attribute
-    kind: str  # "none" | "scale_mul" | "scale_div" | "softcap" | "softcap_if_set"
+    kind: str  # "none" | "scale_mul" | "scale_mul_if_set" | "scale_div" | "softcap" | "softcap_if_set"
 
 
 # Templates are compared against `ast.unparse` output, so spacing and parentheses are canonical.
@@ -45,6 +49,7 @@ LOGIT_STEPS: tuple[LogitStep, ...] = (
     LogitStep("contiguous", "logits = logits.contiguous()", "none"),
     LogitStep("scale multiply", "logits = logits * {A}", "scale_mul"),
     LogitStep("scale divide", "logits = logits / {A}", "scale_div"),
+    LogitStep("scale multiply when set", "if {A} is not None:\n    logits = logits * {A}", "scale_mul_if_set"),
     LogitStep("softcap", "logits = torch.tanh(logits / {C}) * {C}", "softcap"),
     LogitStep("softcap", "logits = nn.functional.tanh(logits / {C}) * {C}", "softcap"),
     LogitStep("softcap", "logits = torch.nn.functional.tanh(logits / {C}) * {C}", "softcap"),
@@ -61,7 +66,8 @@ LOGIT_STEPS: tuple[LogitStep, ...] = (
     ),
 )
 
-_ATTR_PATH = r"(self(?:\.[A-Za-z_]\w*)+)"
+_ATTR_PATH = r"(self(?:\.(?:get_text_config\(\)|[A-Za-z_]\w*))+)"
+TEXT_CONFIG_CALL = "get_text_config()"  # the one call a model attribute path may hold
 
 
 def _template_regex(template: str) -> re.Pattern:
@@ -89,9 +95,25 @@ class Transform:
 
     kind: str
     attribute: str = ""
+    optional: bool = False  # read as getattr(..., None): a missing attribute is None
 
     def describe(self) -> str:
         return self.kind if not self.attribute else f"{self.kind}({self.attribute})"
+
+
+def resolve_attribute(model, path: str, optional: bool = False):
+    """The value of a Transform's attribute path on `model` (`config.get_text_config().x` calls the
+    config's get_text_config)."""
+    value = model
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part == TEXT_CONFIG_CALL:
+            value = value.get_text_config()
+        elif optional and i == len(parts) - 1:
+            value = getattr(value, part, None)
+        else:
+            value = getattr(value, part)
+    return value
 
 
 _NO_LOSS_CALL = "forward calls self.loss_function 0 times"  # the start of analyse_forward's reason for it
@@ -138,9 +160,18 @@ class _Rename(ast.NodeTransformer):
     """Rename the logits variable to `logits` and substitute local aliases of model attributes
     (`cap = self.config.logits_soft_cap`) by the attribute path itself."""
 
-    def __init__(self, logits_name: str, aliases: dict[str, ast.expr]):
+    def __init__(self, logits_name: str, aliases: dict[str, ast.expr], optional: set[str] | None = None):
         self.logits_name = logits_name
         self.aliases = aliases
+        self.optional = optional if optional is not None else set()
+
+    def visit_NamedExpr(self, node: ast.NamedExpr):
+        # `if (cap := self.config.x) is not None:`: the alias for the body, the path in the test
+        value = _alias_value(node.value, self.optional)
+        if value is not None and isinstance(node.target, ast.Name):
+            self.aliases[node.target.id] = value
+            return value
+        return self.generic_visit(node)
 
     def visit_Name(self, node: ast.Name):
         if node.id == self.logits_name:
@@ -150,10 +181,30 @@ class _Rename(ast.NodeTransformer):
         return node
 
 
-def _normalise(stmt: ast.stmt, logits_name: str, aliases: dict[str, ast.expr]) -> str:
+def _normalise(stmt: ast.stmt, logits_name: str, aliases: dict[str, ast.expr], optional: set[str] | None = None) -> str:
     import copy
 
-    return ast.unparse(_Rename(logits_name, aliases).visit(copy.deepcopy(stmt)))
+    return ast.unparse(_Rename(logits_name, aliases, optional).visit(copy.deepcopy(stmt)))
+
+
+def _alias_value(node: ast.AST, optional: set[str]) -> ast.expr | None:
+    """What a local alias stands for: a model attribute path, or `getattr(<path>, "x", None)` read as
+    `<path>.x` (recorded in `optional`); None for anything else."""
+    if _is_attr_path(node):
+        return node
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+        and len(node.args) == 3 and not node.keywords
+        and _is_attr_path(node.args[0])
+        and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+        and node.args[1].value.isidentifier()
+        and isinstance(node.args[2], ast.Constant) and node.args[2].value is None
+    ):
+        value = ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Load())
+        optional.add(ast.unparse(value)[len("self."):])
+        return value
+    return None
 
 
 def _match_step(source: str) -> Transform | None:
@@ -168,8 +219,15 @@ def _match_step(source: str) -> Transform | None:
 
 
 def _is_attr_path(node: ast.AST) -> bool:
-    while isinstance(node, ast.Attribute):
-        node = node.value
+    """`self.a.b`, with `get_text_config()` calls (no arguments) allowed along the way."""
+    while True:
+        if isinstance(node, ast.Attribute):
+            node = node.value
+        elif (isinstance(node, ast.Call) and not node.args and not node.keywords
+              and isinstance(node.func, ast.Attribute) and node.func.attr == TEXT_CONFIG_CALL[:-2]):
+            node = node.func.value
+        else:
+            break
     return isinstance(node, ast.Name) and node.id == "self"
 
 
@@ -237,7 +295,8 @@ def analyse_forward(forward) -> ForwardAnalysis:
     rest = _HeadToName().visit(rest)
     steps_src: list[str] = []
     aliases: dict[str, ast.expr] = {}
-    head_rest = _normalise(rest, logits_name, aliases)
+    optional: set[str] = set()  # attribute paths read through getattr(..., None)
+    head_rest = _normalise(rest, logits_name, aliases, optional)
     if head_rest != f"{_LOGITS} = {_LOGITS}":
         steps_src.append(head_rest)
 
@@ -276,21 +335,22 @@ def analyse_forward(forward) -> ForwardAnalysis:
     for stmt in between:
         if not _mentions(stmt, logits_name):
             # `cap = self.config.logits_soft_cap`: remember the alias for the steps that use it.
-            if (
-                isinstance(stmt, ast.Assign)
-                and len(stmt.targets) == 1
-                and isinstance(stmt.targets[0], ast.Name)
-                and _is_attr_path(stmt.value)
-            ):
-                aliases[stmt.targets[0].id] = stmt.value
+            if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+                value = _alias_value(stmt.value, optional)
+                if value is not None:
+                    aliases[stmt.targets[0].id] = value
             continue
-        steps_src.append(_normalise(stmt, logits_name, aliases))
+        steps_src.append(_normalise(stmt, logits_name, aliases, optional))
 
     transforms = []
     for src in steps_src:
         t = _match_step(src)
         if t is None:
             return ForwardAnalysis(False, f"unrecognised logits transformation: {src!r}")
+        if t.attribute in optional:
+            if t.kind != "softcap_if_set":
+                return ForwardAnalysis(False, f"a logits {t.kind} reads an attribute that may be missing: {src!r}")
+            t = dataclasses.replace(t, optional=True)
         if t.kind != "none":
             transforms.append(t)
     kinds = [t.kind for t in transforms]
