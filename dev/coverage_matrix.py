@@ -216,17 +216,24 @@ def check_architecture(arch) -> dict:
 def causal_lm_architectures() -> list:
     """Every class AutoModelForCausalLM can build (its mapping), once each, with the modeling module that
     defines it (found by reading the model directory's sources)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return _mapping_architectures(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _mapping_architectures(mapping) -> list:
+    """The classes of one of transformers' auto mappings, once each, with the modeling module that
+    defines each (found by reading the model directory's sources)."""
     import re
 
     import transformers
     from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from autopatch.tiny_models import Architecture
 
     root = os.path.dirname(transformers.models.__file__)
     found, seen = [], set()
-    for model_type, names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+    for model_type, names in mapping.items():
         model_dir = model_type_to_module_name(model_type)
         folder = os.path.join(root, model_dir)
         if not os.path.isdir(folder):
@@ -309,6 +316,9 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-gib", type=float, default=12.0,
                         help="address-space cap, so an architecture whose 'tiny' model is not tiny fails "
                              "with an error instead of the machine's OOM killer ending the whole run")
+    parser.add_argument("--vlm", action="store_true",
+                        help="the image-text-to-text table (the loss rule) instead of the causal-LM one; "
+                             "--markdown then appends it to the file")
     args = parser.parse_args(argv)
     try:
         import resource
@@ -323,6 +333,8 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    if args.vlm:
+        return main_vlm(args)
     archs = select(causal_lm_architectures(), args.names)
     if not archs:
         print(f"no architecture matches {args.names}", file=sys.stderr)
@@ -350,6 +362,238 @@ def main(argv=None) -> int:
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(markdown(rows, summary, versions))
+    return 1 if summary["mismatch"] else 0
+
+
+# --------------------------------------------------------------------------- image-text-to-text heads
+# The second table: every class of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, the loss rule's verdict
+# from structure (autopatch.rules.loss), and, for the models with a tiny builder below, the numbers:
+# patched vs unpatched loss, every gradient (vision tower included) and eval logits, fp32 at 1e-5.
+# Each builder gives tiny vision and text configs and synthetic inputs of the model's form: Qwen2-VL's
+# flattened patches with image_grid_thw, square images for SigLIP / CLIP towers, placeholder ids in
+# input_ids (IMAGE 90, delimiters 91-93; text tokens are drawn below 80).
+VOCAB = 96
+IMAGE, START, END = 90, 91, 92
+BATCH = 2
+
+
+def _transformers():
+    import transformers
+
+    return transformers
+
+
+def _text_ids(seq, g):
+    return torch.randint(0, 80, (BATCH, seq), generator=g)
+
+
+def _qwen2_vl():
+    cfg = _transformers().Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+                         bos_token_id=None, eos_token_id=None),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=IMAGE, video_token_id=93, vision_start_token_id=START, vision_end_token_id=END)
+    g = torch.Generator().manual_seed(1)
+    # per image a 1 x 4 x 4 patch grid: 16 flattened patches of 3 * 2 * 2 * 2 values, 4 tokens after the merge
+    ids = _text_ids(12, g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
+                  image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
+    return "qwen2_vl", "Qwen2VLForConditionalGeneration", cfg, inputs
+
+
+def _gemma3():
+    cfg = _transformers().Gemma3Config(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=2),
+        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+    g = torch.Generator().manual_seed(1)
+    ids = _text_ids(12, g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g),
+                  token_type_ids=(ids == IMAGE).long())
+    return "gemma3", "Gemma3ForConditionalGeneration", cfg, inputs
+
+
+def _llava():
+    cfg = _transformers().LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=24,
+                           num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2,
+                           projection_dim=16),
+        image_token_index=IMAGE, vision_feature_layer=-1)
+    g = torch.Generator().manual_seed(1)
+    ids = _text_ids(20, g)
+    ids[:, 2:18] = IMAGE  # 4 x 4 patches, the CLS token dropped ("default" feature selection)
+    return "llava", "LlavaForConditionalGeneration", cfg, dict(input_ids=ids,
+                                                               pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g))
+
+
+def _paligemma():
+    # a Gemma 2 text model: the final-logit softcap, read as
+    # getattr(self.config.get_text_config(), "final_logit_softcapping", None)
+    cfg = _transformers().PaliGemmaConfig(
+        text_config=dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         num_hidden_layers=1, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, final_logit_softcapping=3.0, sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4, projection_dim=32),
+        image_token_index=IMAGE, projection_dim=32, hidden_size=32)
+    g = torch.Generator().manual_seed(1)
+    ids = _text_ids(10, g)
+    ids[:, :4] = IMAGE  # 2 x 2 patches, then the prefix, then the suffix (token_type_ids 1)
+    token_type_ids = torch.zeros_like(ids)
+    token_type_ids[:, 6:] = 1
+    return "paligemma", "PaliGemmaForConditionalGeneration", cfg, dict(
+        input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g), token_type_ids=token_type_ids)
+
+
+
+TINY_VLMS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "llava": _llava, "paligemma": _paligemma}
+
+
+def build_tiny_vlm(model_dir):
+    """(model, inputs) of a TINY_VLMS entry, fp32, eager attention, O(1)-sized logits."""
+    import importlib
+
+    _, class_name, cfg, inputs = TINY_VLMS[model_dir]()
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    module = importlib.import_module(f"transformers.models.{model_dir}.modeling_{model_dir}")
+    model = getattr(module, class_name)(cfg).float()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.3)
+    labels = inputs["input_ids"].clone()
+    labels[labels >= IMAGE] = -100  # image placeholders and delimiters are not targets
+    labels[:, :2] = -100
+    return model, dict(inputs, labels=labels)
+
+
+def _run_vlm(model, inputs):
+    """Loss and every parameter gradient in training mode, logits in eval mode (pixels included)."""
+    loss, _, grads = _run(model, inputs)
+    model.eval()
+    with torch.no_grad():
+        eval_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        logits = model(**eval_inputs, use_cache=False).logits.detach().clone()
+    model.train()
+    return loss, logits, grads
+
+
+def image_text_to_text_architectures() -> list:
+    """Every class AutoModelForImageTextToText can build, with the modeling module that defines it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return _mapping_architectures(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def check_vlm_loss(arch) -> dict:
+    """The loss rule on one image-text-to-text head: its records, and the numbers where TINY_VLMS
+    builds the model."""
+    import importlib
+
+    import fused_kernels
+    from autopatch import patching
+    from autopatch.rules import loss
+
+    row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
+    try:
+        module = importlib.import_module(arch.module_name)
+        model = inputs = ref = None
+        if arch.model_dir in TINY_VLMS:
+            model, inputs = build_tiny_vlm(arch.model_dir)
+            ref = _run_vlm(model, inputs)
+        records = [r for r in loss.RULE.patch_module(module, lambda kernel: True)
+                   if r.target in (f"{arch.class_name}.forward", f"{arch.class_name}.loss_function")]
+        flce = [r for r in records if r.kernel == "fused_linear_cross_entropy"]
+        ce = [r for r in records if r.kernel == "cross_entropy"]
+        row["fused_linear"] = _record_text(flce)
+        row["cross_entropy"] = _record_text(ce)
+        patched = any(r.patched for r in flce)
+        row["structure"] = "patched" if patched else "left alone"
+        if model is None:
+            row["numbers"] = "no tiny builder"
+        else:
+            before = fused_kernels.launch_counts()
+            got = _run_vlm(model, inputs)
+            after = fused_kernels.launch_counts()
+            ok, detail = _compare(ref, got)
+            fused_ran = any(after[k] > before.get(k, 0) for k in after if k.startswith("fused_linear_cross_entropy"))
+            row["numbers"] = "MISMATCH" if not ok else ("verified" if fused_ran or not patched else "not used")
+            row["detail"] = detail
+    except Exception as exc:  # noqa: BLE001
+        row["structure"] = row.get("structure", "error")
+        row["numbers"] = "error"
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        patching.restore_all()
+    return row
+
+
+def _record_text(records) -> str:
+    return "; ".join(r.variant if r.patched else f"left alone: {r.reason}" for r in records) or "no record"
+
+
+def vlm_summary(rows) -> dict:
+    return {
+        "heads": len(rows),
+        "fused_loss_by_structure": sum(r.get("structure") == "patched" for r in rows),
+        "numbers_verified": sum(r.get("numbers") == "verified" for r in rows),
+        "mismatch": sum(r.get("numbers") == "MISMATCH" for r in rows),
+        "errors": sum(r.get("numbers") == "error" for r in rows),
+    }
+
+
+def vlm_markdown(rows, summary) -> str:
+    lines = [
+        "## Image-text-to-text heads (the loss rule)",
+        "",
+        "Every class of transformers' MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES. *Structure*: the loss "
+        "rule's verdict on the class (fused linear CE in training with labels; the fused CE where logits "
+        "exist), from the forward's source. *Numbers*: for the models dev/coverage_matrix.py builds tiny "
+        "(TINY_VLMS: tiny vision and text configs, synthetic pixels and placeholder tokens), patched vs "
+        "unpatched loss, every gradient (vision tower included) and eval logits within 1e-5 relative (fp32), "
+        "the fused kernel launched; other rows are proven from structure only.",
+        "",
+        f"**Summary:** {summary['heads']} heads; fused loss by structure {summary['fused_loss_by_structure']}; "
+        f"numbers verified {summary['numbers_verified']}; MISMATCH {summary['mismatch']}; errors {summary['errors']}.",
+        "",
+        "| head | structure (fused linear CE) | numbers |",
+        "|---|---|---|",
+    ]
+    for row in rows:
+        text = row.get("fused_linear", row.get("error", ""))[:140].replace("|", "/").replace("\n", " ")
+        mark = "✅" if row.get("structure") == "patched" else "➖"
+        numbers = {"verified": "✅ verified", "MISMATCH": "❌ MISMATCH"}.get(row.get("numbers"), row.get("numbers", ""))
+        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_vlm(args) -> int:
+    rows = []
+    for arch in select(image_text_to_text_architectures(), args.names):
+        with contextlib.redirect_stderr(io.StringIO()):
+            row = check_vlm_loss(arch)
+        rows.append(row)
+        if not args.quiet:
+            print(f"{row['arch']:<45} {row.get('structure', ''):<11} {row.get('numbers', ''):<16} "
+                  f"{row.get('fused_linear', row.get('error', ''))[:90]}", flush=True)
+    summary = vlm_summary(rows)
+    print(json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + vlm_markdown(rows, summary))
     return 1 if summary["mismatch"] else 0
 
 

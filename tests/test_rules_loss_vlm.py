@@ -1,10 +1,14 @@
-"""The loss rule on image-text-to-text heads (Qwen2-VL, Gemma 3, LLaVA, ...): tiny models built from
-tiny vision and text configs, synthetic pixel inputs of each model's form (Qwen2-VL's flattened
+"""The loss rule on image-text-to-text heads (Qwen2-VL, Gemma 3, LLaVA, PaliGemma): tiny models built
+from tiny vision and text configs, synthetic pixel inputs of each model's form (Qwen2-VL's flattened
 patches with image_grid_thw, square images for SigLIP and CLIP towers) and image placeholder tokens
-in input_ids. Patched vs unpatched in fp32: the loss and every parameter gradient, vision tower
-included, within 1e-5 relative; the fused linear CE launched in training; eval logits identical."""
+in input_ids (the builders are dev/coverage_matrix.py's TINY_VLMS). Patched vs unpatched in fp32: the
+loss and every parameter gradient, vision tower included, within 1e-5 relative; the fused linear CE
+launched in training; eval logits identical."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,13 +17,17 @@ from helpers import assert_close, modeling, verdict_of
 
 transformers = pytest.importorskip("transformers")
 
+_spec = importlib.util.spec_from_file_location(
+    "coverage_matrix", Path(__file__).resolve().parents[1] / "dev" / "coverage_matrix.py")
+coverage_matrix = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(coverage_matrix)
+
 from autopatch import patching  # noqa: E402
 from autopatch.rules import _causal_lm_loss as loss_runtime  # noqa: E402
 from autopatch.rules import loss as loss_rule  # noqa: E402
 
 FP32 = torch.float32
-VOCAB = 96
-IMAGE, START, END = 90, 91, 92  # placeholder ids, outside the range the text tokens are drawn from
+IMAGE = 90  # the image placeholder id of every tiny model (dev/coverage_matrix.py's TINY_VLMS)
 BATCH = 2
 FLCE = "fused_linear_cross_entropy"
 
@@ -41,80 +49,7 @@ def _launches(fk, prefix: str) -> int:
     return sum(n for name, n in fk.launch_counts().items() if name.startswith(prefix))
 
 
-def _text_ids(seq, g):
-    return torch.randint(0, 80, (BATCH, seq), generator=g)
-
-
-def _qwen2_vl():
-    cfg = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
-                         bos_token_id=None, eos_token_id=None),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
-                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-        image_token_id=IMAGE, video_token_id=93, vision_start_token_id=START, vision_end_token_id=END)
-    g = torch.Generator().manual_seed(1)
-    # per image a 1 x 4 x 4 patch grid: 16 flattened patches of 3 * 2 * 2 * 2 values, 4 tokens after the merge
-    ids = _text_ids(12, g)
-    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
-    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
-                  image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
-    return "qwen2_vl", "Qwen2VLForConditionalGeneration", cfg, inputs
-
-
-def _gemma3():
-    cfg = transformers.Gemma3Config(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         sliding_window=4),
-        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=8, patch_size=2),
-        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
-    g = torch.Generator().manual_seed(1)
-    ids = _text_ids(12, g)
-    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
-    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g),
-                  token_type_ids=(ids == IMAGE).long())
-    return "gemma3", "Gemma3ForConditionalGeneration", cfg, inputs
-
-
-def _llava():
-    cfg = transformers.LlavaConfig(
-        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64),
-        vision_config=dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=24,
-                           num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=2,
-                           projection_dim=16),
-        image_token_index=IMAGE, vision_feature_layer=-1)
-    g = torch.Generator().manual_seed(1)
-    ids = _text_ids(20, g)
-    ids[:, 2:18] = IMAGE  # 4 x 4 patches, the CLS token dropped ("default" feature selection)
-    return "llava", "LlavaForConditionalGeneration", cfg, dict(input_ids=ids,
-                                                               pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g))
-
-
-def _paligemma():
-    # a Gemma 2 text model: the final-logit softcap, read as
-    # getattr(self.config.get_text_config(), "final_logit_softcapping", None)
-    cfg = transformers.PaliGemmaConfig(
-        text_config=dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                         num_hidden_layers=1, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, final_logit_softcapping=3.0, sliding_window=4),
-        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=8, patch_size=4, projection_dim=32),
-        image_token_index=IMAGE, projection_dim=32, hidden_size=32)
-    g = torch.Generator().manual_seed(1)
-    ids = _text_ids(10, g)
-    ids[:, :4] = IMAGE  # 2 x 2 patches, then the prefix, then the suffix (token_type_ids 1)
-    token_type_ids = torch.zeros_like(ids)
-    token_type_ids[:, 6:] = 1
-    return "paligemma", "PaliGemmaForConditionalGeneration", cfg, dict(
-        input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g), token_type_ids=token_type_ids)
-
-
-MODELS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "llava": _llava, "paligemma": _paligemma}
+MODELS = coverage_matrix.TINY_VLMS  # name -> () -> (model dir, class, config, inputs)
 # what each model's forward does to the logits, as the rule's record says
 VARIANTS = {"qwen2_vl": "plain lm_head", "gemma3": "plain lm_head", "llava": "plain lm_head",
             "paligemma": "softcap_if_set(config.get_text_config().final_logit_softcapping)"}
@@ -134,7 +69,7 @@ def _labels(ids):
     """Labels as a VLM collator makes them: the prompt, the image placeholders and their delimiters
     ignored (-100), the rest the text tokens."""
     labels = ids.clone()
-    labels[ids >= IMAGE] = -100
+    labels[ids >= IMAGE] = -100  # placeholders and their delimiters (ids 90-93)
     labels[:, :2] = -100
     labels[1, -1] = -100
     return labels
