@@ -457,7 +457,40 @@ def _paligemma():
 
 
 
-TINY_VLMS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3, "llava": _llava, "paligemma": _paligemma}
+def _qwen2_5_vl():
+    # windowed attention in the tower (window_size 4, block 1 with full attention)
+    cfg = _transformers().Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+                         bos_token_id=None, eos_token_id=None),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=4,
+                           out_hidden_size=32, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=93, vision_start_token_id=START, vision_end_token_id=END)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 80, (BATCH, 12), generator=g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
+                  image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
+    return "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", cfg, inputs
+def _idefics3():
+    # pixel_values [batch, images, 3, H, W]; 16 patches per image, 4 tokens after the pixel shuffle
+    cfg = _transformers().Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0),
+        vision_config=dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=2),
+        image_token_id=IMAGE, scale_factor=2)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 80, (BATCH, 12), generator=g)
+    ids[:, 3:7] = IMAGE
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH, 1, 3, 8, 8, generator=g))
+    return "idefics3", "Idefics3ForConditionalGeneration", cfg, inputs
+
+
+TINY_VLMS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3, "llava": _llava,
+             "paligemma": _paligemma, "idefics3": _idefics3}
 
 
 def build_tiny_vlm(model_dir):
