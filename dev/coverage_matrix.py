@@ -18,6 +18,9 @@ Run on the CPU with TRITON_INTERPRET=1 (set here before triton is imported):
     python dev/coverage_matrix.py                      # all architectures
     python dev/coverage_matrix.py llama gemma2 qwen3   # by model directory or class name
     python dev/coverage_matrix.py --json docs/coverage.json --markdown docs/coverage.md
+    python dev/coverage_matrix.py --vlm --json docs/coverage_vlm.json --markdown docs/coverage.md
+The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
+written after the causal-LM table of the same file.
 """
 
 from __future__ import annotations
@@ -585,9 +588,12 @@ def vlm_summary(rows) -> dict:
     }
 
 
+VLM_HEADING = "## Image-text-to-text heads (the loss rule)"
+
+
 def vlm_markdown(rows, summary) -> str:
     lines = [
-        "## Image-text-to-text heads (the loss rule)",
+        VLM_HEADING,
         "",
         "Every class of transformers' MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES. *Structure*: the loss "
         "rule's verdict on the class (fused linear CE in training with labels; the fused CE where logits "
@@ -625,8 +631,15 @@ def main_vlm(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=1)
     if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + vlm_markdown(rows, summary))
+        # the table goes after the causal-LM one, replacing an earlier image-text-to-text table
+        try:
+            with open(args.markdown, encoding="utf-8") as f:
+                kept = f.read()
+        except FileNotFoundError:
+            kept = ""
+        kept = kept.split(VLM_HEADING)[0].rstrip("\n")
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write((kept + "\n\n" if kept else "") + vlm_markdown(rows, summary))
     return 1 if summary["mismatch"] else 0
 
 
