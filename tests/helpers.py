@@ -133,3 +133,10 @@ def check_class_verdict(rule, model: str, cls_name: str, variant, reason, kernel
         assert verdict_of(rule.patch_module(module, everything), cls_name) == record  # idempotent
         assert cls.forward is patched
     return record
+
+
+def launches(prefix: str) -> int:
+    """How many times the kernels whose names start with `prefix` ran in this process."""
+    import fused_kernels
+
+    return sum(n for name, n in fused_kernels.launch_counts().items() if name.startswith(prefix))

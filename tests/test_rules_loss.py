@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from helpers import assert_close, tensors_with_history
+from helpers import assert_close, launches, tensors_with_history
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,14 +32,11 @@ def kernels():
     return fused_kernels
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    patching.restore_all()
+pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
 def _launches(fk, prefix: str) -> int:
-    return sum(n for name, n in fk.launch_counts().items() if name.startswith(prefix))
+    return launches(prefix)
 
 
 ALL_ON = lambda kernel: True  # noqa: E731

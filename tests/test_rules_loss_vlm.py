@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_close, modeling, verdict_of
+from helpers import assert_close, launches, modeling, verdict_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,14 +39,11 @@ def kernels():
     return fused_kernels
 
 
-@pytest.fixture(autouse=True)
-def _restore():
-    yield
-    patching.restore_all()
+pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
 def _launches(fk, prefix: str) -> int:
-    return sum(n for name, n in fk.launch_counts().items() if name.startswith(prefix))
+    return launches(prefix)
 
 
 MODELS = coverage_matrix.TINY_VLMS  # name -> () -> (model dir, class, config, inputs)
