@@ -46,3 +46,11 @@ def restore_patches():
     from autopatch import patching
 
     patching.restore_all()
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """fused_kernels, imported once the interpreter setting above is in force."""
+    import fused_kernels
+
+    return fused_kernels

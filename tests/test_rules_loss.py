@@ -25,13 +25,6 @@ VOCAB = 96
 BATCH, SEQ = 2, 8
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    import fused_kernels
-
-    return fused_kernels
-
-
 pytestmark = pytest.mark.usefixtures("restore_patches")
 
 

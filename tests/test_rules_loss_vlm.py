@@ -32,13 +32,6 @@ BATCH = 2
 FLCE = "fused_linear_cross_entropy"
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    import fused_kernels
-
-    return fused_kernels
-
-
 pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
