@@ -158,7 +158,6 @@ def _restore(model) -> None:
 
 def check_architecture(arch) -> dict:
     import fused_kernels
-    from autopatch import patching
     from autopatch.tiny_models import build_tiny, smoke_inputs
 
     row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
@@ -390,22 +389,31 @@ def _text_ids(seq, g):
     return torch.randint(0, 80, (BATCH, seq), generator=g)
 
 
+def _qwen_vl_text():
+    """The text model of both Qwen-VL builders: multimodal RoPE over (time, height, width) sections."""
+    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
+                bos_token_id=None, eos_token_id=None)
+
+
+def _qwen_vl_inputs():
+    """Per image a 1 x 4 x 4 patch grid: 16 flattened patches of 3 * 2 * 2 * 2 values, 4 tokens after the
+    merge, between the vision start and end tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = _text_ids(12, g)
+    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
+    return dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
+                image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
+
+
 def _qwen2_vl():
     cfg = _transformers().Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
-                         bos_token_id=None, eos_token_id=None),
+        text_config=_qwen_vl_text(),
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
         image_token_id=IMAGE, video_token_id=93, vision_start_token_id=START, vision_end_token_id=END)
-    g = torch.Generator().manual_seed(1)
-    # per image a 1 x 4 x 4 patch grid: 16 flattened patches of 3 * 2 * 2 * 2 values, 4 tokens after the merge
-    ids = _text_ids(12, g)
-    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
-    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
-                  image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
-    return "qwen2_vl", "Qwen2VLForConditionalGeneration", cfg, inputs
+    return "qwen2_vl", "Qwen2VLForConditionalGeneration", cfg, _qwen_vl_inputs()
 
 
 def _gemma3():
@@ -459,24 +467,17 @@ def _paligemma():
         input_ids=ids, pixel_values=torch.randn(BATCH, 3, 8, 8, generator=g), token_type_ids=token_type_ids)
 
 
-
 def _qwen2_5_vl():
     # windowed attention in the tower (window_size 4, block 1 with full attention)
     cfg = _transformers().Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]),
-                         bos_token_id=None, eos_token_id=None),
+        text_config=_qwen_vl_text(),
         vision_config=dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=4,
                            out_hidden_size=32, fullatt_block_indexes=[1]),
         image_token_id=IMAGE, video_token_id=93, vision_start_token_id=START, vision_end_token_id=END)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 80, (BATCH, 12), generator=g)
-    ids[:, 2], ids[:, 3:7], ids[:, 7] = START, IMAGE, END
-    inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH * 16, 24, generator=g),
-                  image_grid_thw=torch.tensor([[1, 4, 4]] * BATCH), mm_token_type_ids=(ids == IMAGE).int())
-    return "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", cfg, inputs
+    return "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", cfg, _qwen_vl_inputs()
+
+
 def _idefics3():
     # pixel_values [batch, images, 3, H, W]; 16 patches per image, 4 tokens after the pixel shuffle
     cfg = _transformers().Idefics3Config(

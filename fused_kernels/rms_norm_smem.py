@@ -166,7 +166,7 @@ if gluon is not None:
                              WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
                              PTX: gl.constexpr):
         """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: cross_entropy_gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
+        dw_part_ptr[cluster]. REG / SMEM: _gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
