@@ -195,7 +195,7 @@ def apply(model, config=None, **toggles) -> list:
         report.add(found)
         line = report.summary_line(module.__name__, found, enabled)
         if line:
-            print(line, file=sys.stderr, flush=True)
+            report.say(line)
         records.extend(found)
     _rebind_hooked_forwards(model)
     if chosen.get("layer_norm"):

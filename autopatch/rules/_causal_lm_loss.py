@@ -672,9 +672,7 @@ def _notice_once(kernel: str, detail: str, model=None) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", "") or ""
         report.note_bypass(kernel, type(model).__name__, f"the patched forward fell back: {detail}", model_type,
                            fallback=True)
-    import sys
-
-    print(f"autopatch: {kernel}: {detail}", file=sys.stderr)
+    report.say(f"autopatch: {kernel}: {detail}")
 
 
 def make_lm_head_property():
