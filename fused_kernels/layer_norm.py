@@ -247,6 +247,19 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _grad_chunk(x_rows, dy_rows, W, c, mask, col_mask, mean, rstd, HAS_WEIGHT: tl.constexpr, EVICT: tl.constexpr):
+    # One column chunk of the backward's terms, in fp32: dy, xhat = (x - mean)·rstd (0 off the mask) and
+    # g = dy·w (dy without a weight). EVICT: "evict_last" on the first sweep keeps x and dy in L2 for the second.
+    x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    g = dy
+    if HAS_WEIGHT:
+        g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return dy, xhat, g
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, stride_dy, stride_x, stride_dx,
@@ -311,12 +324,7 @@ def _layer_norm_bwd_kernel(
                 c = start + cols
                 col_mask = c < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                dy, xhat, g = _grad_chunk(x_rows, dy_rows, W, c, mask, col_mask, mean, rstd, HAS_WEIGHT, "evict_last")
                 sum_g += g
                 sum_gx += g * xhat
             mean_g = tl.sum(sum_g, axis=1) / n_cols
@@ -325,12 +333,7 @@ def _layer_norm_bwd_kernel(
                 c = start + cols
                 col_mask = c < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * tl.load(W + c, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                dy, xhat, g = _grad_chunk(x_rows, dy_rows, W, c, mask, col_mask, mean, rstd, HAS_WEIGHT, "evict_first")
                 dx = rstd[:, None] * (g - mean_g[:, None] - xhat * mean_gx[:, None])
                 tl.store(DX + rows64[:, None] * stride_dx + c[None, :], for_store(dx, DX.dtype.element_ty, EXACT_BF16),
                          mask=mask)
