@@ -45,54 +45,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels._activations import GELU_APPROXIMATE, GELU_ERF, GELU_TANH, SILU, gate_act, gate_act_and_grad
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
 
 __all__ = ["swiglu", "geglu", "glu_linear"]
-
-# Activation selector, a constexpr of the kernels.
-_SILU = 0
-_GELU_TANH = 1
-_GELU_ERF = 2
-_GELU_ACT = {"tanh": _GELU_TANH, "none": _GELU_ERF}
-
-# Constants are written as literals inside the kernels: √(2/π) = 0.7978845608028654,
-# 2√(2/π) = 1.5957691216057308, 1/√2 = 0.7071067811865476, 1/√(2π) = 0.3989422804014327,
-# the GELU-tanh cubic coefficient 0.044715 and 3 × 0.044715 = 0.134145.
-
-
-@triton.jit
-def _act(g, ACT: tl.constexpr):
-    """act(g) in fp32."""
-    if ACT == 0:
-        a = g * tl.sigmoid(g)
-    elif ACT == 1:
-        a = g * tl.sigmoid((g + 0.044715 * g * g * g) * 1.5957691216057308)
-    else:
-        a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-    return a
-
-
-@triton.jit
-def _act_and_grad(g, ACT: tl.constexpr):
-    """(act(g), act'(g)) in fp32, sharing the sigmoid / erf between the two."""
-    if ACT == 0:
-        s = tl.sigmoid(g)
-        a = g * s
-        da = s * (1.0 + g * (1.0 - s))
-    elif ACT == 1:
-        g2 = g * g
-        s = tl.sigmoid((g + 0.044715 * g * g2) * 1.5957691216057308)
-        a = g * s
-        da = s + g * (2.0 * s * (1.0 - s)) * ((1.0 + 0.134145 * g2) * 0.7978845608028654)
-    else:
-        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-        a = g * cdf
-        da = cdf + g * (tl.exp(-0.5 * g * g) * 0.3989422804014327)
-    return a, da
-
 
 @triton.jit
 def _tile(n_rows, n_cols, n_col_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -127,7 +86,7 @@ def _glu_fwd_kernel(
     else:
         g = tl.load(gate_ptr + gate_offs, mask=mask).to(tl.float32)
         u = tl.load(up_ptr + up_offs, mask=mask).to(tl.float32)
-    out = (_act(g, ACT) * u).to(out_ptr.dtype.element_ty)
+    out = (gate_act(g, ACT) * u).to(out_ptr.dtype.element_ty)
     if EVEN:
         tl.store(out_ptr + out_offs, out)
     else:
@@ -155,7 +114,7 @@ def _glu_bwd_kernel(
         do = tl.load(dout_ptr + dout_offs, mask=mask).to(tl.float32)
         g = tl.load(gate_ptr + gate_offs, mask=mask).to(tl.float32)
         u = tl.load(up_ptr + up_offs, mask=mask).to(tl.float32)
-    a, da = _act_and_grad(g, ACT)
+    a, da = gate_act_and_grad(g, ACT)
     dup = (do * a).to(dup_ptr.dtype.element_ty)
     dgate = (do * u * da).to(dgate_ptr.dtype.element_ty)
     if EVEN:
@@ -361,7 +320,7 @@ def _writable_rows(gate: torch.Tensor, up: torch.Tensor) -> bool:
 
 @torch.library.custom_op("fused_kernels::swiglu_fwd", mutates_args=())
 def _swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _forward("swiglu_fwd", gate, up, _SILU)
+    return _forward("swiglu_fwd", gate, up, SILU)
 
 
 @_swiglu_fwd.register_fake
@@ -371,7 +330,7 @@ def _(gate, up):
 
 @torch.library.custom_op("fused_kernels::swiglu_bwd", mutates_args=())
 def _swiglu_bwd(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _backward("swiglu_bwd", dout, gate, up, _SILU)
+    return _backward("swiglu_bwd", dout, gate, up, SILU)
 
 
 @_swiglu_bwd.register_fake
@@ -394,8 +353,8 @@ _swiglu_fwd.register_autograd(_swiglu_autograd, setup_context=_swiglu_setup_cont
 
 @torch.library.custom_op("fused_kernels::geglu_fwd", mutates_args=())
 def _geglu_fwd(gate: torch.Tensor, up: torch.Tensor, approximate: str) -> torch.Tensor:
-    check_choice("approximate", approximate, tuple(_GELU_ACT))
-    return _forward("geglu_fwd", gate, up, _GELU_ACT[approximate])
+    check_choice("approximate", approximate, tuple(GELU_APPROXIMATE))
+    return _forward("geglu_fwd", gate, up, GELU_APPROXIMATE[approximate])
 
 
 @_geglu_fwd.register_fake
@@ -407,8 +366,8 @@ def _(gate, up, approximate):
 def _geglu_bwd(
     dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, approximate: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_choice("approximate", approximate, tuple(_GELU_ACT))
-    return _backward("geglu_bwd", dout, gate, up, _GELU_ACT[approximate])
+    check_choice("approximate", approximate, tuple(GELU_APPROXIMATE))
+    return _backward("geglu_bwd", dout, gate, up, GELU_APPROXIMATE[approximate])
 
 
 @_geglu_bwd.register_fake
@@ -496,7 +455,7 @@ class _GLULinearFunction(torch.autograd.Function):
         return dgate, dup, dweight, dbias, None, None, None
 
 
-GLU_ACTIVATIONS = {"silu": ("swiglu", _SILU), "gelu_tanh": ("geglu", _GELU_TANH), "gelu": ("geglu", _GELU_ERF)}
+GLU_ACTIVATIONS = {"silu": ("swiglu", SILU), "gelu_tanh": ("geglu", GELU_TANH), "gelu": ("geglu", GELU_ERF)}
 
 
 def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=None,
@@ -525,7 +484,7 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not (
             gate.requires_grad or up.requires_grad or weight.requires_grad
             or (bias is not None and bias.requires_grad)):
-        hidden = swiglu(gate, up) if act == _SILU else geglu(gate, up, "tanh" if act == _GELU_TANH else "none")
+        hidden = swiglu(gate, up) if act == SILU else geglu(gate, up, "tanh" if act == GELU_TANH else "none")
         return torch.nn.functional.linear(hidden, weight, bias)
     temporaries = bool(temporaries) and gate.grad_fn is not None and up.grad_fn is not None
     return _GLULinearFunction.apply(gate, up, weight, bias, act, op, temporaries)
@@ -555,7 +514,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     torch.compile the custom op fused_kernels::swiglu_fwd is traced instead (same kernels).
     """
     _check_pair(gate, up)
-    return _dispatch("swiglu", gate, up, _SILU, lambda: torch.ops.fused_kernels.swiglu_fwd(gate, up))
+    return _dispatch("swiglu", gate, up, SILU, lambda: torch.ops.fused_kernels.swiglu_fwd(gate, up))
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
@@ -564,7 +523,7 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     approximate: "tanh" (GELU-tanh, HF's gelu_pytorch_tanh, Gemma) or "none" (exact erf GELU).
     Inputs as for `swiglu`.
     """
-    check_choice("approximate", approximate, tuple(_GELU_ACT))
+    check_choice("approximate", approximate, tuple(GELU_APPROXIMATE))
     _check_pair(gate, up)
-    return _dispatch("geglu", gate, up, _GELU_ACT[approximate],
+    return _dispatch("geglu", gate, up, GELU_APPROXIMATE[approximate],
                      lambda: torch.ops.fused_kernels.geglu_fwd(gate, up, approximate))
