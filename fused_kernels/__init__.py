@@ -2,7 +2,8 @@
 
 Functional API (names fixed; see DESIGN.md):
     rms_norm, rope, swiglu, geglu, cross_entropy, fused_linear_cross_entropy
-    (+ glu_linear: the GLU and the down projection, without keeping their product)
+    (+ glu_linear: the GLU and the down projection, without keeping their product;
+     moe_experts: a mixture-of-experts layer's experts, routing to weighted combine)
 Every op has forward and backward kernels, is registered as a torch.library custom op with a fake
 implementation (so torch.compile(fullgraph=True) traces it) and runs where Triton runs: CUDA, or the
 CPU under TRITON_INTERPRET=1. Which kernel and launch shape an op runs is decided in one place, its
@@ -17,6 +18,7 @@ from fused_kernels.rope import rope
 from fused_kernels.glu import geglu, glu_linear, swiglu
 from fused_kernels.cross_entropy import cross_entropy
 from fused_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fused_kernels.moe_experts import moe_experts
 
 __all__ = [
     "rms_norm",
@@ -26,6 +28,7 @@ __all__ = [
     "glu_linear",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "moe_experts",
     "triton_can_run",
     "interpreter_on",
     "launch_counts",
