@@ -1,7 +1,7 @@
 """Rules: one module per component kind. A rule = the kernel names it serves + detect + patch.
 
 Each rule module defines `RULE`, an object with
-    name: str                      # "rms_norm", "rope", "glu_mlp", "moe_gate", "loss", "causal_mask"
+    name: str                      # "rms_norm", "rope", "glu_mlp", "moe_gate", "moe_experts", "loss", …
     kernels: tuple[str, ...]       # kernel names (autopatch.names) whose toggles govern it
     patch_module(module, enabled) -> list[report.Record]
 where `module` is an imported transformers modeling module (e.g. transformers.models.llama.modeling_llama)
@@ -25,6 +25,7 @@ RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.rope",
     "autopatch.rules.glu_mlp",
     "autopatch.rules.moe_gate",
+    "autopatch.rules.moe_experts",
     "autopatch.rules.loss",
     "autopatch.rules.causal_mask",
 )
