@@ -10,6 +10,11 @@ torch.optim.AdamW(fused=True), labels = input ids (the model shifts them):
                      vocab 151936, tied embeddings; batch 8 x 2048
   llama3_8b_4layers  Llama-3-8B shape cut to 4 layers: hidden 4096, intermediate 14336, 32 / 8 heads,
                      vocab 128256; batch 4 x 4096
+  qwen3_moe_30b_a3b_6layers  Qwen3-30B-A3B shape cut to 6 layers: hidden 2048, 128 experts (8 per token)
+                     of width 768, 32 / 4 heads of 128, vocab 151936; batch 4 x 4096
+  deepseek_v3_6layers  DeepSeek-V3 style cut to fit: hidden 2048, MLA, one dense layer then 5 MoE layers
+                     of 256 experts (8 active, width 512) + 1 shared, sigmoid group routing, routed
+                     scaling 2.5, vocab 129280; batch 4 x 4096
   tiny_llama         the CPU dry run: hidden 64, 2 layers, vocab 256; batch 2 x 32
 Peers: hf_eager, torch_compile (torch.compile(model), or each decoder layer with --compile-mode
 layers), liger (rope, rms_norm, swiglu, fused_linear_cross_entropy), ours
@@ -56,6 +61,27 @@ MODELS = {
                        rope_theta=500000.0, tie_word_embeddings=False),
         "batch": 4, "seq": 4096,
     },
+    # mixtures of experts: transformers' experts modules (grouped_mm by default) against fused experts
+    "qwen3_moe_30b_a3b_6layers": {
+        "model_type": "qwen3_moe",
+        "config": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                       num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=6, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False),
+        "batch": 4, "seq": 4096,
+    },
+    "deepseek_v3_6layers": {  # one dense layer, then shared expert + 256 routed (8 active), sigmoid group routing
+        "model_type": "deepseek_v3",
+        "config": dict(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=512, n_routed_experts=256,
+                       num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4,
+                       routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+                       num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768,
+                       kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                       vocab_size=129280, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+        "batch": 4, "seq": 4096,
+        "liger": {"rope": False},  # Liger's DeepSeek-V3 entry has no RoPE kernel (its default)
+    },
     "tiny_llama": {
         "model_type": "llama",
         "config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -90,11 +116,12 @@ def _build_model(spec, device, torch):
     return model.to(device=device, dtype=torch.bfloat16).train()
 
 
-def _apply_liger(model_type):
+def _apply_liger(spec):
     import liger_kernel.transformers as lt
 
-    fn = getattr(lt, f"apply_liger_kernel_to_{model_type}")
-    fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    fn = getattr(lt, f"apply_liger_kernel_to_{spec['model_type']}")
+    kwargs = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+    fn(**{**kwargs, **spec.get("liger", {})})
     return fn.__name__
 
 
@@ -113,7 +140,7 @@ def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     same way."""
     info = {}
     if peer == "liger":
-        info["liger_applied"] = _apply_liger(spec["model_type"])  # class-level patch, before the model exists
+        info["liger_applied"] = _apply_liger(spec)  # class-level patch, before the model exists
     model = _build_model(spec, device, torch)
     info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     if peer.startswith("ours"):
@@ -237,6 +264,8 @@ def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
         order = [(q, "hf_eager"), (q, "ours"), (q, "liger"), (l, "hf_eager"), (l, "ours"), (l, "liger"),
                  (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile"),
                  (q, "ours_keep_input"), (l, "ours_keep_input")]
+        for moe in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers"):
+            order += [(moe, "hf_eager"), (moe, "ours"), (moe, "liger")]
     if models:
         order = [o for o in order if o[0] in models]
     if peers:

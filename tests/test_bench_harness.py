@@ -123,3 +123,17 @@ def test_plot_draws_the_time_asked_for():
     assert plot._ok_ms(entry, "ours", "wall") == 0.70
     assert plot._ok_ms(entry, "liger") is None and plot._ok_ms(entry, "liger", "wall") == 1.14
     assert plot._ok_ms(entry, "cutce") is None and plot._ok_ms(entry, "missing") is None
+
+
+def test_bench_moe_tiny_checks_every_peer_against_eager(tmp_path):
+    """benchmarks/bench_moe.py on a tiny shape: transformers' grouped_mm experts and ours (Liger where
+    installed) run forward and backward and agree with transformers' eager experts in float32."""
+    out = tmp_path / "moe.json"
+    proc = _run(["benchmarks/bench_moe.py", "--tiny", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    for peer in ("hf_grouped_mm", "ours"):
+        res = row["peers"][peer]
+        assert res["status"] == "ok" and res["finite"], (peer, res)
+        assert 0 < res["rel_err_out"] < 1e-5, (peer, res)
+        assert all(0 < e < 1e-5 for e in res["rel_err_grads"].values()), (peer, res)
