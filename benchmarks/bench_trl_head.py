@@ -44,7 +44,8 @@ Output (JSON at --out, rewritten after every row so a killed run keeps what it m
                                                 "unavailable"|"does_not_fit", "ms", "peak_extra_bytes",
                                                 "peak_beyond_inputs_bytes", "outputs_computed",
                                                 "missing", "check": {...}, "error"}},
-               "trl_ms_over_ours_ms": float|None}],
+               "trl_ms_over_ours_ms": float|None (> 1: ours is faster), "torch_ms_over_ours_ms"}],
+     "timer": how "ms" was taken,
      "status": "complete" | "budget spent" | "failed: ...", "wall_s": float}
 Exit status 0 when every row ran (ours may be "unsupported", torch "does_not_fit"), 2 when a peer failed
 or the budget ran out, 3 when there is no device to run on or an argument is wrong, 4 when everything
@@ -335,10 +336,9 @@ def run_row(case, hdim, v, set_name, n, dtype, device, peers, trl_fn, supported,
         finally:
             h.grad = w.grad = None
             bc.free_memory(device)
-    trl_ms = row["peers"].get("trl", {}).get("ms")
-    ours_ms = row["peers"].get("ours", {}).get("ms")
-    ok = all(row["peers"].get(p, {}).get("status") == "ok" for p in ("trl", "ours"))
-    row["trl_ms_over_ours_ms"] = trl_ms / ours_ms if ok and trl_ms and ours_ms else None
+    for other in ("trl", "torch"):
+        ok = all(row["peers"].get(p, {}).get("status") == "ok" for p in (other, "ours"))
+        row[f"{other}_ms_over_ours_ms"] = row["peers"][other]["ms"] / row["peers"]["ours"]["ms"] if ok else None
     del h, w, t, g
     bc.free_memory(device)
     return row
@@ -374,7 +374,9 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     deadline = bc.Deadline(a.budget_s)
     device = torch.device(a.device or ("cpu" if a.tiny else "cuda"))
-    data = {"args": vars(a), "rows": [], "status": "running"}
+    data = {"args": vars(a), "rows": [], "status": "running",
+            "timer": "triton.testing.do_bench median, GPU time (CUDA events)" if device.type == "cuda"
+            else "perf_counter median (CPU dry run)"}
     if device.type == "cuda" and not torch.cuda.is_available():
         data["status"] = "failed: no CUDA device (for a CPU dry run: --tiny with TRITON_INTERPRET=1)"
         print(f"bench_trl_head: {data['status']}", file=sys.stderr)

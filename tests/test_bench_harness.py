@@ -162,4 +162,5 @@ def test_bench_trl_head_tiny_every_row(tmp_path):
                 assert check["is_top1_mismatch"] <= 1, (peer, check)
             assert set(res["outputs_computed"]) | set(res["missing"]) == set(row["outputs"])
         if row["peers"]["ours"]["status"] == "ok":
-            assert row["trl_ms_over_ours_ms"] > 0
+            assert row["trl_ms_over_ours_ms"] > 0 and row["torch_ms_over_ours_ms"] > 0
+    assert data["timer"].startswith("perf_counter")
