@@ -46,6 +46,8 @@ Output (JSON at --out, rewritten after every row so a killed run keeps what it m
                                                 "missing", "check": {...}, "error"}},
                "trl_ms_over_ours_ms": float|None (> 1: ours is faster), "torch_ms_over_ours_ms"}],
      "timer": how "ms" was taken,
+     "summary": [{"case", "set", "trl_ms_over_ours_ms", "<peer>_ms", "<peer>_peak_extra_mib",
+                  "<peer>_max_rel_err", "<peer>_missing"}] (the rows, flat; written at the end),
      "status": "complete" | "budget spent" | "failed: ...", "wall_s": float}
 Exit status 0 when every row ran (ours may be "unsupported", torch "does_not_fit"), 2 when a peer failed
 or the budget ran out, 3 when there is no device to run on or an argument is wrong, 4 when everything
@@ -358,6 +360,23 @@ def _line(row) -> str:
     return " | ".join(parts)
 
 
+def summary(rows) -> list[dict]:
+    """One flat line per row: each peer's ms and peak MiB beyond its inputs (None unless it ran)."""
+    out = []
+    for row in rows:
+        line = {"case": row["case"], "set": row["set"], "trl_ms_over_ours_ms": row.get("trl_ms_over_ours_ms")}
+        for peer, res in row["peers"].items():
+            ok = res.get("status") == "ok"
+            line[f"{peer}_ms"] = res["ms"] if ok else None
+            line[f"{peer}_peak_extra_mib"] = res["peak_extra_bytes"] / bc.MiB if ok and res["peak_extra_bytes"] >= 0 \
+                else None
+            line[f"{peer}_max_rel_err"] = res["check"]["max_rel_err"] if ok else None
+            if res.get("missing"):
+                line[f"{peer}_missing"] = res["missing"]
+        out.append(line)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -432,6 +451,7 @@ def main(argv=None) -> int:
         data["traceback"] = traceback.format_exc()[-4000:]
         print(data["traceback"], file=sys.stderr)
     data["wall_s"] = time.monotonic() - t0
+    data["summary"] = summary(data["rows"])
     bc.write_json(a.out, data)
     failed = [(r["case"], r["set"], p) for r in data["rows"] for p, res in r["peers"].items()
               if res.get("status") in ("failed", "skipped")]

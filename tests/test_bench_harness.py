@@ -164,3 +164,6 @@ def test_bench_trl_head_tiny_every_row(tmp_path):
         if row["peers"]["ours"]["status"] == "ok":
             assert row["trl_ms_over_ours_ms"] > 0 and row["torch_ms_over_ours_ms"] > 0
     assert data["timer"].startswith("perf_counter")
+    assert [(x["case"], x["set"]) for x in data["summary"]] == [(r["case"], r["set"]) for r in data["rows"]]
+    for line in data["summary"]:
+        assert all(math.isfinite(line[f"{p}_ms"]) and line[f"{p}_ms"] > 0 for p in ("trl", "torch")), line
