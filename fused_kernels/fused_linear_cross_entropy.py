@@ -129,10 +129,13 @@ def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, 
             torch.mm(h_c, wt, out=logits)
         else:
             torch.addmm(bias, h_c, wt, out=logits)
-        if top1 is not None:
+        # top-1 rides on the statistics' sweep when that runs anyway (one read of the chunk, not two)
+        fuse_top1 = top1 is not None and bool(side) and opts["logit_scale"] != 0
+        if top1 is not None and not fuse_top1:
             _top1_(logits, target[start:end], opts["logit_scale"], top1[start:end])
         if side:
-            _side_stats_(logits, opts, {k: b[start:end] for k, b in side.items()})
+            _side_stats_(logits, target[start:end], opts, {k: b[start:end] for k, b in side.items()},
+                         top1[start:end] if fuse_top1 else None)
         _ce.launch_ce(
             logits, target[start:end], logits if want_grad else None, loss_rows[start:end], coef,
             None if row_scale is None else row_scale[start:end], flag, **opts,
@@ -168,13 +171,16 @@ SIDE_BLOCK = 4096  # classes per step of _side_stats_kernel's sweep
 
 
 @triton.jit
-def _side_stats_kernel(x_ptr, stride, n_cols, ent_ptr, sq_ptr, mean_ptr, logit_scale, softcap,
+def _side_stats_kernel(x_ptr, stride, n_cols, tgt_ptr, ent_ptr, sq_ptr, mean_ptr, top1_ptr, logit_scale, softcap,
                        HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                       HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+                       NEG_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of one logits chunk, one sweep over its classes, z as the loss sees it
     (_ce._capped). Online, relative to the running max m: s = Σ e (e = exp(z − m)), se = Σ e·(z − m),
     sq = Σ e², sz = Σ z; at the end entropy = log s − se / s (−Σ p log p, without the cancellation
-    of lse − Σ p·z at large logits), log Σ p² = log sq − 2 log s, mean z = sz / V."""
+    of lse − Σ p·z at large logits), log Σ p² = log sq − 2 log s, mean z = sz / V. HAS_TOP1: whether
+    the target is the first arg-max, from the raw logits (the softcap keeps the order, a negative
+    scale reverses it: NEG_SCALE), as _top1_ decides it."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
     offs = tl.arange(0, BLOCK)
@@ -183,10 +189,21 @@ def _side_stats_kernel(x_ptr, stride, n_cols, ent_ptr, sq_ptr, mean_ptr, logit_s
     se = tl.full((), 0.0, tl.float32)
     sq = tl.full((), 0.0, tl.float32)
     sz = tl.full((), 0.0, tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)  # max of the order key over the row
+    before = tl.full((), float("-inf"), tl.float32)  # ... over the classes before the target
+    y = tl.load(tgt_ptr + row)
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         mask = cols < n_cols
-        z = _ce._capped(tl.load(base + cols, mask=mask, other=0.0), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_TOP1:
+            key = x
+            if NEG_SCALE:
+                key = -x
+            key = tl.where(mask, key, float("-inf"))
+            best = tl.maximum(best, tl.max(key, 0))
+            before = tl.maximum(before, tl.max(tl.where(cols < y, key, float("-inf")), 0))
+        z = _ce._capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         if HAS_MEAN:
             sz += tl.sum(tl.where(mask, z, 0.0), 0)
         z = tl.where(mask, z, -float("inf"))
@@ -208,11 +225,19 @@ def _side_stats_kernel(x_ptr, stride, n_cols, ent_ptr, sq_ptr, mean_ptr, logit_s
         tl.store(sq_ptr + row, tl.log(sq) - 2.0 * log_s)
     if HAS_MEAN:
         tl.store(mean_ptr + row, sz / n_cols)
+    if HAS_TOP1:
+        valid = (y >= 0) & (y < n_cols)  # an ignored or out-of-range target is never the arg-max
+        xy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
+        ky = xy
+        if NEG_SCALE:
+            ky = -xy
+        tl.store(top1_ptr + row, valid & (ky >= best) & (ky > before))
 
 
-def _side_stats_(logits, opts, out) -> None:
+def _side_stats_(logits, target, opts, out, top1=None) -> None:
     """out[name][i] for the names in out (SIDE_STATS) from row i of the chunk's logits, transformed as
-    the loss transforms them (logit_scale, softcap)."""
+    the loss transforms them (logit_scale, softcap); top1 (bool, or None): the same as _top1_ gives,
+    from the same sweep (logit_scale must not be 0: _top1_ handles that)."""
     n, v = logits.shape
     if n == 0:
         return
@@ -221,11 +246,12 @@ def _side_stats_(logits, opts, out) -> None:
     with device_guard(logits):
         launch(
             _side_stats_kernel, (n,),
-            (logits, logits.stride(0), v, out.get("entropy", dummy), out.get("log_sum_sq_probs", dummy),
-             out.get("mean_logits", dummy), float(scale), float(softcap if softcap is not None else 1.0)),
+            (logits, logits.stride(0), v, target, out.get("entropy", dummy), out.get("log_sum_sq_probs", dummy),
+             out.get("mean_logits", dummy), top1 if top1 is not None else target, float(scale),
+             float(softcap if softcap is not None else 1.0)),
             dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY="entropy" in out,
-                 HAS_SQ="log_sum_sq_probs" in out, HAS_MEAN="mean_logits" in out,
-                 BLOCK=min(SIDE_BLOCK, triton.next_power_of_2(v)), num_warps=8),
+                 HAS_SQ="log_sum_sq_probs" in out, HAS_MEAN="mean_logits" in out, HAS_TOP1=top1 is not None,
+                 NEG_SCALE=scale < 0, BLOCK=min(SIDE_BLOCK, triton.next_power_of_2(v)), num_warps=8),
         )
 
 

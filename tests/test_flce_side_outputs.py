@@ -282,18 +282,22 @@ def test_kernel_stats_distribution_every_name_and_validation():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_gpu_kernel_stats_distribution_real_vocab(temperature):
     """The compiled sweep at Qwen3's head (V = 151936, several chunks): entropy, log Σ p² and the mean
-    logit of 256 rows against float64 of the bf16 logits chunk, ignored rows 0, and the token losses
-    the same as without the statistics."""
+    logit of 256 rows against float64 of the bf16 logits chunk, ignored rows 0, the token losses the
+    same as without the statistics, and is_top1 from the sweep the same as from the arg-max path."""
     g = torch.Generator(device="cuda").manual_seed(7)
     n, hdim, v = 4096, 1024, 151936
     h = torch.randn(n, hdim, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(v, hdim, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    with torch.no_grad():
+        t[::2] = (h[::2] @ w.T).argmax(-1)  # half the targets top-1
     t[1::97] = -100
-    stats = {name: None for name in _DIST}
+    stats = {name: None for name in _DIST + ("is_top1",)}
     rows = fk.fused_linear_cross_entropy(h, w, t, reduction="none", logit_scale=1 / temperature, stats=stats)
-    plain = fk.fused_linear_cross_entropy(h, w, t, reduction="none", logit_scale=1 / temperature)
+    alone = {"is_top1": None}
+    plain = fk.fused_linear_cross_entropy(h, w, t, reduction="none", logit_scale=1 / temperature, stats=alone)
     assert torch.equal(rows, plain)
+    assert torch.equal(stats["is_top1"], alone["is_top1"]) and 0 < int(alone["is_top1"].sum()) < n
     k = 256
     z = (h[:k].double() @ w.double().T).to(torch.bfloat16).double() / temperature
     keep = t[:k] != -100
@@ -303,3 +307,46 @@ def test_gpu_kernel_stats_distribution_real_vocab(temperature):
         assert float(ref[keep].abs().min()) > 0, name
         assert_close(got[keep], ref[keep], torch.bfloat16, name, tol=1e-3)
     assert bool(torch.isfinite(torch.stack([stats[name] for name in _DIST])).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale,softcap", [(1.0, None), (-2.0, None), (0.5, 3.0), (0.0, None)])
+def test_kernel_stats_top1_from_the_sweep(dtype, scale, softcap, monkeypatch):
+    """With a distribution statistic asked for, is_top1 comes from the same sweep (scale 0 excepted):
+    the same as the arg-max path gives alone and as float64's first arg-max, over two blocks of
+    the sweep, several chunks, ignored targets, and an exact tie (the first of two equal maxima wins)."""
+    monkeypatch.setitem(_flce._CONFIG, "chunk_rows", 8)
+    g = torch.Generator().manual_seed(8)
+    n, hdim, v = 33, 16, 4500
+    h = torch.randn(n, hdim, generator=g)
+    w = torch.randn(v, hdim, generator=g) * 0.5
+    h[1] = h[0]
+    w[10] = w[4200] = h[0] * (-2 if scale < 0 else 2)  # rows 0 and 1: classes 10 and 4200 tie at the top
+    h, w = h.to(dtype), w.to(dtype)
+    z = _reference(h, w, None, None, scale, softcap)
+    # the order of the raw logits chunk, in the inputs' dtype (bf16 rounding can tie two close maxima;
+    # a rounded tanh could tie distinct logits, so not z's order)
+    x = (h.double() @ w.double().T).to(dtype).double()
+    key = -x if scale < 0 else x
+    t = torch.where(torch.arange(n) % 2 == 0, key.argmax(-1), torch.randint(0, v, (n,), generator=g))
+    t[0], t[1] = 4200, 10
+    t[5::9] = -100
+    seen = []
+    monkeypatch.setattr(_flce, "_top1_", lambda *a, real=_flce._top1_: (seen.append(1), real(*a)))
+    alone = {"is_top1": None}
+    fk.fused_linear_cross_entropy(h, w, t, logit_scale=scale, softcap=softcap, stats=alone)
+    assert seen, "is_top1 alone takes the arg-max path"
+    seen.clear()
+    both = {"is_top1": None, "entropy": None}
+    fk.fused_linear_cross_entropy(h, w, t, logit_scale=scale, softcap=softcap, stats=both)
+    assert bool(seen) == (scale == 0), "with a statistic, is_top1 comes from the sweep unless the scale is 0"
+    if scale == 0:
+        want = (t == 0)
+    else:
+        want = (key.argmax(-1) == t) & (t != -100)
+        assert not bool(want[0]) and bool(want[1]), "the tie: the first maximum wins"
+    assert 0 < int(want.sum()) < int((t != -100).sum()) or scale == 0
+    assert torch.equal(alone["is_top1"], want), (alone["is_top1"], want)
+    assert torch.equal(both["is_top1"], want), (both["is_top1"], want)
+    assert_close(both["entropy"][t != -100], _dist_reference(z)["entropy"][t != -100],
+                 dtype, "entropy", tol=1e-5 if dtype == torch.float32 else 2e-2)
