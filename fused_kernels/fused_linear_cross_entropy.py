@@ -551,8 +551,8 @@ def fused_linear_cross_entropy(
     ignore_index).sum(). The distribution statistics, each float32, target's shape, 0 where ignored, of
     p = softmax(z) with z = the transformed logits the loss sees (logit_scale, softcap): "entropy" ->
     −Σ p log p; "log_sum_sq_probs" -> log Σ p²; "mean_logits" -> Σ z / V. Asking for any of them costs
-    one more read of each logits chunk (one kernel for all three); the default path runs no extra
-    kernel. A sampling temperature T folds in exactly: logit_scale = s / T, softcap = c / T.
+    one more read of each logits chunk (one kernel for all three, which then decides is_top1 too); the
+    default path runs no extra kernel. A sampling temperature T folds in exactly: logit_scale = s / T, softcap = c / T.
     """
     check_float("hidden", hidden)
     check_float("weight", weight)
