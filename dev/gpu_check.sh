@@ -6,7 +6,8 @@
 #   PART=kernels bash dev/gpu_check.sh        the kernel table, forward+backward only        (~270 s)
 #   PART=e2e     bash dev/gpu_check.sh        the training steps, each peer in a fresh process (~470 s)
 #   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
-#                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/)
+#                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/;
+#                                             BENCH_TRL_HEAD_ARGS="--cases qwen3_0.6b --sets sft" narrows it)
 #
 # The README table comes from the kernels and e2e parts on one commit, merged:
 #   python benchmarks/bench.py --merge k.json e.json --out benchmarks/results/<gpu>-<stack>.json
@@ -95,7 +96,7 @@ elif [ "$PARTS" = trl_head ]; then
   python3 -c "import trl.kernels" 2>/dev/null \
     || echo "[gpu_check] trl is NOT importable: the TRL peer will be missing (carry a TRL 1.16 wheel in .whl/)"
   timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl_head.py --out "$OUT/trl_head.json" \
-    --budget-s "$LEFT" 2>&1 | tee "$OUT/trl_head.log"
+    --budget-s "$LEFT" ${BENCH_TRL_HEAD_ARGS:-} 2>&1 | tee "$OUT/trl_head.log"
   BENCH_RC=${PIPESTATUS[0]}
 elif [ "$LEFT" -lt 60 ]; then
   echo "[gpu_check] only $LEFT s left: benchmark not run"
