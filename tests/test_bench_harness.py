@@ -167,4 +167,3 @@ def test_plot_draws_the_time_asked_for():
     assert plot._ok_ms(entry, "ours", "wall") == 0.70
     assert plot._ok_ms(entry, "liger") is None and plot._ok_ms(entry, "liger", "wall") == 1.14
     assert plot._ok_ms(entry, "cutce") is None and plot._ok_ms(entry, "missing") is None
-
