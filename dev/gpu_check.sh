@@ -5,6 +5,9 @@
 #   PART=tests   bash dev/gpu_check.sh        every gpu test                                (~450 s on an H200)
 #   PART=kernels bash dev/gpu_check.sh        the kernel table, forward+backward only        (~270 s)
 #   PART=e2e     bash dev/gpu_check.sh        the training steps, each peer in a fresh process (~470 s)
+#   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
+#                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/;
+#                                             BENCH_TRL_HEAD_ARGS="--cases qwen3_0.6b --sets sft" narrows it)
 #
 # The README table comes from the kernels and e2e parts on one commit, merged:
 #   python benchmarks/bench.py --merge k.json e.json --out benchmarks/results/<gpu>-<stack>.json
@@ -30,7 +33,8 @@ case "${PART:-all}" in
   tests) : "${TOTAL_BUDGET_S:=570}" "${TEST_BUDGET_S:=520}"; BENCH_PARTS=${BENCH_PARTS-} ;;
   kernels) : "${TOTAL_BUDGET_S:=560}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=kernels; BENCH_MODES=${BENCH_MODES:-fwdbwd} ;;
   e2e) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=e2e ;;
-  *) echo "gpu_check: PART must be all, tests, kernels or e2e; got '$PART'" >&2; exit 2 ;;
+  trl_head) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_head ;;
+  *) echo "gpu_check: PART must be all, tests, kernels, e2e or trl_head; got '$PART'" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -49,7 +53,7 @@ nvidia-smi 2>&1 | tee "$OUT/env.txt"
 python3 - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
 import importlib.metadata as md, sys
 print("python", sys.version.split()[0], sys.executable)
-for d in ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy", "pydantic", "pydantic-settings",
+for d in ("torch", "triton", "transformers", "trl", "liger-kernel", "cut-cross-entropy", "pydantic", "pydantic-settings",
           "typing_extensions", "wrapt", "pytest", "hypothesis", "accelerate", "peft"):
     try:
         print(f"  {d} {md.version(d)}")
@@ -57,7 +61,7 @@ for d in ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy"
         print(f"  {d} MISSING")
 import torch
 print("cuda", torch.version.cuda, "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO GPU")
-for mod in ("fused_kernels", "autopatch", "liger_kernel.transformers", "cut_cross_entropy"):
+for mod in ("fused_kernels", "autopatch", "liger_kernel.transformers", "cut_cross_entropy", "trl.kernels"):
     try:
         __import__(mod)
         print(f"  import {mod}: ok")
@@ -87,6 +91,13 @@ BENCH_RC=0
 LEFT=$((TOTAL_BUDGET_S - $(since) - 30))
 if [ -z "$PARTS" ]; then
   echo "[gpu_check] BENCH_PARTS is empty: benchmark not run"
+elif [ "$PARTS" = trl_head ]; then
+  echo "== (d) TRL's LM head vs ours (budget ${LEFT} s)"
+  python3 -c "import trl.kernels" 2>/dev/null \
+    || echo "[gpu_check] trl is NOT importable: the TRL peer will be missing (carry a TRL 1.16 wheel in .whl/)"
+  timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl_head.py --out "$OUT/trl_head.json" \
+    --budget-s "$LEFT" ${BENCH_TRL_HEAD_ARGS:-} 2>&1 | tee "$OUT/trl_head.log"
+  BENCH_RC=${PIPESTATUS[0]}
 elif [ "$LEFT" -lt 60 ]; then
   echo "[gpu_check] only $LEFT s left: benchmark not run"
   BENCH_RC=3

@@ -49,8 +49,11 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import device_guard
+from fused_kernels._launch import launch
 from fused_kernels._utils import check_float, count_launch
 
 # `fused_kernels.cross_entropy` the attribute is the function; the module is loaded by name.
@@ -105,11 +108,12 @@ def chunk_rows(n: int, v: int, elem_size: int, chunk_mb=None) -> int:
 
 
 def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts, chunk_mb,
-                top1=None) -> None:
+                top1=None, side=None) -> None:
     """The chunk loop shared by the forward (row_scale None) and the reduction="none" backward.
     grads: (grad_hidden, grad_weight, grad_bias_fp32), each None when not wanted. top1 (N,) bool, or
     None: whether each row's target is its most likely class, read from the chunk's logits before the
-    cross-entropy kernel overwrites them (one more read of the chunk)."""
+    cross-entropy kernel overwrites them (one more read of the chunk). side: None, or a dict of (N,)
+    fp32 buffers among SIDE_STATS, filled by _side_stats_ from the same logits (one more read)."""
     n, _ = hidden.shape
     v = weight.shape[0]
     gh, gw, gb = grads
@@ -125,8 +129,13 @@ def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, 
             torch.mm(h_c, wt, out=logits)
         else:
             torch.addmm(bias, h_c, wt, out=logits)
-        if top1 is not None:
+        # top-1 rides on the statistics' sweep when that runs anyway (one read of the chunk, not two)
+        fuse_top1 = top1 is not None and bool(side) and opts["logit_scale"] != 0
+        if top1 is not None and not fuse_top1:
             _top1_(logits, target[start:end], opts["logit_scale"], top1[start:end])
+        if side:
+            _side_stats_(logits, target[start:end], opts, {k: b[start:end] for k, b in side.items()},
+                         top1[start:end] if fuse_top1 else None)
         _ce.launch_ce(
             logits, target[start:end], logits if want_grad else None, loss_rows[start:end], coef,
             None if row_scale is None else row_scale[start:end], flag, **opts,
@@ -155,6 +164,95 @@ def _top1_(logits, target, logit_scale, out) -> None:
     else:
         best = logits.argmax(dim=-1)
     torch.eq(best, target, out=out)
+
+
+SIDE_STATS = ("entropy", "log_sum_sq_probs", "mean_logits")  # _side_stats_kernel's outputs
+SIDE_BLOCK = 4096  # classes per step of _side_stats_kernel's sweep
+
+
+@triton.jit
+def _side_stats_kernel(x_ptr, stride, n_cols, tgt_ptr, ent_ptr, sq_ptr, mean_ptr, top1_ptr, logit_scale, softcap,
+                       HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                       HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
+                       NEG_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row of one logits chunk, one sweep over its classes, z as the loss sees it
+    (_ce._capped). Online, relative to the running max m: s = Σ e (e = exp(z − m)), se = Σ e·(z − m),
+    sq = Σ e², sz = Σ z; at the end entropy = log s − se / s (−Σ p log p, without the cancellation
+    of lse − Σ p·z at large logits), log Σ p² = log sq − 2 log s, mean z = sz / V. HAS_TOP1: whether
+    the target is the first arg-max, from the raw logits (the softcap keeps the order, a negative
+    scale reverses it: NEG_SCALE), as _top1_ decides it."""
+    row = tl.program_id(0).to(tl.int64)
+    base = x_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    se = tl.full((), 0.0, tl.float32)
+    sq = tl.full((), 0.0, tl.float32)
+    sz = tl.full((), 0.0, tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)  # max of the order key over the row
+    before = tl.full((), float("-inf"), tl.float32)  # ... over the classes before the target
+    y = tl.load(tgt_ptr + row)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_TOP1:
+            key = x
+            if NEG_SCALE:
+                key = -x
+            key = tl.where(mask, key, float("-inf"))
+            best = tl.maximum(best, tl.max(key, 0))
+            before = tl.maximum(before, tl.max(tl.where(cols < y, key, float("-inf")), 0))
+        z = _ce._capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        if HAS_MEAN:
+            sz += tl.sum(tl.where(mask, z, 0.0), 0)
+        z = tl.where(mask, z, -float("inf"))
+        m_new = tl.maximum(m, tl.max(z, 0))  # finite: every block holds a class
+        r = tl.exp(m - m_new)  # 0 on the first block (m = -inf)
+        e = tl.exp(z - m_new)  # 0 on masked lanes
+        if HAS_ENTROPY:
+            # se relative to m_new: r·(se + (m − m_new)·s); m − m_new is -inf on the first block, where s = 0
+            shift = tl.where(s > 0.0, m - m_new, 0.0) * s
+            se = r * (se + shift) + tl.sum(e * tl.where(mask, z - m_new, 0.0), 0)  # no 0·(-inf) on masked lanes
+        if HAS_SQ:
+            sq = sq * r * r + tl.sum(e * e, 0)
+        s = s * r + tl.sum(e, 0)
+        m = m_new
+    log_s = tl.log(s)
+    if HAS_ENTROPY:
+        tl.store(ent_ptr + row, log_s - se / s)
+    if HAS_SQ:
+        tl.store(sq_ptr + row, tl.log(sq) - 2.0 * log_s)
+    if HAS_MEAN:
+        tl.store(mean_ptr + row, sz / n_cols)
+    if HAS_TOP1:
+        valid = (y >= 0) & (y < n_cols)  # an ignored or out-of-range target is never the arg-max
+        xy = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
+        ky = xy
+        if NEG_SCALE:
+            ky = -xy
+        tl.store(top1_ptr + row, valid & (ky >= best) & (ky > before))
+
+
+def _side_stats_(logits, target, opts, out, top1=None) -> None:
+    """out[name][i] for the names in out (SIDE_STATS) from row i of the chunk's logits, transformed as
+    the loss transforms them (logit_scale, softcap); top1 (bool, or None): the same as _top1_ gives,
+    from the same sweep (logit_scale must not be 0: _top1_ handles that)."""
+    n, v = logits.shape
+    if n == 0:
+        return
+    dummy = next(iter(out.values()))  # never written where its flag is off
+    softcap, scale = opts["softcap"], opts["logit_scale"]
+    with device_guard(logits):
+        launch(
+            _side_stats_kernel, (n,),
+            (logits, logits.stride(0), v, target, out.get("entropy", dummy), out.get("log_sum_sq_probs", dummy),
+             out.get("mean_logits", dummy), top1 if top1 is not None else target, float(scale),
+             float(softcap if softcap is not None else 1.0)),
+            dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_ENTROPY="entropy" in out,
+                 HAS_SQ="log_sum_sq_probs" in out, HAS_MEAN="mean_logits" in out, HAS_TOP1=top1 is not None,
+                 NEG_SCALE=scale < 0, BLOCK=min(SIDE_BLOCK, triton.next_power_of_2(v)), num_warps=8),
+        )
 
 
 def _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale):
@@ -192,8 +290,11 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
     in_forward = reduction != "none"
     grads = _grad_buffers(hidden, weight, bias, need_gh and in_forward, need_gw and in_forward, need_gb and in_forward)
     top1 = torch.empty((n,), dtype=torch.bool, device=hidden.device) if stats is not None and "is_top1" in stats else None
+    # NaN-filled: a row the kernel failed to write cannot pass for a value
+    side = {k: torch.full((n,), float("nan"), dtype=torch.float32, device=hidden.device)
+            for k in SIDE_STATS if stats is not None and k in stats}
     _run_chunks(hidden, weight, bias, target, coef, None, loss_rows, flag, grads,
-                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb), top1)
+                _opts(ignore_index, label_smoothing, z_loss, softcap, logit_scale), _budget(chunk_mb), top1, side)
     loss = _ce.finish_loss(loss_rows, coef, flag, reduction, target, weight.shape[0], ignore_index)
     if stats is not None:
         if "token_loss" in stats:
@@ -201,6 +302,8 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
             stats["token_loss"] = loss_rows.clone() if reduction == "none" else loss_rows
         if top1 is not None:
             stats["is_top1"] = top1.masked_fill_(target == ignore_index, False)
+        for name, buf in side.items():
+            stats[name] = buf.masked_fill_(target == ignore_index, 0.0)
     return (loss, *_cast_bias_grad(grads, bias))
 
 
@@ -445,7 +548,11 @@ def fused_linear_cross_entropy(
     the target is ignored (free: the rows the reduction sums); "is_top1" -> whether the target is the
     most likely class, bool, target's shape, False where ignored (one more read of each logits chunk).
     E.g. stats = {"token_loss": None, "is_top1": None}; token accuracy = is_top1.sum() / (target !=
-    ignore_index).sum().
+    ignore_index).sum(). The distribution statistics, each float32, target's shape, 0 where ignored, of
+    p = softmax(z) with z = the transformed logits the loss sees (logit_scale, softcap): "entropy" ->
+    −Σ p log p; "log_sum_sq_probs" -> log Σ p²; "mean_logits" -> Σ z / V. Asking for any of them costs
+    one more read of each logits chunk (one kernel for all three, which then decides is_top1 too); the
+    default path runs no extra kernel. A sampling temperature T folds in exactly: logit_scale = s / T, softcap = c / T.
     """
     check_float("hidden", hidden)
     check_float("weight", weight)
@@ -490,9 +597,12 @@ def fused_linear_cross_entropy(
     mb = float(chunk_mb) if chunk_mb is not None else 0.0
     grad_on = torch.is_grad_enabled()
     if stats is not None:
-        unknown = sorted(set(stats) - {"token_loss", "is_top1"})
-        if unknown or not isinstance(stats, dict):
-            raise ValueError(f"stats names the side outputs wanted, among 'token_loss' and 'is_top1'; got {unknown}")
+        if not isinstance(stats, dict):
+            raise ValueError(f"stats must be a dict naming the side outputs wanted, got {type(stats).__name__}")
+        known = ("token_loss", "is_top1") + SIDE_STATS
+        unknown = sorted(set(stats) - set(known))
+        if unknown:
+            raise ValueError(f"stats names the side outputs wanted, among {', '.join(known)}; got {unknown}")
         if torch.compiler.is_compiling():
             raise ValueError("stats is eager-only: under torch.compile use reduction='none' for per-token losses")
     if torch.compiler.is_compiling():
@@ -507,7 +617,7 @@ def fused_linear_cross_entropy(
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if stats is not None:
-        for key in ("token_loss", "is_top1"):
+        for key in ("token_loss", "is_top1") + SIDE_STATS:
             if stats.get(key) is not None:
                 stats[key] = stats[key].reshape(target.shape)
     return loss

@@ -6,6 +6,7 @@ yardstick included, results checked against HF eager) and dev/tune_cross_entropy
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -54,6 +55,49 @@ def test_bench_modes_filter(tmp_path):
     cases = [k for k in json.loads(out.read_text())["kernels"] if "peers" in k]
     assert cases and all(k["modes"] == ["fwdbwd"] for k in cases)
     assert all(set(k["peers"]["ours"]["modes"]) == {"fwdbwd"} for k in cases)
+
+
+def test_bench_trl_head_tiny_every_row(tmp_path):
+    """benchmarks/bench_trl_head.py --tiny: every shape x output set has a row; TRL's head (installed
+    here), ours and plain torch each ran with a positive time and a float64 check that is finite and
+    tight (bf16 logits: ~2e-3), and is_top1 was compared on targets that are neither all nor none
+    top-1. Ours has no entropy gradient: the entropy-bonus row says so instead of a time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_trl_head", os.path.join(ROOT, "benchmarks",
+                                                                                  "bench_trl_head.py"))
+    bth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bth)
+    out = tmp_path / "trl_head.json"
+    proc = _run(["benchmarks/bench_trl_head.py", "--tiny", "--out", str(out), "--budget-s", "300"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["status"] == "complete" and data["trl"]["importable"], data.get("trl")
+    assert {(r["case"], r["set"]) for r in data["rows"]} == {(c, s) for c in bth.TINY_SHAPES for s in bth.OUTPUT_SETS}
+    for row in data["rows"]:
+        assert set(row["peers"]) == {"trl", "ours", "torch"}, row["peers"].keys()
+        for peer, res in row["peers"].items():
+            if peer == "ours" and "entropy" in row["grad_outputs"]:
+                assert res["status"] == "unsupported", res
+                continue
+            assert res["status"] == "ok", (row["case"], row["set"], peer, res)
+            assert math.isfinite(res["ms"]) and res["ms"] > 0, res
+            check = res["check"]
+            expected = {"log_probs", "grad_hidden", "grad_weight"} | (
+                {"entropy"} if peer != "ours" or "entropy" in data["ours_stats"] else set())
+            assert expected <= set(check["rel_err"]), (peer, check["rel_err"])
+            assert all(math.isfinite(e) and 0 < e < 2e-2 for e in check["rel_err"].values()), (peer, check)
+            assert check["max_rel_err"] == max(check["rel_err"].values())
+            if "is_top1" in res["outputs_computed"]:
+                assert 0 < check["is_top1_true"] < check["tokens"]
+                assert check["is_top1_mismatch"] <= 1, (peer, check)
+            assert set(res["outputs_computed"]) | set(res["missing"]) == set(row["outputs"])
+        if row["peers"]["ours"]["status"] == "ok":
+            assert row["trl_ms_over_ours_ms"] > 0 and row["torch_ms_over_ours_ms"] > 0
+    assert data["timer"].startswith("perf_counter")
+    assert [(x["case"], x["set"]) for x in data["summary"]] == [(r["case"], r["set"]) for r in data["rows"]]
+    for line in data["summary"]:
+        assert all(math.isfinite(line[f"{p}_ms"]) and line[f"{p}_ms"] > 0 for p in ("trl", "torch")), line
 
 
 def test_step_diagnosis_parts_on_the_cpu():
