@@ -60,18 +60,19 @@ def _hf_experts(shape, device, torch, implementation):
     return Qwen3MoeExperts(cfg).to(device)
 
 
-def _peers(shape, device, torch):
-    """name -> fn(x, idx, w, gate_up, down) -> out, every one computing the same block."""
+def _peers(shape, device, torch, wanted):
+    """name -> fn(x, idx, w, gate_up, down) -> out, every one computing the same block. Liger last: it
+    autotunes on its first call (minutes), so a time limit cuts it, not the others."""
     import fused_kernels
 
-    peers = {}
+    peers = {"ours": lambda x, idx, w, gate_up, down: fused_kernels.moe_experts(x, idx, w, gate_up, down)}
     module = _hf_experts(shape, device, torch, "grouped_mm")
+    del module.gate_up_proj, module.down_proj  # plain attributes from here on (leaves of the benchmark)
 
     def hf(x, idx, w, gate_up, down):
-        module.gate_up_proj, module.down_proj = gate_up, down  # the leaves themselves: their .grad is read
+        module.gate_up_proj, module.down_proj = gate_up, down  # the leaves themselves
         return module(x, idx, w)
 
-    del module.gate_up_proj, module.down_proj  # plain attributes from here on (leaves of the benchmark)
     peers["hf_grouped_mm"] = hf
     try:
         from liger_kernel.transformers.swiglu import LigerFusedMoEFunction
@@ -80,8 +81,7 @@ def _peers(shape, device, torch):
             x, gate_up, down, idx.to(torch.int32), w)
     except Exception as exc:  # noqa: BLE001 - no wheel, or an API that moved: recorded, not fatal
         peers["liger"] = exc
-    peers["ours"] = lambda x, idx, w, gate_up, down: fused_kernels.moe_experts(x, idx, w, gate_up, down)
-    return peers
+    return {name: fn for name, fn in peers.items() if name in wanted}
 
 
 def _reference(shape, leaves, idx, device, torch):
@@ -131,13 +131,20 @@ def _dense_tflops(device, torch, do_bench, n=8192):
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-def bench_shape(name, shape, device, torch, do_bench, dtype) -> dict:
-    row = {"shape": name, **shape, "dtype": str(dtype).replace("torch.", ""), "peers": {}}
+def bench_shape(name, shape, device, torch, do_bench, dtype, wanted, row=None, save=lambda: None) -> dict:
+    """Fills `row` (its peers one by one; `save()` after each, so a time limit keeps what was measured)."""
+    row = row if row is not None else {}
+    row.update({"shape": name, **shape, "dtype": str(dtype).replace("torch.", ""), "peers": {}})
     rows = shape["tokens"] * shape["k"]
     row["flops_fwd_bwd"] = 18 * rows * shape["hidden"] * shape["width"]
     leaves, idx = _inputs(shape, device, torch, dtype)
     ref_out, ref_grads = _reference(shape, leaves, idx, device, torch)
-    for peer, fn in _peers(shape, device, torch).items():
+    if device.type == "cuda":
+        try:
+            row["grouped_floor_ms"] = _grouped_floor(shape, leaves, idx, device, torch, do_bench)
+        except Exception as exc:  # noqa: BLE001
+            row["grouped_floor_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    for peer, fn in _peers(shape, device, torch, wanted).items():
         if isinstance(fn, Exception):
             row["peers"][peer] = {"status": "unavailable", "error": f"{type(fn).__name__}: {fn}"[:300]}
             continue
@@ -173,13 +180,10 @@ def bench_shape(name, shape, device, torch, do_bench, dtype) -> dict:
             res.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400],
                        traceback=traceback.format_exc(limit=6)[-1500:])
         row["peers"][peer] = res
+        save()
         print(f"[moe] {name} {peer}: {json.dumps({k: v for k, v in res.items() if k != 'traceback'})[:400]}",
               flush=True)
     if device.type == "cuda":
-        try:
-            row["grouped_floor_ms"] = _grouped_floor(shape, leaves, idx, device, torch, do_bench)
-        except Exception as exc:  # noqa: BLE001
-            row["grouped_floor_error"] = f"{type(exc).__name__}: {exc}"[:300]
         ok = {p: r for p, r in row["peers"].items() if r.get("status") == "ok" and "fwd_bwd_ms" in r}
         for p, r in ok.items():
             others = [q["fwd_bwd_ms"] for n, q in ok.items() if n != p]
@@ -194,6 +198,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", default="qwen3_moe,deepseek_v3")
+    ap.add_argument("--peers", default="ours,hf_grouped_mm,liger")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes; on the CPU through the Triton interpreter")
     a = ap.parse_args(argv)
     if a.tiny:
@@ -215,20 +220,24 @@ def main(argv=None) -> int:
         data["dense_bf16_tflops"] = _dense_tflops(device, torch, do_bench)
     shapes = TINY if a.tiny else {n: SHAPES[n] for n in a.shapes.split(",") if n}
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+
     for name, shape in shapes.items():
+        row = {"shape": name}
+        data["rows"].append(row)
         try:
-            row = bench_shape(name, shape, device, torch, do_bench, dtype)
+            bench_shape(name, shape, device, torch, do_bench, dtype, set(a.peers.split(",")), row, save)
         except Exception as exc:  # noqa: BLE001
-            row = {"shape": name, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:400],
-                   "traceback": traceback.format_exc(limit=6)[-1500:]}
+            row.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400],
+                       traceback=traceback.format_exc(limit=6)[-1500:])
         if data.get("dense_bf16_tflops") and "flops_fwd_bwd" in row:
             row["ceiling_ms"] = row["flops_fwd_bwd"] / (data["dense_bf16_tflops"] * 1e12) * 1e3
             for r in row["peers"].values():
                 if "fwd_bwd_ms" in r:
                     r["fraction_of_dense_ceiling"] = row["ceiling_ms"] / r["fwd_bwd_ms"]
-        data["rows"].append(row)
-        with open(a.out, "w") as f:
-            json.dump(data, f, indent=1, default=str)
+        save()
     print(json.dumps({r["shape"]: {p: {k: v for k, v in q.items() if k in ("fwd_bwd_ms", "peak_beyond_inputs_gib",
                                                                             "rel_err_out", "status")}
                                    for p, q in r.get("peers", {}).items()} for r in data["rows"]}, indent=1))
