@@ -310,19 +310,22 @@ def _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, in
                    dict(ACT=act, NEED_WH=need_weights, NEED_DW=need_routing, BLOCK_M=cfg.bwd_block_m,
                         BLOCK_N=cfg.bwd_block_n, EXACT_BF16=_INTERPRETED, num_warps=cfg.bwd_warps))
     del dh_raw
+    # Order for memory: each S-row temporary is freed before the next one is made (g_s before x_s,
+    # x_s before dx_s), so the backward holds at most gu, dgu and two S × H tensors at once.
     d_w1 = d_w2 = None
-    x_s = hidden.index_select(0, token) if need_weights else None
     if need_weights:
-        if transposed:  # stored as (E, I, H) and (E, H, 2I)
-            d_w2 = _gmm_rows(wh.t(), g_s, offsets, p.path, bounds)
-            d_w1 = _gmm_rows(x_s.t(), dgu, offsets, p.path, bounds)
-        else:  # stored as (E, H, I) and (E, 2I, H)
-            d_w2 = _gmm_rows(g_s.t(), wh, offsets, p.path, bounds)
-            d_w1 = _gmm_rows(dgu.t(), x_s, offsets, p.path, bounds)
-    del g_s, wh, x_s
+        d_w2 = (_gmm_rows(wh.t(), g_s, offsets, p.path, bounds) if transposed  # stored (E, I, H)
+                else _gmm_rows(g_s.t(), wh, offsets, p.path, bounds))  # stored (E, H, I)
+    del g_s, wh
+    if need_weights:
+        x_s = hidden.index_select(0, token)
+        d_w1 = (_gmm_rows(x_s.t(), dgu, offsets, p.path, bounds) if transposed  # stored (E, H, 2I)
+                else _gmm_rows(dgu.t(), x_s, offsets, p.path, bounds))  # stored (E, 2I, H)
+        del x_s
     d_hidden = None
     if need_hidden:
         dx_s = _gmm(dgu, w1.transpose(1, 2), offsets, p.path, bounds)
+        del dgu
         d_hidden = _combine(dx_s, inv, None, n_tokens, k, cfg, hidden.dtype)
     d_routing = dw.index_select(0, inv).view(n_tokens, k).to(top_k_weights.dtype) if need_routing else None
     # a custom op returns tensors: each gradient not asked for is a fresh empty one (never shared)
