@@ -39,7 +39,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-KINDS = ("rms_norm", "layer_norm", "rope", "glu", "loss")
+KINDS = ("rms_norm", "layer_norm", "rope", "glu", "experts", "loss")
 KIND_OF_KERNEL = {
     "rms_norm": "rms_norm",
     "layer_norm": "layer_norm",
@@ -55,8 +55,18 @@ LAUNCH_PREFIX = {
     "layer_norm": ("layer_norm",),
     "rope": ("rope",),
     "glu": ("swiglu", "geglu"),
+    "experts": ("moe_experts",),
     "loss": ("cross_entropy", "fused_linear_cross_entropy"),
 }
+EXPERTS_RULE = "moe_experts"  # governed by swiglu/geglu like the GLU rules, shown in a column of its own
+
+
+def kind_of(record) -> str:
+    """The column a record belongs to: the experts rule's records (autopatch.rules.moe_experts) under
+    "experts", every other by its kernel."""
+    from autopatch.rules import moe_experts
+
+    return "experts" if moe_experts.is_experts_record(record) else KIND_OF_KERNEL.get(record.kernel, record.kernel)
 TOL = 1e-5  # fp32 relative (DESIGN.md)
 
 
@@ -134,12 +144,15 @@ def _patch(model, kinds: set[str]):
     from autopatch import rules
     from autopatch._api import modules_of
 
-    def enabled(kernel: str) -> bool:
-        return KIND_OF_KERNEL.get(kernel) in kinds
+    glu_kernels = {k for k, kind in KIND_OF_KERNEL.items() if kind == "glu"}
 
+    def enabled(kernel: str) -> bool:
+        return KIND_OF_KERNEL.get(kernel) in kinds or ("experts" in kinds and kernel in glu_kernels)
+
+    skip = frozenset() if "experts" in kinds else frozenset({EXPERTS_RULE})
     records = []
     for module in modules_of(model):
-        records.extend(rules.patch_module(module, enabled))
+        records.extend(rules.patch_module(module, enabled, skip=skip))
     if "layer_norm" in kinds and any(r.kernel == "layer_norm" and r.patched and r.target.startswith("torch.nn.")
                                      for r in records):
         from autopatch.rules import layer_norm
@@ -190,7 +203,7 @@ def check_architecture(arch) -> dict:
                 if not _compare(ref, _run(model, inputs), ref64)[0]:
                     mismatched.add(kind)
         for kind in KINDS:
-            mine = [r for r in records if KIND_OF_KERNEL.get(r.kernel, r.kernel) == kind]
+            mine = [r for r in records if kind_of(r) == kind]
             patched = [r for r in mine if r.patched]
             if patched:
                 targets = sorted({f"{r.target} ({r.variant})" if r.variant else r.target for r in patched})
@@ -293,17 +306,17 @@ def markdown(rows, summary, versions) -> str:
         "",
         f"**Summary:** {summary['architectures']} architectures, {summary['built']} build tiny; verified: "
         f"rms_norm {summary['rms_norm_verified']}, layer_norm {summary['layer_norm_verified']}, rope {summary['rope_verified']}, glu {summary['glu_verified']}, "
-        f"loss {summary['loss_verified']}; MISMATCH rows: {summary['mismatch']}; run errors: {summary['errors']}.",
+        f"experts {summary['experts_verified']}, loss {summary['loss_verified']}; MISMATCH rows: {summary['mismatch']}; run errors: {summary['errors']}.",
         "",
-        "| architecture | rms_norm | layer_norm | rope | glu (swiglu/geglu) | loss (CE / fused linear CE) |",
-        "|---|---|---|---|---|---|",
+        "| architecture | rms_norm | layer_norm | rope | glu (swiglu/geglu) | MoE experts | loss (CE / fused linear CE) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["status"] == "could not build":
-            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | | |")
+            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | | | |")
             continue
         if row["status"] == "error":
-            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | | |")
+            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | | | |")
             continue
         lines.append("| " + " | ".join([row["arch"]] + [cell(row, k) for k in KINDS]) + " |")
     return "\n".join(lines) + "\n"

@@ -40,14 +40,15 @@ def all_rules() -> list:
 _made: dict[tuple[str, str], tuple[frozenset, set]] = {}
 
 
-def patch_module(module: ModuleType, enabled: Callable[[str], bool]) -> list:
-    """Run every rule whose kernels are enabled over one modeling module; returns the records."""
+def patch_module(module: ModuleType, enabled: Callable[[str], bool], skip: frozenset = frozenset()) -> list:
+    """Run every rule whose kernels are enabled over one modeling module (but the rules named in `skip`);
+    returns the records."""
     from autopatch import patching
     from autopatch.report import Record
 
     records = []
     for rule in all_rules():
-        if not any(enabled(k) for k in rule.kernels):
+        if rule.name in skip or not any(enabled(k) for k in rule.kernels):
             continue
         before = patching.patched_keys()
         try:
