@@ -126,7 +126,7 @@ def test_gpu_bf16_model_on_the_grouped_gemm_path():
 
     fp32 = tiny_models.build_tiny(ARCHS["Qwen3MoeForCausalLM"]).to("cuda")
     fp32.set_experts_implementation("grouped_mm")
-    inputs = {k: v.to("cuda") for k, v in tiny_models.smoke_inputs(fp32).items()}
+    inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in tiny_models.smoke_inputs(fp32).items()}
     ref_loss, _, ref_grads = _step(fp32, inputs)
     model = fp32.to(torch.bfloat16)
     plain_loss, _, plain_grads = _step(model, inputs)
