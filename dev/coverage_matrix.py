@@ -31,6 +31,7 @@ import copy
 import io
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -514,6 +515,260 @@ def build_tiny_vlm(model_dir):
     return model, dict(inputs, labels=labels)
 
 
+# --- the generic tiny builder: every other head, from its own config class ----------------------
+# The config class's defaults shrunk (autopatch.tiny_models' SHRINK, 2 text layers), every vision
+# sub-config shrunk further (VISION_SHRINK: 16 x 16 images of 4 x 4 patches), special token ids at or
+# above the tiny vocabulary remapped to its top (GENERIC_VOCAB - 1 downwards), per-family quirks as data
+# (VLM_OVERRIDES). The inputs take one of PIXEL_FORMS (tried in order, VLM_FORMS first where a family
+# needs one); the number of image placeholders is what the model's own image path produces, read from
+# its "tokens: N, features: M" check on a first forward with none.
+GENERIC_VOCAB = 256
+TEXT_TOKENS = 200  # text ids are drawn from [3, 200); remapped special ids live in [200, 256)
+GENERIC_LAYERS = 2
+VISION_SHRINK = {
+    "image_size": 16, "patch_size": 4, "depth": 2, "num_heads": 4, "num_hidden_layers": 2, "num_layers": 2,
+    "hidden_size": 64, "embed_dim": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "out_hidden_size": 64, "projection_dim": 64, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "window_size": 8, "fullatt_block_indexes": [1], "deepstack_visual_indexes": [1],
+    "num_position_embeddings": 16, "head_dim": 16, "num_key_value_heads": 4,
+}
+ID_NAME = re.compile(r".*_(token_id|token_index|id)$")
+# model_type (of the top config) -> {field: value} over the shrunk kwargs; a dict merges into a
+# sub-config's kwargs
+VLM_OVERRIDES: dict[str, dict] = {}
+# model_type -> the pixel form to try first
+VLM_FORMS: dict[str, str] = {}
+PIXEL_FORMS = ("image", "images", "grid", "patches")
+
+
+def _vision_subconfigs(default) -> list[str]:
+    return [k for k, v in vars(default).items()
+            if k.endswith("_config") and k != "text_config" and hasattr(v, "to_dict")]
+
+
+def _generic_kwargs(config_cls) -> dict:
+    from autopatch.tiny_models import _shrunk_kwargs
+
+    default = config_cls()
+    kwargs = _shrunk_kwargs(config_cls, GENERIC_LAYERS)
+    for name in _vision_subconfigs(default):
+        fields = getattr(default, name).to_dict()
+        sub = dict(kwargs.get(name, {}))
+        for key, value in VISION_SHRINK.items():
+            if key in fields and (fields[key] is not None or key == "head_dim"):
+                sub[key] = value
+        kwargs[name] = sub
+    _fit_mrope(kwargs, default)
+    if isinstance(kwargs.get("text_config"), dict) and hasattr(default, "text_config"):
+        _fit_mrope(kwargs["text_config"], default.text_config)
+    for name, value in VLM_OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
+        kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
+    return kwargs
+
+
+def _fit_mrope(kwargs: dict, default) -> None:
+    """Multimodal RoPE sections (time, height, width) must sum to half the rotary size: the default
+    ones, sized for a full model's heads, scaled down to the tiny heads in the same proportions."""
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = kwargs.get(field, getattr(default, field, None))
+        if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), (list, tuple)):
+            continue
+        heads = kwargs.get("num_attention_heads", getattr(default, "num_attention_heads", 4)) or 4
+        rotary = kwargs.get("qk_rope_head_dim") or kwargs.get("head_dim") or kwargs.get("hidden_size", 64) // heads
+        rotary = int(rotary * rope.get("partial_rotary_factor", 1.0))
+        sections = list(rope["mrope_section"])
+        half, total = rotary // 2, sum(sections)
+        fitted = [max(1, s * half // total) for s in sections]
+        fitted[0] += half - sum(fitted)
+        kwargs[field] = {**rope, "mrope_section": fitted}
+
+
+def _remap_ids(config) -> dict[str, int]:
+    """Special token ids (top config and text config) inside the tiny vocabulary: an id at or above it
+    moves to the top of it, distinct ids staying distinct. Returns the top config's id fields."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", GENERIC_VOCAB)
+    moved: dict[int, int] = {}
+    for cfg in {id(config): config, id(text): text}.values():
+        for key, value in list(cfg.to_dict().items()):
+            if ID_NAME.match(key) and isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+                if value not in moved:
+                    moved[value] = vocab - 1 - len(moved)
+                with contextlib.suppress(Exception):
+                    setattr(cfg, key, moved[value])
+    return {k: v for k, v in config.to_dict().items()
+            if ID_NAME.match(k) and isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _image_id(ids: dict[str, int]):
+    for key in ("image_token_id", "image_token_index", "image_pad_token_id", "img_context_token_id",
+                "image_context_token_id", "media_placeholder_token_id"):
+        if key in ids:
+            return ids[key]
+    image = [v for k, v in ids.items() if "image" in k and "start" not in k and "end" not in k]
+    return image[0] if image else None
+
+
+def _delimiters(ids: dict[str, int]):
+    start = end = None
+    for key, value in ids.items():
+        if any(s in key for s in ("vision_start", "boi_", "image_start", "im_start", "start_image")):
+            start = value if start is None else start
+        if any(s in key for s in ("vision_end", "eoi_", "image_end", "im_end", "end_image")):
+            end = value if end is None else end
+    return start, end
+
+
+def _pixels(form: str, vision, g):
+    """Pixel inputs of one form for BATCH images, and the extra fields that form needs."""
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
+    size = getattr(vision, "image_size", 16)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    size = size if isinstance(size, int) and size <= 64 else 16
+    if form == "image":
+        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g)}
+    if form == "images":
+        return {"pixel_values": torch.randn(BATCH, 1, channels, size, size, generator=g)}
+    patch = getattr(vision, "patch_size", 4)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    temporal = getattr(vision, "temporal_patch_size", 1) or 1
+    side = 4  # a 1 x 4 x 4 patch grid per image
+    if form == "grid":
+        return {"pixel_values": torch.randn(BATCH * side * side, channels * temporal * patch * patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    if form == "patches":  # a grid without the temporal axis, patches [n, C, p, p]
+        return {"pixel_values": torch.randn(BATCH * side * side, channels, patch, patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    raise ValueError(f"unknown pixel form {form!r}")
+
+
+def _place(ids, per_image: int, image: int, start, end):
+    """`per_image` placeholders per sample after 2 text tokens, with the delimiters around them."""
+    seq = ids.shape[1]
+    pos = 2
+    if start is not None:
+        ids[:, pos] = start
+        pos += 1
+    ids[:, pos:pos + per_image] = image
+    pos += per_image
+    if end is not None:
+        ids[:, pos] = end
+    return ids
+
+
+def _feature_count(model, inputs):
+    """How many image features the model's own image path produces for `inputs` (in all): the
+    tensor its get_placeholder_mask receives (numel / hidden size), else the count its "tokens: N,
+    features: M" error states; None when the forward runs without complaint or says neither."""
+    seen: list[int] = []
+    wrapped = []
+    for m in model.modules():
+        original = getattr(type(m), "get_placeholder_mask", None)
+        if original is None:
+            continue
+
+        def spy(*args, _original=original.__get__(m), **kwargs):
+            names = ("input_ids", "inputs_embeds", "image_features")
+            bound = dict(zip(names, args)) | kwargs
+            feats, embeds = bound.get("image_features"), bound.get("inputs_embeds")
+            if isinstance(feats, (list, tuple)):
+                feats = torch.cat([f.reshape(-1, embeds.shape[-1]) for f in feats]) if feats else None
+            if feats is not None and embeds is not None:
+                seen.append(feats.numel() // embeds.shape[-1])
+            return _original(*args, **kwargs)
+
+        m.get_placeholder_mask = spy
+        wrapped.append(m)
+    try:
+        model(**inputs)
+        error = None
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    finally:
+        for m in wrapped:
+            del m.get_placeholder_mask
+    if seen:
+        return seen[0]
+    found = re.search(r"tokens:\s*(\d+),\s*features:?\s*(\d+)", str(error)) if error else None
+    if found:
+        return int(found.group(2))
+    if error is not None:
+        raise error
+    return None
+
+
+def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | None):
+    import inspect
+
+    config = model.config
+    image = _image_id(ids_cfg)
+    if image is None:
+        raise ValueError("no image placeholder id in the config")
+    start, end = _delimiters(ids_cfg)
+    vision = next((getattr(config, k) for k in _vision_subconfigs(config)), None)
+    g = torch.Generator().manual_seed(1)
+    n = per_image or 0
+    seq = n + 8
+    ids = torch.randint(3, TEXT_TOKENS, (BATCH, seq), generator=g)
+    ids = _place(ids, n, image, start, end)
+    inputs = dict(input_ids=ids, **_pixels(form, vision, g))
+    params = inspect.signature(type(model).forward).parameters
+    if "mm_token_type_ids" in params:
+        inputs["mm_token_type_ids"] = (ids == image).int()
+    if "token_type_ids" in params:
+        inputs["token_type_ids"] = (ids == image).long()
+    if "image_sizes" in params:
+        side = inputs["pixel_values"].shape[-1]
+        inputs["image_sizes"] = torch.tensor([[side, side]] * BATCH)
+    labels = ids.clone()
+    labels[ids >= TEXT_TOKENS] = -100
+    labels[:, :2] = -100
+    return dict(inputs, labels=labels)
+
+
+def build_generic_vlm(arch):
+    """(model, inputs) of any head from its config class: the first pixel form whose forward and
+    backward run, with the placeholder count the model's image path gives. Raises RuntimeError with
+    every form's error when none does."""
+    import importlib
+
+    module = importlib.import_module(arch.module_name)
+    model_cls = getattr(module, arch.class_name)
+    config_cls = model_cls.config_class
+    config = config_cls(**_generic_kwargs(config_cls))
+    ids_cfg = _remap_ids(config)
+    config._attn_implementation = "eager"
+    for sub in _vision_subconfigs(config) + ["text_config"]:
+        with contextlib.suppress(Exception):
+            getattr(config, sub)._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.weight.normal_(0.0, 0.3)  # O(1)-sized logits
+    forms = [VLM_FORMS[config.model_type]] if config.model_type in VLM_FORMS else []
+    forms += [f for f in PIXEL_FORMS if f not in forms]
+    errors = []
+    for form in forms:
+        try:
+            total = _feature_count(model, _generic_inputs(model, form, ids_cfg, None))
+            if not total:
+                raise ValueError("the image path produced no features for the placeholders")
+            per_image = total // BATCH
+            inputs = _generic_inputs(model, form, ids_cfg, per_image)
+            model.train()
+            out = model(**inputs)
+            out.loss.backward()
+            model.zero_grad(set_to_none=True)
+            if not torch.isfinite(out.loss):
+                raise ValueError(f"loss {out.loss.item()}")
+            return model, inputs
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+    raise RuntimeError("no pixel form runs; " + " | ".join(errors))
+
+
 def _run_vlm(model, inputs):
     """Loss and every parameter gradient in training mode, logits in eval mode (pixels included)."""
     loss, _, grads = _run(model, inputs)
@@ -545,9 +800,19 @@ def check_vlm_loss(arch) -> dict:
     try:
         module = importlib.import_module(arch.module_name)
         model = inputs = ref = None
-        if arch.model_dir in TINY_VLMS:
-            model, inputs = build_tiny_vlm(arch.model_dir)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                if arch.model_dir in TINY_VLMS:
+                    model, inputs = build_tiny_vlm(arch.model_dir)
+                    row["builder"] = "TINY_VLMS"
+                else:
+                    model, inputs = build_generic_vlm(arch)
+                    row["builder"] = "generic"
+        except Exception as exc:  # noqa: BLE001
+            row["build_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        if model is not None:
             ref = _run_vlm(model, inputs)
+            row["vision_grads"] = sum(1 for n in ref[2] if _is_vision(n))
         records = [r for r in loss.RULE.patch_module(module, lambda kernel: True)
                    if r.target in (f"{arch.class_name}.forward", f"{arch.class_name}.loss_function")]
         flce = [r for r in records if r.kernel == "fused_linear_cross_entropy"]
@@ -557,7 +822,7 @@ def check_vlm_loss(arch) -> dict:
         patched = any(r.patched for r in flce)
         row["structure"] = "patched" if patched else "left alone"
         if model is None:
-            row["numbers"] = "no tiny builder"
+            row["numbers"] = "could not build"
         else:
             before = fused_kernels.launch_counts()
             got = _run_vlm(model, inputs)
@@ -573,6 +838,10 @@ def check_vlm_loss(arch) -> dict:
     finally:
         patching.restore_all()
     return row
+
+
+def _is_vision(name: str) -> bool:
+    return any(k in name for k in ("vision", "visual", "image_encoder", "vit", "siglip", "clip", "patch_embed"))
 
 
 def _record_text(records) -> str:
