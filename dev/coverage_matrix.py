@@ -531,14 +531,27 @@ VISION_SHRINK = {
     "out_hidden_size": 64, "projection_dim": 64, "spatial_merge_size": 2, "temporal_patch_size": 2,
     "window_size": 8, "fullatt_block_indexes": [1], "deepstack_visual_indexes": [1],
     "num_position_embeddings": 16, "head_dim": 16, "num_key_value_heads": 4,
+    "text_hidden_size": 64, "codebook_dim": 64,  # widths that must equal the text model's / the encoder's
 }
-ID_NAME = re.compile(r".*_(token_id|token_index|id)$")
+ID_NAME = re.compile(r".*token_(id|index)$")
+KEPT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 # model_type (of the top config) -> {field: value} over the shrunk kwargs; a dict merges into a
 # sub-config's kwargs
-VLM_OVERRIDES: dict[str, dict] = {}
+_GLM_MROPE = {"text_config": {"rope_parameters": {"mrope_section": [8, 12, 12]}}}  # the modeling code's default
+VLM_OVERRIDES: dict[str, dict] = {
+    "glm4v": _GLM_MROPE, "glm46v": _GLM_MROPE, "glm4v_moe": _GLM_MROPE, "glm_ocr": _GLM_MROPE,
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the default taps layers 20, -11, -8 of a 24-layer tower
+    # HunYuan-VL's multimodal RoPE needs the sections, which the default leaves out
+    "hunyuan_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+    # the vision adapter takes the pixel-shuffled features (hidden / ratio^2 = 256) and 4096-wide projections
+    "llama4": {"vision_config": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64,
+                                 "vision_output_dim": 64}},
+    "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+}
 # model_type -> the pixel form to try first
 VLM_FORMS: dict[str, str] = {}
-PIXEL_FORMS = ("image", "images", "grid", "patches")
+PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2")
 
 
 def _vision_subconfigs(default) -> list[str]:
@@ -558,11 +571,13 @@ def _generic_kwargs(config_cls) -> dict:
             if key in fields and (fields[key] is not None or key == "head_dim"):
                 sub[key] = value
         kwargs[name] = sub
+    if "image_grid_pinpoints" in vars(default):  # LLaVA-NeXT's any-resolution tiles: one tile, one image size
+        kwargs["image_grid_pinpoints"] = [[VISION_SHRINK["image_size"]] * 2]
+    for name, value in VLM_OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
+        kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
     _fit_mrope(kwargs, default)
     if isinstance(kwargs.get("text_config"), dict) and hasattr(default, "text_config"):
         _fit_mrope(kwargs["text_config"], default.text_config)
-    for name, value in VLM_OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
-        kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
     return kwargs
 
 
@@ -570,7 +585,7 @@ def _fit_mrope(kwargs: dict, default) -> None:
     """Multimodal RoPE sections (time, height, width) must sum to half the rotary size: the default
     ones, sized for a full model's heads, scaled down to the tiny heads in the same proportions."""
     for field in ("rope_parameters", "rope_scaling"):
-        rope = kwargs.get(field, getattr(default, field, None))
+        rope = {**(getattr(default, field, None) or {}), **kwargs.get(field, {})}
         if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), (list, tuple)):
             continue
         heads = kwargs.get("num_attention_heads", getattr(default, "num_attention_heads", 4)) or 4
@@ -584,14 +599,15 @@ def _fit_mrope(kwargs: dict, default) -> None:
 
 
 def _remap_ids(config) -> dict[str, int]:
-    """Special token ids (top config and text config) inside the tiny vocabulary: an id at or above it
-    moves to the top of it, distinct ids staying distinct. Returns the top config's id fields."""
+    """Special token ids (top config and text config; pad / bos / eos are 0-2 already) at the top of
+    the tiny vocabulary, above the text ids, distinct ids staying distinct. Returns the top config's id fields."""
     text = config.get_text_config()
     vocab = getattr(text, "vocab_size", GENERIC_VOCAB)
     moved: dict[int, int] = {}
     for cfg in {id(config): config, id(text): text}.values():
         for key, value in list(cfg.to_dict().items()):
-            if ID_NAME.match(key) and isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+            if (ID_NAME.match(key) and isinstance(value, int) and not isinstance(value, bool)
+                    and key not in KEPT_IDS and value >= 3):  # out of the text ids' range
                 if value not in moved:
                     moved[value] = vocab - 1 - len(moved)
                 with contextlib.suppress(Exception):
@@ -627,6 +643,9 @@ def _pixels(form: str, vision, g):
     size = size if isinstance(size, int) and size <= 64 else 16
     if form == "image":
         return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g)}
+    if form == "tiles":  # LLaVA-NeXT: the base image and one tile, with the image's size
+        return {"pixel_values": torch.randn(BATCH, 2, channels, size, size, generator=g),
+                "image_sizes": torch.tensor([[size, size]] * BATCH)}
     if form == "images":
         return {"pixel_values": torch.randn(BATCH, 1, channels, size, size, generator=g)}
     patch = getattr(vision, "patch_size", 4)
@@ -636,6 +655,13 @@ def _pixels(form: str, vision, g):
     if form == "grid":
         return {"pixel_values": torch.randn(BATCH * side * side, channels * temporal * patch * patch, generator=g),
                 "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    if form == "flat":  # a grid of flattened patches without the temporal axis, [n, C * p * p]
+        return {"pixel_values": torch.randn(BATCH * side * side, channels * patch * patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    if form == "siglip2":  # NaFlex SigLIP 2: [B, patches, C * p * p], the grid and a patch mask per image
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g),
+                "spatial_shapes": torch.tensor([[side, side]] * BATCH),
+                "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long)}
     if form == "patches":  # a grid without the temporal axis, patches [n, C, p, p]
         return {"pixel_values": torch.randn(BATCH * side * side, channels, patch, patch, generator=g),
                 "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
@@ -711,13 +737,16 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
     seq = n + 8
     ids = torch.randint(3, TEXT_TOKENS, (BATCH, seq), generator=g)
     ids = _place(ids, n, image, start, end)
-    inputs = dict(input_ids=ids, **_pixels(form, vision, g))
+    inputs = dict(input_ids=ids, **_pixels(form, vision, g), use_cache=False)
     params = inspect.signature(type(model).forward).parameters
     if "mm_token_type_ids" in params:
         inputs["mm_token_type_ids"] = (ids == image).int()
     if "token_type_ids" in params:
         inputs["token_type_ids"] = (ids == image).long()
-    if "image_sizes" in params:
+    if "image_merge_sizes" in params:  # VideoLLaMA 3: the merge size of each image
+        merge = getattr(vision, "spatial_merge_size", None) or getattr(config, "spatial_merge_size", 1) or 1
+        inputs["image_merge_sizes"] = torch.tensor([merge] * BATCH)
+    if "image_sizes" in params and "image_sizes" not in inputs:
         side = inputs["pixel_values"].shape[-1]
         inputs["image_sizes"] = torch.tensor([[side, side]] * BATCH)
     labels = ids.clone()
@@ -774,8 +803,8 @@ def _run_vlm(model, inputs):
     loss, _, grads = _run(model, inputs)
     model.eval()
     with torch.no_grad():
-        eval_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        logits = model(**eval_inputs, use_cache=False).logits.detach().clone()
+        eval_inputs = {k: v for k, v in inputs.items() if k != "labels"} | {"use_cache": False}
+        logits = model(**eval_inputs).logits.detach().clone()
     model.train()
     return loss, logits, grads
 
