@@ -533,7 +533,7 @@ VISION_SHRINK = {
     "num_position_embeddings": 16, "head_dim": 16, "num_key_value_heads": 4,
     "text_hidden_size": 64, "codebook_dim": 64,  # widths that must equal the text model's / the encoder's
 }
-ID_NAME = re.compile(r".*token_(id|index)$")
+ID_NAME = re.compile(r".*(token_id|token_index|patch_id)$")
 KEPT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
 # model_type (of the top config) -> {field: value} over the shrunk kwargs; a dict merges into a
 # sub-config's kwargs
@@ -546,12 +546,14 @@ VLM_OVERRIDES: dict[str, dict] = {
     # the vision adapter takes the pixel-shuffled features (hidden / ratio^2 = 256) and 4096-wide projections
     "llama4": {"vision_config": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64,
                                  "vision_output_dim": 64}},
+    "fuyu": {"patch_size": 4, "image_size": 16},  # the decoder embeds 30 x 30 patches itself
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
 }
 # model_type -> the pixel form to try first
 VLM_FORMS: dict[str, str] = {}
-PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2")
+PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2", "positions", "rows")
 
 
 def _vision_subconfigs(default) -> list[str]:
@@ -564,17 +566,27 @@ def _generic_kwargs(config_cls) -> dict:
 
     default = config_cls()
     kwargs = _shrunk_kwargs(config_cls, GENERIC_LAYERS)
+    for name, cls in getattr(config_cls, "sub_configs", {}).items():
+        if "vision" in name and getattr(default, name, None) is None and isinstance(cls, type):
+            kwargs[name] = _shrunk_kwargs(cls, GENERIC_LAYERS)  # a tower the default leaves out (Gemma 4)
+            setattr(default, name, cls())
     for name in _vision_subconfigs(default):
         fields = getattr(default, name).to_dict()
         sub = dict(kwargs.get(name, {}))
         for key, value in VISION_SHRINK.items():
             if key in fields and (fields[key] is not None or key == "head_dim"):
+                if isinstance(fields[key], (list, tuple)) and isinstance(value, int) and len(fields[key]) == 2:
+                    value = [value, value]  # (height, width) sizes
                 sub[key] = value
         kwargs[name] = sub
     if "image_grid_pinpoints" in vars(default):  # LLaVA-NeXT's any-resolution tiles: one tile, one image size
         kwargs["image_grid_pinpoints"] = [[VISION_SHRINK["image_size"]] * 2]
     for name, value in VLM_OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
         kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
+    for name, sub in kwargs.items():  # some __post_init__ read a sub-config dict's model_type
+        model_type = getattr(getattr(default, name, None), "model_type", None)
+        if isinstance(sub, dict) and name.endswith("_config") and model_type:
+            sub.setdefault("model_type", model_type)
     _fit_mrope(kwargs, default)
     if isinstance(kwargs.get("text_config"), dict) and hasattr(default, "text_config"):
         _fit_mrope(kwargs["text_config"], default.text_config)
@@ -604,6 +616,8 @@ def _remap_ids(config) -> dict[str, int]:
     text = config.get_text_config()
     vocab = getattr(text, "vocab_size", GENERIC_VOCAB)
     moved: dict[int, int] = {}
+    if "image_token_id" in vars(config) and config.image_token_id is None:  # MiniCPM-V: no default id
+        config.image_token_id = vocab - 1 - 16
     for cfg in {id(config): config, id(text): text}.values():
         for key, value in list(cfg.to_dict().items()):
             if (ID_NAME.match(key) and isinstance(value, int) and not isinstance(value, bool)
@@ -617,7 +631,7 @@ def _remap_ids(config) -> dict[str, int]:
 
 
 def _image_id(ids: dict[str, int]):
-    for key in ("image_token_id", "image_token_index", "image_pad_token_id", "img_context_token_id",
+    for key in ("image_token_id", "image_token_index", "image_pad_token_id", "image_patch_id", "img_context_token_id",
                 "image_context_token_id", "media_placeholder_token_id"):
         if key in ids:
             return ids[key]
@@ -662,6 +676,12 @@ def _pixels(form: str, vision, g):
         return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g),
                 "spatial_shapes": torch.tensor([[side, side]] * BATCH),
                 "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long)}
+    if form == "positions":  # Gemma 4: [B, patches, C * p * p] and each patch's (x, y) in image_position_ids
+        yx = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g),
+                "image_position_ids": yx.flip(-1).expand(BATCH, -1, -1).clone()}
+    if form == "rows":  # [B, patches, C * p * p]
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g)}
     if form == "patches":  # a grid without the temporal axis, patches [n, C, p, p]
         return {"pixel_values": torch.randn(BATCH * side * side, channels, patch, patch, generator=g),
                 "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
@@ -727,6 +747,7 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
     import inspect
 
     config = model.config
+    params = inspect.signature(type(model).forward).parameters
     image = _image_id(ids_cfg)
     if image is None:
         raise ValueError("no image placeholder id in the config")
@@ -737,12 +758,15 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
     seq = n + 8
     ids = torch.randint(3, TEXT_TOKENS, (BATCH, seq), generator=g)
     ids = _place(ids, n, image, start, end)
-    inputs = dict(input_ids=ids, **_pixels(form, vision, g), use_cache=False)
-    params = inspect.signature(type(model).forward).parameters
+    inputs = dict(input_ids=ids, **_pixels(form, vision or config, g), use_cache=False)
+    if "pixel_values" not in params and "image_patches" in params:  # Fuyu: patches straight into the decoder
+        inputs["image_patches"] = inputs.pop("pixel_values")
     if "mm_token_type_ids" in params:
         inputs["mm_token_type_ids"] = (ids == image).int()
     if "token_type_ids" in params:
         inputs["token_type_ids"] = (ids == image).long()
+    if "target_sizes" in params:  # MiniCPM-V: each image's patch grid
+        inputs["target_sizes"] = torch.tensor([[4, 4]] * BATCH)
     if "image_merge_sizes" in params:  # VideoLLaMA 3: the merge size of each image
         merge = getattr(vision, "spatial_merge_size", None) or getattr(config, "spatial_merge_size", 1) or 1
         inputs["image_merge_sizes"] = torch.tensor([merge] * BATCH)
@@ -760,9 +784,19 @@ def build_generic_vlm(arch):
     backward run, with the placeholder count the model's image path gives. Raises RuntimeError with
     every form's error when none does."""
     import importlib
+    import inspect
+
+    from autopatch.tiny_models import build_tiny, smoke_inputs
 
     module = importlib.import_module(arch.module_name)
     model_cls = getattr(module, arch.class_name)
+    if not {"pixel_values", "image_patches"} & set(inspect.signature(model_cls.forward).parameters):
+        # a text-only causal LM in the mapping (Mistral 4): the causal-LM table's builder and inputs
+        model = build_tiny(arch)
+        inputs = smoke_inputs(model)
+        labels = inputs["labels"].clone()
+        labels[:, :2] = -100
+        return model, dict(inputs, labels=labels)
     config_cls = model_cls.config_class
     config = config_cls(**_generic_kwargs(config_cls))
     ids_cfg = _remap_ids(config)
@@ -817,8 +851,8 @@ def image_text_to_text_architectures() -> list:
 
 
 def check_vlm_loss(arch) -> dict:
-    """The loss rule on one image-text-to-text head: its records, and the numbers where TINY_VLMS
-    builds the model."""
+    """The loss rule on one image-text-to-text head: its records, the RoPE column, and the numbers
+    where the head builds tiny (TINY_VLMS, else the generic builder)."""
     import importlib
 
     import fused_kernels
@@ -828,6 +862,7 @@ def check_vlm_loss(arch) -> dict:
     row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
     try:
         module = importlib.import_module(arch.module_name)
+        row["rope"] = rope_column(module, getattr(getattr(module, arch.class_name), "config_class", None))
         model = inputs = ref = None
         try:
             with torch.random.fork_rng(devices=[]):
@@ -837,7 +872,7 @@ def check_vlm_loss(arch) -> dict:
                 else:
                     model, inputs = build_generic_vlm(arch)
                     row["builder"] = "generic"
-        except Exception as exc:  # noqa: BLE001
+        except (Exception, _TooSlow) as exc:  # noqa: BLE001
             row["build_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         if model is not None:
             ref = _run_vlm(model, inputs)
@@ -858,15 +893,85 @@ def check_vlm_loss(arch) -> dict:
             after = fused_kernels.launch_counts()
             ok, detail = _compare(ref, got)
             fused_ran = any(after[k] > before.get(k, 0) for k in after if k.startswith("fused_linear_cross_entropy"))
-            row["numbers"] = "MISMATCH" if not ok else ("verified" if fused_ran or not patched else "not used")
+            if not ok:
+                row["numbers"] = "MISMATCH"
+            elif not patched:
+                row["numbers"] = "unchanged"  # left alone: the same forward, the same numbers
+            else:
+                row["numbers"] = "verified" if fused_ran else "not used"
             row["detail"] = detail
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, _TooSlow) as exc:  # noqa: BLE001
         row["structure"] = row.get("structure", "error")
         row["numbers"] = "error"
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
         patching.restore_all()
     return row
+
+
+# --- the multimodal RoPE column ------------------------------------------------------------------
+# What the head's modeling module does with rotary embeddings, and what the rope rule
+# (autopatch.rules.rope) does with it: multimodal sections (time / height / width) folded into cos and
+# sin by a rotary-embedding class, then applied by the standard apply_rotary_pos_emb (patched by the
+# rope rule where its probe proves the variant), versus functions of the module's own that the rule
+# does not read (vision 2-D rotary, multimodal rotary applied in a function of its own).
+ROTARY_FN = re.compile(r"^apply_\w*(rotary|rope)\w*$")
+
+
+def rope_column(module, config_cls=None) -> dict:
+    import inspect
+
+    from autopatch.rules import rope
+
+    name = module.__name__
+    own = {n: f for n, f in vars(module).items()
+           if ROTARY_FN.match(n) and inspect.isfunction(f) and f.__module__ == name}
+    sections = sorted(n for n, c in vars(module).items()
+                      if inspect.isclass(c) and c.__module__ == name and "mrope_section" in _source(c))
+    parts, verdicts = [], []
+    if sections:
+        parts.append(f"multimodal sections folded into cos/sin in {', '.join(sections)}")
+    for fn_name, fn in sorted(own.items()):
+        if fn_name in rope.TARGETS:
+            verdict = rope._verdicts.get(fn) or rope.detect(fn)
+            if verdict.variant is not None:
+                parts.append(f"{fn_name}: patched by the rope rule ({verdict.describe()})")
+                verdicts.append("patched")
+            else:
+                parts.append(f"{fn_name}: left alone by the rope rule ({verdict.reason})")
+                verdicts.append("left alone")
+        else:
+            multimodal = any(k in fn_name for k in ("multimodal", "mrope", "multidim"))
+            why = ("vision 2-D rotary" if "vision" in fn_name else
+                   "multimodal rotary of its own" if multimodal else "another rotary form")
+            parts.append(f"{fn_name}: left alone ({why}; the rope rule reads only {' / '.join(rope.TARGETS)})")
+            verdicts.append("own multimodal" if multimodal else "own function")
+    if not own:
+        text_type = None
+        with contextlib.suppress(Exception):
+            text_type = config_cls().get_text_config().model_type
+        parts.append(f"no rotary function here; the text model ({text_type or '?'}) is in its own module "
+                     "(causal-LM table)")
+    if "own multimodal" in verdicts:
+        kind = "own mrope function"
+    elif sections:
+        kind = "mrope via standard" if "patched" in verdicts else "mrope, not patched"
+    elif "patched" in verdicts:
+        kind = "standard"
+    elif not own:
+        kind = "elsewhere"
+    else:
+        kind = "not patched"
+    return {"kind": kind, "text": "; ".join(parts)}
+
+
+def _source(obj) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
 
 
 def _is_vision(name: str) -> bool:
@@ -915,11 +1020,35 @@ def vlm_markdown(rows, summary) -> str:
     return "\n".join(lines) + "\n"
 
 
+VLM_SECONDS = 60  # per head; a tiny model takes seconds, one that takes longer is not tiny: an error row
+
+
+class _TooSlow(BaseException):  # not an Exception: the builders' retries must not swallow it
+    pass
+
+
+def _with_deadline(fn, *args):
+    import signal
+
+    def expire(*_):
+        raise _TooSlow(f"took more than {VLM_SECONDS} s on the CPU (the tiny model is not tiny)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(VLM_SECONDS)
+    try:
+        return fn(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def main_vlm(args) -> int:
     rows = []
     for arch in select(image_text_to_text_architectures(), args.names):
+        t0 = time.time()
         with contextlib.redirect_stderr(io.StringIO()):
-            row = check_vlm_loss(arch)
+            row = _with_deadline(check_vlm_loss, arch)
+        row["seconds"] = round(time.time() - t0, 2)
         rows.append(row)
         if not args.quiet:
             print(f"{row['arch']:<45} {row.get('structure', ''):<11} {row.get('numbers', ''):<16} "
