@@ -547,18 +547,30 @@ VLM_OVERRIDES: dict[str, dict] = {
     "llama4": {"vision_config": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64,
                                  "vision_output_dim": 64}},
     "fuyu": {"patch_size": 4, "image_size": 16},  # the decoder embeds 30 x 30 patches itself
+    # layer indices of the full-size defaults, cut to the 2 tiny layers (the tower's output width follows)
+    "mllama": {"text_config": {"cross_attention_layers": [1]},
+               "vision_config": {"intermediate_layers_indices": [0, 1], "num_global_layers": 1, "vision_output_dim": 192}},
+    "deepseek_vl_hybrid": {"high_res_vision_config": {"global_attn_indexes": [1]}},
+    "granite4_vision": {"deepstack_layer_map": [[0, 0], [1, 1]], "spatial_target_layers": [0, 1, 0, 1],
+                        "downsample_rate": "1/2"},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
 }
 # model_type -> the pixel form to try first
 VLM_FORMS: dict[str, str] = {}
-PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2", "positions", "rows")
+PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2", "positions", "rows", "mllama")
 
 
 def _vision_subconfigs(default) -> list[str]:
     return [k for k, v in vars(default).items()
             if k.endswith("_config") and k != "text_config" and hasattr(v, "to_dict")]
+
+
+def _vision_config(config):
+    """The vision tower's sub-config (a name with "vision" first), None when there is none."""
+    names = sorted(_vision_subconfigs(config), key=lambda k: "vision" not in k)
+    return getattr(config, names[0]) if names else None
 
 
 def _generic_kwargs(config_cls) -> dict:
@@ -682,6 +694,12 @@ def _pixels(form: str, vision, g):
                 "image_position_ids": yx.flip(-1).expand(BATCH, -1, -1).clone()}
     if form == "rows":  # [B, patches, C * p * p]
         return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g)}
+    if form == "mllama":  # one image of max_num_tiles tiles, aspect ratio 1 (1 x 1 tiles used)
+        tiles = getattr(vision, "max_num_tiles", 1)
+        mask = torch.zeros(BATCH, 1, tiles, dtype=torch.long)
+        mask[:, :, 0] = 1
+        return {"pixel_values": torch.randn(BATCH, 1, tiles, channels, size, size, generator=g),
+                "aspect_ratio_ids": torch.ones(BATCH, 1, dtype=torch.long), "aspect_ratio_mask": mask}
     if form == "patches":  # a grid without the temporal axis, patches [n, C, p, p]
         return {"pixel_values": torch.randn(BATCH * side * side, channels, patch, patch, generator=g),
                 "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
@@ -752,7 +770,7 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
     if image is None:
         raise ValueError("no image placeholder id in the config")
     start, end = _delimiters(ids_cfg)
-    vision = next((getattr(config, k) for k in _vision_subconfigs(config)), None)
+    vision = _vision_config(config)
     g = torch.Generator().manual_seed(1)
     n = per_image or 0
     seq = n + 8
@@ -765,6 +783,11 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
         inputs["mm_token_type_ids"] = (ids == image).int()
     if "token_type_ids" in params:
         inputs["token_type_ids"] = (ids == image).long()
+    if "cross_attention_mask" in params and "aspect_ratio_mask" in inputs:  # Mllama: every token sees the image
+        inputs["cross_attention_mask"] = inputs["aspect_ratio_mask"][:, None].expand(-1, seq, -1, -1).clone()
+    if "high_res_pixel_values" in params:  # DeepSeek-VL hybrid: the same image for the high-resolution tower
+        high = getattr(config, "high_res_vision_config", None)
+        inputs["high_res_pixel_values"] = torch.randn(BATCH, 3, *[getattr(high, "image_size", 16)] * 2, generator=g)
     if "target_sizes" in params:  # MiniCPM-V: each image's patch grid
         inputs["target_sizes"] = torch.tensor([[4, 4]] * BATCH)
     if "image_merge_sizes" in params:  # VideoLLaMA 3: the merge size of each image
@@ -816,9 +839,10 @@ def build_generic_vlm(arch):
     for form in forms:
         try:
             total = _feature_count(model, _generic_inputs(model, form, ids_cfg, None))
-            if not total:
+            if total == 0:
                 raise ValueError("the image path produced no features for the placeholders")
-            per_image = total // BATCH
+            # None: the model counts no placeholders (cross-attention, Mllama): one, as its processor writes
+            per_image = 1 if total is None else total // BATCH
             inputs = _generic_inputs(model, form, ids_cfg, per_image)
             model.train()
             out = model(**inputs)
@@ -983,16 +1007,30 @@ def _record_text(records) -> str:
 
 
 def vlm_summary(rows) -> dict:
+    built = [r for r in rows if r.get("numbers") not in ("could not build", "error")]
+    verified = sum(r.get("numbers") == "verified" for r in rows)
     return {
         "heads": len(rows),
+        "built": len(built),
         "fused_loss_by_structure": sum(r.get("structure") == "patched" for r in rows),
-        "numbers_verified": sum(r.get("numbers") == "verified" for r in rows),
+        "fused_and_verified": verified,
+        "verified_share_of_built": round(verified / len(built), 3) if built else 0.0,
+        "left_alone_unchanged": sum(r.get("numbers") == "unchanged" for r in rows),
+        "not_used": sum(r.get("numbers") == "not used" for r in rows),
         "mismatch": sum(r.get("numbers") == "MISMATCH" for r in rows),
+        "could_not_build": sum(r.get("numbers") == "could not build" for r in rows),
         "errors": sum(r.get("numbers") == "error" for r in rows),
     }
 
 
 VLM_HEADING = "## Image-text-to-text heads (the loss rule)"
+ROPE_MARK = {"mrope via standard": "✅ mrope sections in cos/sin, standard apply", "standard": "✅ standard",
+             "elsewhere": "· text model elsewhere", "own mrope function": "➖ own mrope function",
+             "mrope, not patched": "➖ mrope, apply left alone", "not patched": "➖ left alone"}
+
+
+def _cell(text: str, width: int = 160) -> str:
+    return text[:width].replace("|", "/").replace("\n", " ")
 
 
 def vlm_markdown(rows, summary) -> str:
@@ -1001,22 +1039,42 @@ def vlm_markdown(rows, summary) -> str:
         "",
         "Every class of transformers' MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES. *Structure*: the loss "
         "rule's verdict on the class (fused linear CE in training with labels; the fused CE where logits "
-        "exist), from the forward's source. *Numbers*: for the models dev/coverage_matrix.py builds tiny "
-        "(TINY_VLMS: tiny vision and text configs, synthetic pixels and placeholder tokens), patched vs "
-        "unpatched loss, every gradient (vision tower included) and eval logits within 1e-5 relative (fp32), "
-        "the fused kernel launched; other rows are proven from structure only.",
+        "exist), from the forward's source. *Numbers*: each head built tiny (TINY_VLMS for six families, "
+        "else the generic builder: the config class's defaults shrunk, vision 16 x 16 images of 4 x 4 "
+        "patches, special ids remapped, per-family quirks as data in VLM_OVERRIDES; synthetic pixels of "
+        "the form the tower takes, as many placeholders as the model's own image path produces), patched "
+        "vs unpatched loss, every gradient (vision tower included: the count of vision parameters with a "
+        "gradient is given) and eval logits within 1e-5 relative (fp32), the fused linear CE launched in "
+        "training; *unchanged* = left alone by the rule, same numbers. *Multimodal RoPE*: the modeling "
+        "module's rotary functions and what autopatch.rules.rope does with each (no kernel for a "
+        "function the rule does not read).",
         "",
-        f"**Summary:** {summary['heads']} heads; fused loss by structure {summary['fused_loss_by_structure']}; "
-        f"numbers verified {summary['numbers_verified']}; MISMATCH {summary['mismatch']}; errors {summary['errors']}.",
+        f"**Summary:** {summary['heads']} heads, {summary['built']} build tiny; fused loss by structure "
+        f"{summary['fused_loss_by_structure']}; fused and numbers-verified {summary['fused_and_verified']} "
+        f"({100 * summary['verified_share_of_built']:.0f} % of those that build); left alone and unchanged "
+        f"{summary['left_alone_unchanged']}; not used {summary['not_used']}; MISMATCH {summary['mismatch']}; "
+        f"could not build {summary['could_not_build']}; run errors {summary['errors']}.",
         "",
-        "| head | structure (fused linear CE) | numbers |",
-        "|---|---|---|",
+        "| head | structure (fused linear CE) | numbers | multimodal RoPE |",
+        "|---|---|---|---|",
     ]
     for row in rows:
-        text = row.get("fused_linear", row.get("error", ""))[:140].replace("|", "/").replace("\n", " ")
+        text = _cell(row.get("fused_linear", row.get("error", "")), 140)
         mark = "✅" if row.get("structure") == "patched" else "➖"
-        numbers = {"verified": "✅ verified", "MISMATCH": "❌ MISMATCH"}.get(row.get("numbers"), row.get("numbers", ""))
-        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} |")
+        numbers = row.get("numbers", "")
+        if numbers == "verified":
+            numbers = f"✅ verified ({row.get('vision_grads', 0)} vision grads, {row.get('builder')})"
+        elif numbers == "MISMATCH":
+            numbers = f"❌ MISMATCH {_cell(row.get('detail', ''), 100)}"
+        elif numbers == "unchanged":
+            numbers = "➖ unchanged"
+        elif numbers == "could not build":
+            numbers = f"could not build: {_cell(row.get('build_error', ''), 140)}"
+        elif numbers == "error":
+            numbers = f"run error: {_cell(row.get('error', ''), 140)}"
+        rope_entry = row.get("rope", {})
+        rope_text = f"{ROPE_MARK.get(rope_entry.get('kind'), rope_entry.get('kind', ''))}: {_cell(rope_entry.get('text', ''), 200)}"
+        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} | {rope_text} |")
     return "\n".join(lines) + "\n"
 
 
