@@ -555,6 +555,8 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "downsample_rate": "1/2"},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "qwen2_5_omni": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+    "step3p7": {"text_config": {"sliding_window": 16}},  # sliding layers with no default window
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
 }
 # model_type -> the pixel form to try first
@@ -895,7 +897,8 @@ def check_vlm_loss(arch) -> dict:
                     row["builder"] = "TINY_VLMS"
                 else:
                     model, inputs = build_generic_vlm(arch)
-                    row["builder"] = "generic"
+                    row["builder"] = "generic" if set(inputs) - {"input_ids", "labels", "use_cache"} else \
+                        "generic, text only (the head takes no pixel_values)"
         except (Exception, _TooSlow) as exc:  # noqa: BLE001
             row["build_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         if model is not None:
@@ -965,16 +968,21 @@ def rope_column(module, config_cls=None) -> dict:
                 parts.append(f"{fn_name}: left alone by the rope rule ({verdict.reason})")
                 verdicts.append("left alone")
         else:
-            multimodal = any(k in fn_name for k in ("multimodal", "mrope", "multidim"))
-            why = ("vision 2-D rotary" if "vision" in fn_name else
+            callers = [n for n, c in vars(module).items()
+                       if inspect.isclass(c) and c.__module__ == name and f"{fn_name}(" in _source(c)]
+            vision = "vision" in fn_name or bool(callers) and all(
+                any(k in c for k in ("Vision", "Visual", "Vit")) for c in callers)
+            multimodal = not vision and any(k in fn_name for k in ("multimodal", "mrope", "multidim"))
+            why = ("vision rotary, called by " + ", ".join(sorted(callers)) if vision and callers else
+                   "vision 2-D rotary" if vision else
                    "multimodal rotary of its own" if multimodal else "another rotary form")
             parts.append(f"{fn_name}: left alone ({why}; the rope rule reads only {' / '.join(rope.TARGETS)})")
             verdicts.append("own multimodal" if multimodal else "own function")
-    if not own:
+    if not set(own) & set(rope.TARGETS):
         text_type = None
         with contextlib.suppress(Exception):
             text_type = config_cls().get_text_config().model_type
-        parts.append(f"no rotary function here; the text model ({text_type or '?'}) is in its own module "
+        parts.append(f"no text rotary function here; the text model ({text_type or '?'}) is in its own module "
                      "(causal-LM table)")
     if "own multimodal" in verdicts:
         kind = "own mrope function"
@@ -982,7 +990,7 @@ def rope_column(module, config_cls=None) -> dict:
         kind = "mrope via standard" if "patched" in verdicts else "mrope, not patched"
     elif "patched" in verdicts:
         kind = "standard"
-    elif not own:
+    elif not set(own) & set(rope.TARGETS):
         kind = "elsewhere"
     else:
         kind = "not patched"
@@ -999,7 +1007,8 @@ def _source(obj) -> str:
 
 
 def _is_vision(name: str) -> bool:
-    return any(k in name for k in ("vision", "visual", "image_encoder", "vit", "siglip", "clip", "patch_embed"))
+    return any(k in name for k in ("vision", "visual", "image_encoder", "image_tower", "vit", "siglip", "clip",
+                                   "patch_embed", "vqmodel"))
 
 
 def _record_text(records) -> str:
