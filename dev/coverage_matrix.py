@@ -19,8 +19,9 @@ Run on the CPU with TRITON_INTERPRET=1 (set here before triton is imported):
     python dev/coverage_matrix.py llama gemma2 qwen3   # by model directory or class name
     python dev/coverage_matrix.py --json docs/coverage.json --markdown docs/coverage.md
     python dev/coverage_matrix.py --vlm --json docs/coverage_vlm.json --markdown docs/coverage.md
-The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
-written after the causal-LM table of the same file.
+The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+each head built tiny by TINY_VLMS or the generic builder, plus a multimodal RoPE column), written after
+the causal-LM table of the same file; `--vlm qwen3_vl llava_next` checks a few heads.
 """
 
 from __future__ import annotations
@@ -370,11 +371,14 @@ def main(argv=None) -> int:
 
 # --------------------------------------------------------------------------- image-text-to-text heads
 # The second table: every class of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, the loss rule's verdict
-# from structure (autopatch.rules.loss), and, for the models with a tiny builder below, the numbers:
-# patched vs unpatched loss, every gradient (vision tower included) and eval logits, fp32 at 1e-5.
-# Each builder gives tiny vision and text configs and synthetic inputs of the model's form: Qwen2-VL's
-# flattened patches with image_grid_thw, square images for SigLIP / CLIP towers, placeholder ids in
-# input_ids (IMAGE 90, delimiters 91-93; text tokens are drawn below 80).
+# from structure (autopatch.rules.loss), what the rope rule does with the module's rotary functions,
+# and, for every head that builds tiny, the numbers: patched vs unpatched loss, every gradient (vision
+# tower included) and eval logits, fp32 at 1e-5. Six families have a hand-written builder (TINY_VLMS,
+# the loss-rule tests' models, with the extra scenarios there); every other head goes through the
+# generic builder further down. A hand-written builder gives tiny vision and text configs and synthetic
+# inputs of the model's form: Qwen2-VL's flattened patches with image_grid_thw, square images for
+# SigLIP / CLIP towers, placeholder ids in input_ids (IMAGE 90, delimiters 91-93; text tokens are
+# drawn below 80).
 VOCAB = 96
 IMAGE, START, END = 90, 91, 92
 BATCH = 2
@@ -555,6 +559,7 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "downsample_rate": "1/2"},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [22, 22, 20]}}},
     "qwen2_5_omni": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
     "step3p7": {"text_config": {"sliding_window": 16}},  # sliding layers with no default window
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
@@ -619,8 +624,8 @@ def _fit_mrope(kwargs: dict, default) -> None:
         rotary = int(rotary * rope.get("partial_rotary_factor", 1.0))
         sections = list(rope["mrope_section"])
         half, total = rotary // 2, sum(sections)
-        fitted = [max(1, s * half // total) for s in sections]
-        fitted[0] += half - sum(fitted)
+        fitted = [max(1, round(s * half / total)) for s in sections]
+        fitted[0] += half - sum(fitted)  # rounding's remainder, if any
         kwargs[field] = {**rope, "mrope_section": fitted}
 
 
