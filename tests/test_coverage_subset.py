@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import tensors_with_history
 
@@ -120,11 +121,13 @@ def test_generic_tiny_vlm_verified(class_name):
     archs = coverage_matrix.select(coverage_matrix.image_text_to_text_architectures(), [class_name])
     assert archs, f"{class_name} not in this transformers' image-text-to-text mapping"
     model, inputs = coverage_matrix.build_generic_vlm(archs[0])
-    n_image = int((inputs["input_ids"] == coverage_matrix._image_id(
-        {k: v for k, v in model.config.to_dict().items() if coverage_matrix.ID_NAME.match(k)})).sum())
-    assert n_image > 0, f"{class_name} ({quirk}): no image placeholders in the inputs"
-    assert coverage_matrix._pixels(form, coverage_matrix._vision_config(model.config),
-                                   __import__("torch").Generator()).keys() <= inputs.keys(), (quirk, inputs.keys())
+    ids = {k: v for k, v in model.config.to_dict().items() if coverage_matrix.ID_NAME.match(k)}
+    image = coverage_matrix._image_id(ids)
+    assert image is not None and image >= coverage_matrix.TEXT_TOKENS, ids
+    assert int((inputs["input_ids"] == image).sum()) > 0, f"{class_name} ({quirk}): no image placeholders"
+    assert (inputs["labels"][inputs["input_ids"] == image] == -100).all(), "image placeholders are not targets"
+    form_keys = coverage_matrix._pixels(form, coverage_matrix._vision_config(model.config), torch.Generator())
+    assert form_keys.keys() <= inputs.keys(), f"{class_name} ({quirk}): not the {form!r} form: {sorted(inputs)}"
     row = coverage_matrix.check_vlm_loss(archs[0])
     assert row["builder"] == "generic", row
     assert row["structure"] == "patched", row
