@@ -559,8 +559,11 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "downsample_rate": "1/2"},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "kimi_k25": {"projection_hidden_size": 64},  # the projector's width, 1152 (the tower's full width)
+    "gemma4_unified": {"vision_config": {"mm_embed_dim": 64, "output_proj_dims": 64, "mm_posemb_size": 16,
+                                         "pooling_kernel_size": 1}},
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [22, 22, 20]}}},
-    "qwen2_5_omni": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+    "qwen2_5_omni_thinker": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
     "step3p7": {"text_config": {"sliding_window": 16}},  # sliding layers with no default window
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
 }
