@@ -559,6 +559,8 @@ VLM_OVERRIDES: dict[str, dict] = {
                         "downsample_rate": "1/2"},
     "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
     "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 x 4 patches -> 4 queries (the default knows 35^2, 70^2)
+    "glm5_next": {"text_config": {"qk_rope_head_dim": 0}},  # its DSA attention layers take no RoPE
     "kimi_k25": {"projection_hidden_size": 64},  # the projector's width, 1152 (the tower's full width)
     "gemma4_unified": {"vision_config": {"mm_embed_dim": 64, "output_proj_dims": 64, "mm_posemb_size": 16,
                                          "pooling_kernel_size": 1}},
