@@ -521,11 +521,11 @@ def build_tiny_vlm(model_dir):
 
 # --- the generic tiny builder: every other head, from its own config class ----------------------
 # The config class's defaults shrunk (autopatch.tiny_models' SHRINK, 2 text layers), every vision
-# sub-config shrunk further (VISION_SHRINK: 16 x 16 images of 4 x 4 patches), special token ids at or
-# above the tiny vocabulary remapped to its top (GENERIC_VOCAB - 1 downwards), per-family quirks as data
-# (VLM_OVERRIDES). The inputs take one of PIXEL_FORMS (tried in order, VLM_FORMS first where a family
-# needs one); the number of image placeholders is what the model's own image path produces, read from
-# its "tokens: N, features: M" check on a first forward with none.
+# sub-config shrunk further (VISION_SHRINK: 16 x 16 images of 4 x 4 patches), special token ids moved
+# to the top of the tiny vocabulary (above the text ids), per-family quirks as data (VLM_OVERRIDES).
+# The inputs take the first of PIXEL_FORMS whose forward and backward run; the number of image
+# placeholders is what the model's own image path produces: the features its get_placeholder_mask
+# receives on a first forward with none (else the count its "tokens: N, features: M" check states).
 GENERIC_VOCAB = 256
 TEXT_TOKENS = 200  # text ids are drawn from [3, 200); remapped special ids live in [200, 256)
 GENERIC_LAYERS = 2
@@ -569,8 +569,6 @@ VLM_OVERRIDES: dict[str, dict] = {
     "step3p7": {"text_config": {"sliding_window": 16}},  # sliding layers with no default window
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
 }
-# model_type -> the pixel form to try first
-VLM_FORMS: dict[str, str] = {}
 PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2", "positions", "rows", "mllama")
 
 
@@ -720,7 +718,6 @@ def _pixels(form: str, vision, g):
 
 def _place(ids, per_image: int, image: int, start, end):
     """`per_image` placeholders per sample after 2 text tokens, with the delimiters around them."""
-    seq = ids.shape[1]
     pos = 2
     if start is not None:
         ids[:, pos] = start
@@ -826,7 +823,8 @@ def build_generic_vlm(arch):
     module = importlib.import_module(arch.module_name)
     model_cls = getattr(module, arch.class_name)
     if not {"pixel_values", "image_patches"} & set(inspect.signature(model_cls.forward).parameters):
-        # a text-only causal LM in the mapping (Mistral 4): the causal-LM table's builder and inputs
+        # a head whose forward takes no pixel_values (Mistral 4's text-only causal LM; Evolla's proteins and
+        # Kosmos-2.5's flattened patches are left out): the causal-LM table's builder and inputs
         model = build_tiny(arch)
         inputs = smoke_inputs(model)
         labels = inputs["labels"].clone()
@@ -845,10 +843,8 @@ def build_generic_vlm(arch):
         head = model.get_output_embeddings()
         if head is not None:
             head.weight.normal_(0.0, 0.3)  # O(1)-sized logits
-    forms = [VLM_FORMS[config.model_type]] if config.model_type in VLM_FORMS else []
-    forms += [f for f in PIXEL_FORMS if f not in forms]
     errors = []
-    for form in forms:
+    for form in PIXEL_FORMS:
         try:
             total = _feature_count(model, _generic_inputs(model, form, ids_cfg, None))
             if total == 0:
