@@ -19,8 +19,9 @@ Run on the CPU with TRITON_INTERPRET=1 (set here before triton is imported):
     python dev/coverage_matrix.py llama gemma2 qwen3   # by model directory or class name
     python dev/coverage_matrix.py --json docs/coverage.json --markdown docs/coverage.md
     python dev/coverage_matrix.py --vlm --json docs/coverage_vlm.json --markdown docs/coverage.md
-The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
-written after the causal-LM table of the same file.
+The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+each head built tiny by TINY_VLMS or the generic builder, plus a multimodal RoPE column), written after
+the causal-LM table of the same file; `--vlm qwen3_vl llava_next` checks a few heads.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import copy
 import io
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -382,11 +384,14 @@ def main(argv=None) -> int:
 
 # --------------------------------------------------------------------------- image-text-to-text heads
 # The second table: every class of MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, the loss rule's verdict
-# from structure (autopatch.rules.loss), and, for the models with a tiny builder below, the numbers:
-# patched vs unpatched loss, every gradient (vision tower included) and eval logits, fp32 at 1e-5.
-# Each builder gives tiny vision and text configs and synthetic inputs of the model's form: Qwen2-VL's
-# flattened patches with image_grid_thw, square images for SigLIP / CLIP towers, placeholder ids in
-# input_ids (IMAGE 90, delimiters 91-93; text tokens are drawn below 80).
+# from structure (autopatch.rules.loss), what the rope rule does with the module's rotary functions,
+# and, for every head that builds tiny, the numbers: patched vs unpatched loss, every gradient (vision
+# tower included) and eval logits, fp32 at 1e-5. Six families have a hand-written builder (TINY_VLMS,
+# the loss-rule tests' models, with the extra scenarios there); every other head goes through the
+# generic builder further down. A hand-written builder gives tiny vision and text configs and synthetic
+# inputs of the model's form: Qwen2-VL's flattened patches with image_grid_thw, square images for
+# SigLIP / CLIP towers, placeholder ids in input_ids (IMAGE 90, delimiters 91-93; text tokens are
+# drawn below 80).
 VOCAB = 96
 IMAGE, START, END = 90, 91, 92
 BATCH = 2
@@ -527,13 +532,358 @@ def build_tiny_vlm(model_dir):
     return model, dict(inputs, labels=labels)
 
 
+# --- the generic tiny builder: every other head, from its own config class ----------------------
+# The config class's defaults shrunk (autopatch.tiny_models' SHRINK, 2 text layers), every vision
+# sub-config shrunk further (VISION_SHRINK: 16 x 16 images of 4 x 4 patches), special token ids moved
+# to the top of the tiny vocabulary (above the text ids), per-family quirks as data (VLM_OVERRIDES).
+# The inputs take the first of PIXEL_FORMS whose forward and backward run; the number of image
+# placeholders is what the model's own image path produces: the features its get_placeholder_mask
+# receives on a first forward with none (else the count its "tokens: N, features: M" check states).
+GENERIC_VOCAB = 256
+TEXT_TOKENS = 200  # text ids are drawn from [3, 200); remapped special ids live in [200, 256)
+GENERIC_LAYERS = 2
+VISION_SHRINK = {
+    "image_size": 16, "patch_size": 4, "depth": 2, "num_heads": 4, "num_hidden_layers": 2, "num_layers": 2,
+    "hidden_size": 64, "embed_dim": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "out_hidden_size": 64, "projection_dim": 64, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "window_size": 8, "fullatt_block_indexes": [1], "deepstack_visual_indexes": [1],
+    "num_position_embeddings": 16, "head_dim": 16, "num_key_value_heads": 4,
+    "text_hidden_size": 64, "codebook_dim": 64,  # widths that must equal the text model's / the encoder's
+}
+ID_NAME = re.compile(r".*(token_id|token_index|patch_id)$")
+KEPT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "decoder_start_token_id")
+# model_type (of the top config) -> {field: value} over the shrunk kwargs; a dict merges into a
+# sub-config's kwargs
+_GLM_MROPE = {"text_config": {"rope_parameters": {"mrope_section": [8, 12, 12]}}}  # the modeling code's default
+VLM_OVERRIDES: dict[str, dict] = {
+    "glm4v": _GLM_MROPE, "glm46v": _GLM_MROPE, "glm4v_moe": _GLM_MROPE, "glm_ocr": _GLM_MROPE,
+    "vipllava": {"vision_feature_layers": [-2, -1]},  # the default taps layers 20, -11, -8 of a 24-layer tower
+    # HunYuan-VL's multimodal RoPE needs the sections, which the default leaves out
+    "hunyuan_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+    # the vision adapter takes the pixel-shuffled features (hidden / ratio^2 = 256) and 4096-wide projections
+    "llama4": {"vision_config": {"intermediate_size": 256, "projector_input_dim": 64, "projector_output_dim": 64,
+                                 "vision_output_dim": 64}},
+    "fuyu": {"patch_size": 4, "image_size": 16},  # the decoder embeds 30 x 30 patches itself
+    # layer indices of the full-size defaults, cut to the 2 tiny layers (the tower's output width follows)
+    "mllama": {"text_config": {"cross_attention_layers": [1]},
+               "vision_config": {"intermediate_layers_indices": [0, 1], "num_global_layers": 1, "vision_output_dim": 192}},
+    "deepseek_vl_hybrid": {"high_res_vision_config": {"global_attn_indexes": [1]}},
+    "granite4_vision": {"deepstack_layer_map": [[0, 0], [1, 1]], "spatial_target_layers": [0, 1, 0, 1],
+                        "downsample_rate": "1/2"},
+    "molmo2": {"adapter_config": {"vision_feature_layer": [-1, -2]}},  # default: layers 24 and 18 of the tower
+    "nemotron_h_omni": {"vision_config": {"video_temporal_patch_size": 2}},
+    "aria": {"projector_patch_to_query_dict": {16: 4}},  # 4 x 4 patches -> 4 queries (the default knows 35^2, 70^2)
+    "glm5_next": {"text_config": {"qk_rope_head_dim": 0}},  # its DSA attention layers take no RoPE
+    "kimi_k25": {"projection_hidden_size": 64},  # the projector's width, 1152 (the tower's full width)
+    "gemma4_unified": {"vision_config": {"mm_embed_dim": 64, "output_proj_dims": 64, "mm_posemb_size": 16,
+                                         "pooling_kernel_size": 1}},
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [22, 22, 20]}}},
+    "qwen2_5_omni_thinker": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+    "step3p7": {"text_config": {"sliding_window": 16}},  # sliding layers with no default window
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [16, 24, 24]}}},
+}
+PIXEL_FORMS = ("image", "images", "grid", "patches", "flat", "tiles", "siglip2", "positions", "rows", "mllama")
+
+
+def _vision_subconfigs(default) -> list[str]:
+    return [k for k, v in vars(default).items()
+            if k.endswith("_config") and k != "text_config" and hasattr(v, "to_dict")]
+
+
+def _vision_config(config):
+    """The vision tower's sub-config (a name with "vision" first), None when there is none."""
+    names = sorted(_vision_subconfigs(config), key=lambda k: "vision" not in k)
+    return getattr(config, names[0]) if names else None
+
+
+def _generic_kwargs(config_cls) -> dict:
+    from autopatch.tiny_models import _shrunk_kwargs
+
+    default = config_cls()
+    kwargs = _shrunk_kwargs(config_cls, GENERIC_LAYERS)
+    for name, cls in getattr(config_cls, "sub_configs", {}).items():
+        if "vision" in name and getattr(default, name, None) is None and isinstance(cls, type):
+            kwargs[name] = _shrunk_kwargs(cls, GENERIC_LAYERS)  # a tower the default leaves out (Gemma 4)
+            setattr(default, name, cls())
+    for name in _vision_subconfigs(default):
+        fields = getattr(default, name).to_dict()
+        sub = dict(kwargs.get(name, {}))
+        for key, value in VISION_SHRINK.items():
+            if key in fields and (fields[key] is not None or key == "head_dim"):
+                if isinstance(fields[key], (list, tuple)) and isinstance(value, int) and len(fields[key]) == 2:
+                    value = [value, value]  # (height, width) sizes
+                sub[key] = value
+        kwargs[name] = sub
+    if "image_grid_pinpoints" in vars(default):  # LLaVA-NeXT's any-resolution tiles: one tile, one image size
+        kwargs["image_grid_pinpoints"] = [[VISION_SHRINK["image_size"]] * 2]
+    for name, value in VLM_OVERRIDES.get(getattr(config_cls, "model_type", ""), {}).items():
+        kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
+    for name, sub in kwargs.items():  # some __post_init__ read a sub-config dict's model_type
+        model_type = getattr(getattr(default, name, None), "model_type", None)
+        if isinstance(sub, dict) and name.endswith("_config") and model_type:
+            sub.setdefault("model_type", model_type)
+    _fit_mrope(kwargs, default)
+    if isinstance(kwargs.get("text_config"), dict) and hasattr(default, "text_config"):
+        _fit_mrope(kwargs["text_config"], default.text_config)
+    return kwargs
+
+
+def _fit_mrope(kwargs: dict, default) -> None:
+    """Multimodal RoPE sections (time, height, width) must sum to half the rotary size: the default
+    ones, sized for a full model's heads, scaled down to the tiny heads in the same proportions."""
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = {**(getattr(default, field, None) or {}), **kwargs.get(field, {})}
+        if not isinstance(rope, dict) or not isinstance(rope.get("mrope_section"), (list, tuple)):
+            continue
+        heads = kwargs.get("num_attention_heads", getattr(default, "num_attention_heads", 4)) or 4
+        rotary = kwargs.get("qk_rope_head_dim") or kwargs.get("head_dim") or kwargs.get("hidden_size", 64) // heads
+        rotary = int(rotary * rope.get("partial_rotary_factor", 1.0))
+        sections = list(rope["mrope_section"])
+        half, total = rotary // 2, sum(sections)
+        fitted = [max(1, round(s * half / total)) for s in sections]
+        fitted[0] += half - sum(fitted)  # rounding's remainder, if any
+        kwargs[field] = {**rope, "mrope_section": fitted}
+
+
+def _remap_ids(config) -> dict[str, int]:
+    """Special token ids (top config and text config; pad / bos / eos are 0-2 already) at the top of
+    the tiny vocabulary, above the text ids, distinct ids staying distinct. Returns the top config's id fields."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", GENERIC_VOCAB)
+    moved: dict[int, int] = {}
+    if "image_token_id" in vars(config) and config.image_token_id is None:  # MiniCPM-V: no default id
+        config.image_token_id = vocab - 1 - 16
+    for cfg in {id(config): config, id(text): text}.values():
+        for key, value in list(cfg.to_dict().items()):
+            if (ID_NAME.match(key) and isinstance(value, int) and not isinstance(value, bool)
+                    and key not in KEPT_IDS and value >= 3):  # out of the text ids' range
+                if value not in moved:
+                    moved[value] = vocab - 1 - len(moved)
+                with contextlib.suppress(Exception):
+                    setattr(cfg, key, moved[value])
+    return {k: v for k, v in config.to_dict().items()
+            if ID_NAME.match(k) and isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _image_id(ids: dict[str, int]):
+    for key in ("image_token_id", "image_token_index", "image_pad_token_id", "image_patch_id", "img_context_token_id",
+                "image_context_token_id", "media_placeholder_token_id"):
+        if key in ids:
+            return ids[key]
+    image = [v for k, v in ids.items() if "image" in k and "start" not in k and "end" not in k]
+    return image[0] if image else None
+
+
+def _delimiters(ids: dict[str, int]):
+    start = end = None
+    for key, value in ids.items():
+        if any(s in key for s in ("vision_start", "boi_", "image_start", "im_start", "start_image")):
+            start = value if start is None else start
+        if any(s in key for s in ("vision_end", "eoi_", "image_end", "im_end", "end_image")):
+            end = value if end is None else end
+    return start, end
+
+
+def _pixels(form: str, vision, g):
+    """Pixel inputs of one form for BATCH images, and the extra fields that form needs."""
+    channels = getattr(vision, "num_channels", None) or getattr(vision, "in_channels", None) or 3
+    size = getattr(vision, "image_size", 16)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    size = size if isinstance(size, int) and size <= 64 else 16
+    if form == "image":
+        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g)}
+    if form == "tiles":  # LLaVA-NeXT: the base image and one tile, with the image's size
+        return {"pixel_values": torch.randn(BATCH, 2, channels, size, size, generator=g),
+                "image_sizes": torch.tensor([[size, size]] * BATCH)}
+    if form == "images":
+        return {"pixel_values": torch.randn(BATCH, 1, channels, size, size, generator=g)}
+    patch = getattr(vision, "patch_size", 4)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    temporal = getattr(vision, "temporal_patch_size", 1) or 1
+    side = 4  # a 1 x 4 x 4 patch grid per image
+    if form == "grid":
+        return {"pixel_values": torch.randn(BATCH * side * side, channels * temporal * patch * patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    if form == "flat":  # a grid of flattened patches without the temporal axis, [n, C * p * p]
+        return {"pixel_values": torch.randn(BATCH * side * side, channels * patch * patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    if form == "siglip2":  # NaFlex SigLIP 2: [B, patches, C * p * p], the grid and a patch mask per image
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g),
+                "spatial_shapes": torch.tensor([[side, side]] * BATCH),
+                "pixel_attention_mask": torch.ones(BATCH, side * side, dtype=torch.long)}
+    if form == "positions":  # Gemma 4: [B, patches, C * p * p] and each patch's (x, y) in image_position_ids
+        yx = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2)
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g),
+                "image_position_ids": yx.flip(-1).expand(BATCH, -1, -1).clone()}
+    if form == "rows":  # [B, patches, C * p * p]
+        return {"pixel_values": torch.randn(BATCH, side * side, channels * patch * patch, generator=g)}
+    if form == "mllama":  # one image of max_num_tiles tiles, aspect ratio 1 (1 x 1 tiles used)
+        tiles = getattr(vision, "max_num_tiles", 1)
+        mask = torch.zeros(BATCH, 1, tiles, dtype=torch.long)
+        mask[:, :, 0] = 1
+        return {"pixel_values": torch.randn(BATCH, 1, tiles, channels, size, size, generator=g),
+                "aspect_ratio_ids": torch.ones(BATCH, 1, dtype=torch.long), "aspect_ratio_mask": mask}
+    if form == "patches":  # a grid without the temporal axis, patches [n, C, p, p]
+        return {"pixel_values": torch.randn(BATCH * side * side, channels, patch, patch, generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]] * BATCH)}
+    raise ValueError(f"unknown pixel form {form!r}")
+
+
+def _place(ids, per_image: int, image: int, start, end):
+    """`per_image` placeholders per sample after 2 text tokens, with the delimiters around them."""
+    pos = 2
+    if start is not None:
+        ids[:, pos] = start
+        pos += 1
+    ids[:, pos:pos + per_image] = image
+    pos += per_image
+    if end is not None:
+        ids[:, pos] = end
+    return ids
+
+
+def _feature_count(model, inputs):
+    """How many image features the model's own image path produces for `inputs` (in all): the
+    tensor its get_placeholder_mask receives (numel / hidden size), else the count its "tokens: N,
+    features: M" error states; None when the forward runs without complaint or says neither."""
+    seen: list[int] = []
+    wrapped = []
+    for m in model.modules():
+        original = getattr(type(m), "get_placeholder_mask", None)
+        if original is None:
+            continue
+
+        def spy(*args, _original=original.__get__(m), **kwargs):
+            names = ("input_ids", "inputs_embeds", "image_features")
+            bound = dict(zip(names, args)) | kwargs
+            feats, embeds = bound.get("image_features"), bound.get("inputs_embeds")
+            if isinstance(feats, (list, tuple)):
+                feats = torch.cat([f.reshape(-1, embeds.shape[-1]) for f in feats]) if feats else None
+            if feats is not None and embeds is not None:
+                seen.append(feats.numel() // embeds.shape[-1])
+            return _original(*args, **kwargs)
+
+        m.get_placeholder_mask = spy
+        wrapped.append(m)
+    try:
+        model(**inputs)
+        error = None
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    finally:
+        for m in wrapped:
+            del m.get_placeholder_mask
+    if seen:
+        return seen[0]
+    found = re.search(r"tokens:\s*(\d+),\s*features:?\s*(\d+)", str(error)) if error else None
+    if found:
+        return int(found.group(2))
+    if error is not None:
+        raise error
+    return None
+
+
+def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | None):
+    import inspect
+
+    config = model.config
+    params = inspect.signature(type(model).forward).parameters
+    image = _image_id(ids_cfg)
+    if image is None:
+        raise ValueError("no image placeholder id in the config")
+    start, end = _delimiters(ids_cfg)
+    vision = _vision_config(config)
+    g = torch.Generator().manual_seed(1)
+    n = per_image or 0
+    seq = n + 8
+    ids = torch.randint(3, TEXT_TOKENS, (BATCH, seq), generator=g)
+    ids = _place(ids, n, image, start, end)
+    inputs = dict(input_ids=ids, **_pixels(form, vision or config, g), use_cache=False)
+    if "pixel_values" not in params and "image_patches" in params:  # Fuyu: patches straight into the decoder
+        inputs["image_patches"] = inputs.pop("pixel_values")
+    if "mm_token_type_ids" in params:
+        inputs["mm_token_type_ids"] = (ids == image).int()
+    if "token_type_ids" in params:
+        inputs["token_type_ids"] = (ids == image).long()
+    if "cross_attention_mask" in params and "aspect_ratio_mask" in inputs:  # Mllama: every token sees the image
+        inputs["cross_attention_mask"] = inputs["aspect_ratio_mask"][:, None].expand(-1, seq, -1, -1).clone()
+    if "high_res_pixel_values" in params:  # DeepSeek-VL hybrid: the same image for the high-resolution tower
+        high = getattr(config, "high_res_vision_config", None)
+        inputs["high_res_pixel_values"] = torch.randn(BATCH, 3, *[getattr(high, "image_size", 16)] * 2, generator=g)
+    if "target_sizes" in params:  # MiniCPM-V: each image's patch grid
+        inputs["target_sizes"] = torch.tensor([[4, 4]] * BATCH)
+    if "image_merge_sizes" in params:  # VideoLLaMA 3: the merge size of each image
+        merge = getattr(vision, "spatial_merge_size", None) or getattr(config, "spatial_merge_size", 1) or 1
+        inputs["image_merge_sizes"] = torch.tensor([merge] * BATCH)
+    if "image_sizes" in params and "image_sizes" not in inputs:
+        side = inputs["pixel_values"].shape[-1]
+        inputs["image_sizes"] = torch.tensor([[side, side]] * BATCH)
+    labels = ids.clone()
+    labels[ids >= TEXT_TOKENS] = -100
+    labels[:, :2] = -100
+    return dict(inputs, labels=labels)
+
+
+def build_generic_vlm(arch):
+    """(model, inputs) of any head from its config class: the first pixel form whose forward and
+    backward run, with the placeholder count the model's image path gives. Raises RuntimeError with
+    every form's error when none does."""
+    import importlib
+    import inspect
+
+    from autopatch.tiny_models import build_tiny, smoke_inputs
+
+    module = importlib.import_module(arch.module_name)
+    model_cls = getattr(module, arch.class_name)
+    if not {"pixel_values", "image_patches"} & set(inspect.signature(model_cls.forward).parameters):
+        # a head whose forward takes no pixel_values (Mistral 4's text-only causal LM; Evolla's proteins and
+        # Kosmos-2.5's flattened patches are left out): the causal-LM table's builder and inputs
+        model = build_tiny(arch)
+        inputs = smoke_inputs(model)
+        labels = inputs["labels"].clone()
+        labels[:, :2] = -100
+        return model, dict(inputs, labels=labels)
+    config_cls = model_cls.config_class
+    config = config_cls(**_generic_kwargs(config_cls))
+    ids_cfg = _remap_ids(config)
+    config._attn_implementation = "eager"
+    for sub in _vision_subconfigs(config) + ["text_config"]:
+        with contextlib.suppress(Exception):
+            getattr(config, sub)._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        head = model.get_output_embeddings()
+        if head is not None:
+            head.weight.normal_(0.0, 0.3)  # O(1)-sized logits
+    errors = []
+    for form in PIXEL_FORMS:
+        try:
+            total = _feature_count(model, _generic_inputs(model, form, ids_cfg, None))
+            if total == 0:
+                raise ValueError("the image path produced no features for the placeholders")
+            # None: the model counts no placeholders (cross-attention, Mllama): one, as its processor writes
+            per_image = 1 if total is None else total // BATCH
+            inputs = _generic_inputs(model, form, ids_cfg, per_image)
+            model.train()
+            out = model(**inputs)
+            out.loss.backward()
+            model.zero_grad(set_to_none=True)
+            if not torch.isfinite(out.loss):
+                raise ValueError(f"loss {out.loss.item()}")
+            return model, inputs
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{form}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+    raise RuntimeError("no pixel form runs; " + " | ".join(errors))
+
+
 def _run_vlm(model, inputs):
     """Loss and every parameter gradient in training mode, logits in eval mode (pixels included)."""
     loss, _, grads = _run(model, inputs)
     model.eval()
     with torch.no_grad():
-        eval_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-        logits = model(**eval_inputs, use_cache=False).logits.detach().clone()
+        eval_inputs = {k: v for k, v in inputs.items() if k != "labels"} | {"use_cache": False}
+        logits = model(**eval_inputs).logits.detach().clone()
     model.train()
     return loss, logits, grads
 
@@ -546,8 +896,8 @@ def image_text_to_text_architectures() -> list:
 
 
 def check_vlm_loss(arch) -> dict:
-    """The loss rule on one image-text-to-text head: its records, and the numbers where TINY_VLMS
-    builds the model."""
+    """The loss rule on one image-text-to-text head: its records, the RoPE column, and the numbers
+    where the head builds tiny (TINY_VLMS, else the generic builder)."""
     import importlib
 
     import fused_kernels
@@ -557,10 +907,22 @@ def check_vlm_loss(arch) -> dict:
     row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
     try:
         module = importlib.import_module(arch.module_name)
+        row["rope"] = rope_column(module, getattr(getattr(module, arch.class_name), "config_class", None))
         model = inputs = ref = None
-        if arch.model_dir in TINY_VLMS:
-            model, inputs = build_tiny_vlm(arch.model_dir)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                if arch.model_dir in TINY_VLMS:
+                    model, inputs = build_tiny_vlm(arch.model_dir)
+                    row["builder"] = "TINY_VLMS"
+                else:
+                    model, inputs = build_generic_vlm(arch)
+                    row["builder"] = "generic" if set(inputs) - {"input_ids", "labels", "use_cache"} else \
+                        "generic, text only (the head takes no pixel_values)"
+        except (Exception, _TooSlow) as exc:  # noqa: BLE001
+            row["build_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        if model is not None:
             ref = _run_vlm(model, inputs)
+            row["vision_grads"] = sum(1 for n in ref[2] if _is_vision(n))
         records = [r for r in loss.RULE.patch_module(module, lambda kernel: True)
                    if r.target in (f"{arch.class_name}.forward", f"{arch.class_name}.loss_function")]
         flce = [r for r in records if r.kernel == "fused_linear_cross_entropy"]
@@ -570,16 +932,21 @@ def check_vlm_loss(arch) -> dict:
         patched = any(r.patched for r in flce)
         row["structure"] = "patched" if patched else "left alone"
         if model is None:
-            row["numbers"] = "no tiny builder"
+            row["numbers"] = "could not build"
         else:
             before = fused_kernels.launch_counts()
             got = _run_vlm(model, inputs)
             after = fused_kernels.launch_counts()
             ok, detail = _compare(ref, got)
             fused_ran = any(after[k] > before.get(k, 0) for k in after if k.startswith("fused_linear_cross_entropy"))
-            row["numbers"] = "MISMATCH" if not ok else ("verified" if fused_ran or not patched else "not used")
+            if not ok:
+                row["numbers"] = "MISMATCH"
+            elif not patched:
+                row["numbers"] = "unchanged"  # left alone: the same forward, the same numbers
+            else:
+                row["numbers"] = "verified" if fused_ran else "not used"
             row["detail"] = detail
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, _TooSlow) as exc:  # noqa: BLE001
         row["structure"] = row.get("structure", "error")
         row["numbers"] = "error"
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -588,21 +955,110 @@ def check_vlm_loss(arch) -> dict:
     return row
 
 
+# --- the multimodal RoPE column ------------------------------------------------------------------
+# What the head's modeling module does with rotary embeddings, and what the rope rule
+# (autopatch.rules.rope) does with it: multimodal sections (time / height / width) folded into cos and
+# sin by a rotary-embedding class, then applied by the standard apply_rotary_pos_emb (patched by the
+# rope rule where its probe proves the variant), versus functions of the module's own that the rule
+# does not read (vision 2-D rotary, multimodal rotary applied in a function of its own).
+ROTARY_FN = re.compile(r"^apply_\w*(rotary|rope)\w*$")
+
+
+def rope_column(module, config_cls=None) -> dict:
+    import inspect
+
+    from autopatch.rules import rope
+
+    name = module.__name__
+    own = {n: f for n, f in vars(module).items()
+           if ROTARY_FN.match(n) and inspect.isfunction(f) and f.__module__ == name}
+    sections = sorted(n for n, c in vars(module).items()
+                      if inspect.isclass(c) and c.__module__ == name and "mrope_section" in _source(c))
+    parts, verdicts = [], []
+    if sections:
+        parts.append(f"multimodal sections folded into cos/sin in {', '.join(sections)}")
+    for fn_name, fn in sorted(own.items()):
+        if fn_name in rope.TARGETS:
+            verdict = rope._verdicts.get(fn) or rope.detect(fn)
+            if verdict.variant is not None:
+                parts.append(f"{fn_name}: patched by the rope rule ({verdict.describe()})")
+                verdicts.append("patched")
+            else:
+                parts.append(f"{fn_name}: left alone by the rope rule ({verdict.reason})")
+                verdicts.append("left alone")
+        else:
+            callers = [n for n, c in vars(module).items()
+                       if inspect.isclass(c) and c.__module__ == name and f"{fn_name}(" in _source(c)]
+            vision = "vision" in fn_name or bool(callers) and all(
+                any(k in c for k in ("Vision", "Visual", "Vit")) for c in callers)
+            multimodal = not vision and any(k in fn_name for k in ("multimodal", "mrope", "multidim"))
+            why = ("vision rotary, called by " + ", ".join(sorted(callers)) if vision and callers else
+                   "vision 2-D rotary" if vision else
+                   "multimodal rotary of its own" if multimodal else "another rotary form")
+            parts.append(f"{fn_name}: left alone ({why}; the rope rule reads only {' / '.join(rope.TARGETS)})")
+            verdicts.append("own multimodal" if multimodal else "own function")
+    if not set(own) & set(rope.TARGETS):
+        text_type = None
+        with contextlib.suppress(Exception):
+            text_type = config_cls().get_text_config().model_type
+        parts.append(f"no text rotary function here; the text model ({text_type or '?'}) is in its own module "
+                     "(causal-LM table)")
+    if "own multimodal" in verdicts:
+        kind = "own mrope function"
+    elif sections:
+        kind = "mrope via standard" if "patched" in verdicts else "mrope, not patched"
+    elif "patched" in verdicts:
+        kind = "standard"
+    elif not set(own) & set(rope.TARGETS):
+        kind = "elsewhere"
+    else:
+        kind = "not patched"
+    return {"kind": kind, "text": "; ".join(parts)}
+
+
+def _source(obj) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _is_vision(name: str) -> bool:
+    return any(k in name for k in ("vision", "visual", "image_encoder", "image_tower", "vit", "siglip", "clip",
+                                   "patch_embed", "vqmodel"))
+
+
 def _record_text(records) -> str:
     return "; ".join(r.variant if r.patched else f"left alone: {r.reason}" for r in records) or "no record"
 
 
 def vlm_summary(rows) -> dict:
+    built = [r for r in rows if r.get("numbers") not in ("could not build", "error")]
+    verified = sum(r.get("numbers") == "verified" for r in rows)
     return {
         "heads": len(rows),
+        "built": len(built),
         "fused_loss_by_structure": sum(r.get("structure") == "patched" for r in rows),
-        "numbers_verified": sum(r.get("numbers") == "verified" for r in rows),
+        "fused_and_verified": verified,
+        "verified_share_of_built": round(verified / len(built), 3) if built else 0.0,
+        "left_alone_unchanged": sum(r.get("numbers") == "unchanged" for r in rows),
+        "not_used": sum(r.get("numbers") == "not used" for r in rows),
         "mismatch": sum(r.get("numbers") == "MISMATCH" for r in rows),
+        "could_not_build": sum(r.get("numbers") == "could not build" for r in rows),
         "errors": sum(r.get("numbers") == "error" for r in rows),
     }
 
 
 VLM_HEADING = "## Image-text-to-text heads (the loss rule)"
+ROPE_MARK = {"mrope via standard": "✅ mrope sections in cos/sin, standard apply", "standard": "✅ standard",
+             "elsewhere": "· text model elsewhere", "own mrope function": "➖ own mrope function",
+             "mrope, not patched": "➖ mrope, apply left alone", "not patched": "➖ left alone"}
+
+
+def _cell(text: str, width: int = 160) -> str:
+    return text[:width].replace("|", "/").replace("\n", " ")
 
 
 def vlm_markdown(rows, summary) -> str:
@@ -611,30 +1067,74 @@ def vlm_markdown(rows, summary) -> str:
         "",
         "Every class of transformers' MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES. *Structure*: the loss "
         "rule's verdict on the class (fused linear CE in training with labels; the fused CE where logits "
-        "exist), from the forward's source. *Numbers*: for the models dev/coverage_matrix.py builds tiny "
-        "(TINY_VLMS: tiny vision and text configs, synthetic pixels and placeholder tokens), patched vs "
-        "unpatched loss, every gradient (vision tower included) and eval logits within 1e-5 relative (fp32), "
-        "the fused kernel launched; other rows are proven from structure only.",
+        "exist), from the forward's source. *Numbers*: each head built tiny (TINY_VLMS for six families, "
+        "else the generic builder: the config class's defaults shrunk, vision 16 x 16 images of 4 x 4 "
+        "patches, special ids remapped, per-family quirks as data in VLM_OVERRIDES; synthetic pixels of "
+        "the form the tower takes, as many placeholders as the model's own image path produces), patched "
+        "vs unpatched loss, every gradient (vision tower included: the count of vision parameters with a "
+        "gradient is given) and eval logits within 1e-5 relative (fp32), the fused linear CE launched in "
+        "training; *unchanged* = left alone by the rule, same numbers. *Multimodal RoPE*: the modeling "
+        "module's rotary functions and what autopatch.rules.rope does with each (no kernel for a "
+        "function the rule does not read).",
         "",
-        f"**Summary:** {summary['heads']} heads; fused loss by structure {summary['fused_loss_by_structure']}; "
-        f"numbers verified {summary['numbers_verified']}; MISMATCH {summary['mismatch']}; errors {summary['errors']}.",
+        f"**Summary:** {summary['heads']} heads, {summary['built']} build tiny; fused loss by structure "
+        f"{summary['fused_loss_by_structure']}; fused and numbers-verified {summary['fused_and_verified']} "
+        f"({100 * summary['verified_share_of_built']:.0f} % of those that build); left alone and unchanged "
+        f"{summary['left_alone_unchanged']}; not used {summary['not_used']}; MISMATCH {summary['mismatch']}; "
+        f"could not build {summary['could_not_build']}; run errors {summary['errors']}.",
         "",
-        "| head | structure (fused linear CE) | numbers |",
-        "|---|---|---|",
+        "| head | structure (fused linear CE) | numbers | multimodal RoPE |",
+        "|---|---|---|---|",
     ]
     for row in rows:
-        text = row.get("fused_linear", row.get("error", ""))[:140].replace("|", "/").replace("\n", " ")
+        text = _cell(row.get("fused_linear", row.get("error", "")), 140)
         mark = "✅" if row.get("structure") == "patched" else "➖"
-        numbers = {"verified": "✅ verified", "MISMATCH": "❌ MISMATCH"}.get(row.get("numbers"), row.get("numbers", ""))
-        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} |")
+        numbers = row.get("numbers", "")
+        if numbers == "verified":
+            numbers = f"✅ verified ({row.get('vision_grads', 0)} vision grads, {row.get('builder')})"
+        elif numbers == "MISMATCH":
+            numbers = f"❌ MISMATCH {_cell(row.get('detail', ''), 100)}"
+        elif numbers == "unchanged":
+            numbers = "➖ unchanged"
+        elif numbers == "could not build":
+            numbers = f"could not build: {_cell(row.get('build_error', ''), 140)}"
+        elif numbers == "error":
+            numbers = f"run error: {_cell(row.get('error', ''), 140)}"
+        rope_entry = row.get("rope", {})
+        rope_text = f"{ROPE_MARK.get(rope_entry.get('kind'), rope_entry.get('kind', ''))}: {_cell(rope_entry.get('text', ''), 200)}"
+        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} | {rope_text} |")
     return "\n".join(lines) + "\n"
+
+
+VLM_SECONDS = 60  # per head; a tiny model takes seconds, one that takes longer is not tiny: an error row
+
+
+class _TooSlow(BaseException):  # not an Exception: the builders' retries must not swallow it
+    pass
+
+
+def _with_deadline(fn, *args):
+    import signal
+
+    def expire(*_):
+        raise _TooSlow(f"took more than {VLM_SECONDS} s on the CPU (the tiny model is not tiny)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(VLM_SECONDS)
+    try:
+        return fn(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def main_vlm(args) -> int:
     rows = []
     for arch in select(image_text_to_text_architectures(), args.names):
+        t0 = time.time()
         with contextlib.redirect_stderr(io.StringIO()):
-            row = check_vlm_loss(arch)
+            row = _with_deadline(check_vlm_loss, arch)
+        row["seconds"] = round(time.time() - t0, 2)
         rows.append(row)
         if not args.quiet:
             print(f"{row['arch']:<45} {row.get('structure', ''):<11} {row.get('numbers', ''):<16} "

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import tensors_with_history
 
@@ -99,3 +100,38 @@ def test_no_autograd_graph_outlives_its_step(model_dir):
     finally:
         patching.restore_all()
     assert after == before, f"{model_dir}: {after - before} tensors with autograd history outlived their step"
+
+
+# image-text-to-text heads that only the generic tiny builder covers -> (pixel form it must find,
+# multimodal RoPE kind of the row, the quirk it stands for)
+GENERIC_VLMS = {
+    "Qwen3VLForConditionalGeneration": ("grid", "mrope via standard",
+                                        "flattened patches + image_grid_thw, deepstack, mrope sections scaled"),
+    "LlavaNextForConditionalGeneration": ("tiles", "elsewhere", "any-resolution tiles with image_sizes"),
+    "InternVLForConditionalGeneration": ("image", "elsewhere", "pixel shuffle: placeholders counted by the model"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("class_name", sorted(GENERIC_VLMS))
+def test_generic_tiny_vlm_verified(class_name):
+    """The generic builder makes the head tiny, finds its pixel form and placeholder count, and the
+    loss rule's fused linear CE matches the unpatched model: loss, eval logits and every gradient,
+    the vision tower's included."""
+    form, rope_kind, quirk = GENERIC_VLMS[class_name]
+    archs = coverage_matrix.select(coverage_matrix.image_text_to_text_architectures(), [class_name])
+    assert archs, f"{class_name} not in this transformers' image-text-to-text mapping"
+    model, inputs = coverage_matrix.build_generic_vlm(archs[0])
+    ids = {k: v for k, v in model.config.to_dict().items() if coverage_matrix.ID_NAME.match(k)}
+    image = coverage_matrix._image_id(ids)
+    assert image is not None and image >= coverage_matrix.TEXT_TOKENS, ids
+    assert int((inputs["input_ids"] == image).sum()) > 0, f"{class_name} ({quirk}): no image placeholders"
+    assert (inputs["labels"][inputs["input_ids"] == image] == -100).all(), "image placeholders are not targets"
+    form_keys = coverage_matrix._pixels(form, coverage_matrix._vision_config(model.config), torch.Generator())
+    assert form_keys.keys() <= inputs.keys(), f"{class_name} ({quirk}): not the {form!r} form: {sorted(inputs)}"
+    row = coverage_matrix.check_vlm_loss(archs[0])
+    assert row["builder"] == "generic", row
+    assert row["structure"] == "patched", row
+    assert row["numbers"] == "verified", f"{class_name} ({quirk}): {row}"
+    assert row["vision_grads"] > 0, f"{class_name} ({quirk}): the vision tower got no gradient: {row}"
+    assert row["rope"]["kind"] == rope_kind, row["rope"]
