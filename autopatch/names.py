@@ -8,10 +8,10 @@ KERNELS: dict[str, str] = {
     "layer_norm": "LayerNorm: torch.nn.LayerNorm instances of a patched model (at build time or apply()) and the "
                   "LayerNorm classes of the modeling modules (weight/bias or not, fp32 upcast or not) -> "
                   "fused_kernels.layer_norm",
-    "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj), and MoE experts' "
-              "shared default gate -> fused_kernels.swiglu",
-    "geglu": "gated MLP forward with a GELU gate (tanh or erf), and MoE experts' shared default gate -> "
-             "fused_kernels.geglu",
+    "swiglu": "gated MLP forward with SiLU gate (gate_proj/up_proj or fused gate_up_proj) -> fused_kernels.swiglu; "
+              "MoE experts modules with SiLU experts -> fused_kernels.moe_experts",
+    "geglu": "gated MLP forward with a GELU gate (tanh or erf) -> fused_kernels.geglu; MoE experts modules with "
+             "GELU experts -> fused_kernels.moe_experts",
     "cross_entropy": "the causal-LM loss where logits exist anyway (eval, no labels path) -> fused_kernels.cross_entropy",
     "fused_linear_cross_entropy": "*ForCausalLM forward in training with labels: lm_head + loss without full logits -> fused_kernels.fused_linear_cross_entropy",
     "causal_mask": "not a kernel: under torch.compile, SDPA keeps is_causal (no materialised [seq, seq] mask, "

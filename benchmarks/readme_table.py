@@ -1,7 +1,8 @@
-"""The README's performance tables, made from one results file.
+"""The README's performance tables, made from the results files.
 
-    python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json            # print
-    python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json --update README.md
+    python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json \
+        benchmarks/results/h200-torch2.11-triton3.6-moe.json                  # print
+    ... --update README.md                                                     # into the README
 
 With --update the text between the README's `<!-- perf-table:begin -->` and `<!-- perf-table:end -->`
 lines is replaced; tests/test_readme_table.py checks that the committed README holds exactly what this
@@ -11,6 +12,8 @@ Kernel rows (forward + backward, bf16): our GPU time (the kernels' own durations
 fastest peer's GPU time, their ratio, our fraction of the ceiling measured in the same run (copy
 bandwidth for memory-bound ops, bf16 matmul for the fused linear cross entropy), then the do_bench wall
 time and our peak memory beyond inputs and gradients. Training-step rows: tokens/s and peak GiB per peer.
+A further file with MoE results (benchmarks/bench_moe.py's experts block, bench_e2e.py's MoE models; each
+row with the commit of its run) adds the mixture-of-experts tables.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ PEER_NAMES = {"hf_eager": "HF eager", "torch_compile": "torch.compile", "liger":
 NOT_PEERS = ("ours", "host_floor")  # host_floor launches empty kernels: what Python costs any eager op
 E2E_PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile")
 E2E_MODELS = {"qwen3_0.6b": "Qwen3-0.6B", "llama3_8b_4layers": "Llama-3-8B, 4 layers"}
+MOE_MODELS = {"qwen3_moe_30b_a3b_6layers": "Qwen3-30B-A3B, 6 layers",
+              "deepseek_v3_6layers": "DeepSeek-V3 style, 6 layers"}
+MOE_BLOCKS = {"qwen3_moe": "Qwen3-30B-A3B experts", "deepseek_v3": "DeepSeek-V3-style experts"}
 
 
 def _mode(case: dict, peer: str):
@@ -75,12 +81,12 @@ def kernel_table(results: dict) -> list[str]:
     return lines
 
 
-def e2e_table(results: dict) -> list[str]:
+def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
     runs = {(r["model"], r["peer"]): r for r in results.get("e2e", []) if r.get("status") == "ok"}
     peers = [p for p in E2E_PEERS if any(key[1] == p for key in runs)]
     lines = ["| training step | " + " | ".join(PEER_NAMES[p] for p in peers) + " |",
              "|---|" + "---|" * len(peers)]
-    for model, label in E2E_MODELS.items():
+    for model, label in models.items():
         cells = []
         for p in peers:
             r = runs.get((model, p))
@@ -102,6 +108,36 @@ def render(results: dict, path: str) -> str:
     return "\n".join([head, "", *kernel_table(results), "", *e2e_table(results)])
 
 
+def experts_table(results: dict) -> list[str]:
+    lines = ["| experts block, forward + backward | autopatch ms | HF grouped_mm ms | grouped-GEMM floor ms | "
+             "autopatch % of floor | peak MiB beyond inputs: autopatch / HF |", "|---|---|---|---|---|---|"]
+    for row in results.get("experts_block", []):
+        ours, hf = row["peers"].get("ours", {}), row["peers"].get("hf_grouped_mm", {})
+        if "fwd_bwd_ms" not in ours or "fwd_bwd_ms" not in hf:
+            continue
+        label = f"{MOE_BLOCKS.get(row['shape'], row['shape'])} ({row['tokens']} tokens × {row['k']} of {row['experts']})"
+        lines.append(f"| {label} | **{ours['fwd_bwd_ms']:.2f}** | {hf['fwd_bwd_ms']:.2f} | {row['grouped_floor_ms']:.2f} | "
+                     f"{100 * row['grouped_floor_ms'] / ours['fwd_bwd_ms']:.0f} % | "
+                     f"{ours['peak_beyond_inputs_gib'] * 1024:.0f} / {hf['peak_beyond_inputs_gib'] * 1024:.0f} |")
+    return lines
+
+
+def render_moe(results: dict, path: str) -> str:
+    meta = results["meta"]
+    commits = sorted({r.get("git_commit", "?") for r in [*results.get("e2e", []), *results.get("experts_block", [])]})
+    head = (f"Mixtures of experts, same machine and stack ({meta['gpu']}, torch {meta['torch']}, transformers "
+            f"{meta['transformers']}, Liger-Kernel {meta.get('liger_kernel', '–')}); runs on commits "
+            f"{', '.join(commits)}, each row's in the file. From [{path}]({path}).")
+    return "\n".join([head, "", *e2e_table(results, MOE_MODELS), "", *experts_table(results)])
+
+
+def render_all(files: list[tuple[dict, str]]) -> str:
+    """The block for the README: the main results file, then each further file's tables."""
+    parts = [render(*files[0])]
+    parts += [render_moe(results, path) for results, path in files[1:]]
+    return "\n\n".join(parts)
+
+
 def update(readme: str, table: str) -> str:
     if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
         raise SystemExit(f"readme_table: the README needs one '{BEGIN}' line followed by one '{END}' line")
@@ -111,12 +147,16 @@ def update(readme: str, table: str) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="The README's performance tables from one results file.")
-    ap.add_argument("results", help="a results JSON written by benchmarks/bench.py")
+    ap = argparse.ArgumentParser(description="The README's performance tables from the results files.")
+    ap.add_argument("results", help="the results JSON written by benchmarks/bench.py")
+    ap.add_argument("more", nargs="*", help="further results files: the MoE one (bench_moe.py, bench_e2e.py)")
     ap.add_argument("--update", metavar="README", help="replace the table block of this file")
     args = ap.parse_args(argv)
-    with open(args.results) as f:
-        table = render(json.load(f), args.results)
+    files = []
+    for path in [args.results, *args.more]:
+        with open(path) as f:
+            files.append((json.load(f), path))
+    table = render_all(files)
     if args.update:
         with open(args.update) as f:
             text = f.read()
