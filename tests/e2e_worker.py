@@ -41,6 +41,9 @@ def build(name: str):
         config = tf.Phi3Config(**{k: v for k, v in COMMON.items() if k != "head_dim"},
                                partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Phi3ForCausalLM
+    elif name == "qwen3_moe":  # experts module (fused experts), router aux loss off
+        config = tf.Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        cls = tf.Qwen3MoeForCausalLM
     else:
         raise ValueError(f"unknown model {name!r}")
     config._attn_implementation = "eager"
@@ -88,7 +91,7 @@ def measure(model) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--models", default="llama,qwen3,gemma2,mistral,phi3")
+    p.add_argument("--models", default="llama,qwen3,gemma2,mistral,phi3,qwen3_moe")
     p.add_argument("--apply", default="", help="models to measure again after autopatch.apply(model), once "
                    "every model was measured (so the other measurements stay unpatched)")
     args = p.parse_args()

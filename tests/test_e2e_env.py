@@ -22,8 +22,9 @@ from helpers import assert_close
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "e2e_worker.py"
-MODELS = ("llama", "qwen3", "gemma2", "mistral", "phi3")
+MODELS = ("llama", "qwen3", "gemma2", "mistral", "phi3", "qwen3_moe")
 MLP_KERNEL = {"gemma2": "geglu"}  # the others gate with SiLU
+MLP_LAUNCHES = {"qwen3_moe": "moe_experts"}  # its MLPs are experts: the swiglu kernel's key, the experts op
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def test_fused_kernels_all_matches_plain(plain, tmp_path):
         assert_same_training(got, plain[name], f"FUSED_KERNELS=all {name}")
         launches = got["launches"]
         mlp = MLP_KERNEL.get(name, "swiglu")
-        for kernel in ("rms_norm", "rope", mlp, "fused_linear_cross_entropy"):
+        for kernel in ("rms_norm", "rope", MLP_LAUNCHES.get(name, mlp), "fused_linear_cross_entropy"):
             assert ran(launches, kernel) and launches.get(f"{kernel}_bwd", 0) > 0, f"{name}: {kernel} {launches}"
         assert ran(launches, "cross_entropy"), f"{name}: eval loss on full logits goes through cross_entropy"
         assert patched_kernels(data["records"], name) >= {"rms_norm", "rope", mlp, "fused_linear_cross_entropy"}
