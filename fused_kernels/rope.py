@@ -604,7 +604,8 @@ def rope(
     *,
     interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply rotary position embedding to q and k; returns new (q_out, k_out), differentiable in q and k.
+    """Apply rotary position embedding to q and k; returns new (q_out, k_out), differentiable in q and k (not in
+    cos and sin: ValueError when they require a gradient).
 
     Same numbers as transformers' Llama `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)` (maths in fp32,
     outputs in q's / k's dtype):
@@ -623,6 +624,10 @@ def rope(
     traced instead. Both launch the same kernel.
     """
     ud = _check_args(q, k, cos, sin, unsqueeze_dim, interleaved)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError("rope: cos and sin get no gradient from this kernel, but they require one here (made from a "
+                         "trainable parameter?); pass cos.detach() and sin.detach() if that gradient is not wanted, "
+                         "or rotate with torch ops")
     if torch.compiler.is_compiling():
         return torch.ops.fused_kernels.rope_fwd(q, k, cos, sin, ud, interleaved)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

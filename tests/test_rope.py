@@ -682,3 +682,13 @@ def test_plan_for_named_shapes():
         assert (p.path, p.config) == ("fixed", rope_module.RopeConfig(2, 2, 1, num_warps=4))
         assert "forces" in p.reason
 
+
+def test_cos_sin_that_require_grad_are_refused_with_the_reason():
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+    cos = torch.randn(1, 3, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="cos and sin get no gradient"):
+        fused_kernels.rope(q, k, cos, torch.randn(1, 3, 8))
+    with torch.no_grad():  # nothing to differentiate: runs
+        qo, _ = fused_kernels.rope(q, k, cos, torch.randn(1, 3, 8))
+    assert torch.isfinite(qo).all()
+

@@ -241,6 +241,27 @@ def test_sizes_the_probe_did_not_see_run_the_original():
         assert torch.equal(a, r)
 
 
+def test_cos_and_sin_with_a_gradient_run_the_original():
+    """cos/sin made from a trainable parameter (Mistral Large 4's rotary alpha): the kernel gives them no
+    gradient, so the original runs and the parameter gets its gradient, the same as unpatched."""
+    module = modeling("llama")
+    RULE.patch_module(module, everything)
+    original = patching.original(module, TARGET)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen)
+    alpha = torch.tensor(1.3, requires_grad=True)
+    angles = torch.randn(1, 3, 8, generator=gen)
+    grads = []
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    for fn in (getattr(module, TARGET), original):
+        qo, ko = fn(q, k, torch.cos(alpha * angles), torch.sin(alpha * angles))
+        (qo.square().sum() + ko.sum()).backward()
+        grads.append(alpha.grad.clone())
+        alpha.grad = None
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before
+    assert grads[0].abs() > 0 and torch.equal(grads[0], grads[1])
+
+
 def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
     module = modeling("llama")
     RULE.patch_module(module, everything)

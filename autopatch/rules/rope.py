@@ -360,6 +360,8 @@ def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
     """(q_out, k_out) from fused_kernels.rope for a call the probe vouched for, or None where the original
     function must run instead."""
     spec, mixed = verdict.variant, verdict.mixed
+    if torch.is_grad_enabled() and (getattr(cos, "requires_grad", False) or getattr(sin, "requires_grad", False)):
+        return None  # cos/sin made from a trainable parameter (Mistral Large 4's rotary alpha): the kernel gives them no gradient
     if not _kernel_takes(q, k, cos, sin, unsqueeze_dim) or size_class(cos.shape[-1], q.shape[-1]) not in verdict.sizes:
         return None
     if (cos.dtype != q.dtype or cos.dtype != k.dtype) and (mixed == "original" or q.dtype != k.dtype):
