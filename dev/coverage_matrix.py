@@ -69,6 +69,8 @@ def kind_of(record) -> str:
     from autopatch.rules import moe_experts
 
     return "experts" if moe_experts.is_experts_record(record) else KIND_OF_KERNEL.get(record.kernel, record.kernel)
+
+
 TOL = 1e-5  # fp32 relative (DESIGN.md)
 
 
@@ -946,13 +948,53 @@ def check_vlm_loss(arch) -> dict:
             else:
                 row["numbers"] = "verified" if fused_ran else "not used"
             row["detail"] = detail
+            if ok:
+                patching.restore_all()
+                try:
+                    row["all_kernels"] = _check_every_kernel(model, inputs, ref)
+                except (Exception, _TooSlow) as exc:  # noqa: BLE001 - the loss verdict above stands
+                    row["all_kernels"] = {"verdict": "error", "detail": f"{type(exc).__name__}: {str(exc)[:200]}",
+                                          "ran": []}
     except (Exception, _TooSlow) as exc:  # noqa: BLE001
         row["structure"] = row.get("structure", "error")
         row["numbers"] = "error"
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     finally:
+        if model is not None:
+            _restore(model)
         patching.restore_all()
     return row
+
+
+def _check_every_kernel(model, inputs, ref) -> dict:
+    """Every rule over every module of the head (vision tower and text model included; the model's
+    nn.LayerNorm instances too), patched vs unpatched: the verdict, the kinds whose kernels ran, and
+    where the numbers differ the kinds to blame (patched one at a time)."""
+    import fused_kernels
+
+    try:  # the unpatched head in float64: the yardstick for ill-conditioned parameters, as in the causal table
+        inputs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                    for k, v in inputs.items()}
+        ref64 = _run_vlm(copy.deepcopy(model).double(), inputs64)
+    except Exception:  # noqa: BLE001 - some heads do not run in float64
+        ref64 = None
+    before = fused_kernels.launch_counts()
+    records = _patch(model, set(KINDS))
+    got = _run_vlm(model, inputs)
+    after = fused_kernels.launch_counts()
+    ok, detail = _compare(ref, got, ref64)
+    out = {"verdict": "verified" if ok else "MISMATCH", "detail": detail,
+           "ran": [kind for kind in KINDS if _launched(before, after, kind)],
+           "patched": sorted({f"{kind_of(r)}:{r.target}" for r in records if r.patched})}
+    if not ok:
+        blamed = []
+        for kind in KINDS:
+            _restore(model)
+            _patch(model, {kind})
+            if not _compare(ref, _run_vlm(model, inputs), ref64)[0]:
+                blamed.append(kind)
+        out["blamed"] = blamed
+    return out
 
 
 # --- the multimodal RoPE column ------------------------------------------------------------------
@@ -1046,6 +1088,10 @@ def vlm_summary(rows) -> dict:
         "left_alone_unchanged": sum(r.get("numbers") == "unchanged" for r in rows),
         "not_used": sum(r.get("numbers") == "not used" for r in rows),
         "mismatch": sum(r.get("numbers") == "MISMATCH" for r in rows),
+        "every_kernel_verified": sum(r.get("all_kernels", {}).get("verdict") == "verified" for r in rows),
+        "every_kernel_mismatch": sum(r.get("all_kernels", {}).get("verdict") == "MISMATCH" for r in rows),
+        **{f"every_kernel_{kind}_ran": sum(kind in r.get("all_kernels", {}).get("ran", []) for r in rows)
+           for kind in KINDS},
         "could_not_build": sum(r.get("numbers") == "could not build" for r in rows),
         "errors": sum(r.get("numbers") == "error" for r in rows),
     }
@@ -1075,16 +1121,21 @@ def vlm_markdown(rows, summary) -> str:
         "gradient is given) and eval logits within 1e-5 relative (fp32), the fused linear CE launched in "
         "training; *unchanged* = left alone by the rule, same numbers. *Multimodal RoPE*: the modeling "
         "module's rotary functions and what autopatch.rules.rope does with each (no kernel for a "
-        "function the rule does not read).",
+        "function the rule does not read). *Every kernel*: the same head with every rule on, over every "
+        "module it uses (vision tower, projector and text model; nn.LayerNorm instances included), against "
+        "the unpatched numbers at the same bound, and the kinds whose kernels ran.",
         "",
         f"**Summary:** {summary['heads']} heads, {summary['built']} build tiny; fused loss by structure "
         f"{summary['fused_loss_by_structure']}; fused and numbers-verified {summary['fused_and_verified']} "
         f"({100 * summary['verified_share_of_built']:.0f} % of those that build); left alone and unchanged "
         f"{summary['left_alone_unchanged']}; not used {summary['not_used']}; MISMATCH {summary['mismatch']}; "
-        f"could not build {summary['could_not_build']}; run errors {summary['errors']}.",
+        f"could not build {summary['could_not_build']}; run errors {summary['errors']}. Every kernel on: "
+        f"verified {summary['every_kernel_verified']}, MISMATCH {summary['every_kernel_mismatch']}; kernels "
+        "seen running in that many heads: "
+        + ", ".join(f"{kind} {summary[f'every_kernel_{kind}_ran']}" for kind in KINDS) + ".",
         "",
-        "| head | structure (fused linear CE) | numbers | multimodal RoPE |",
-        "|---|---|---|---|",
+        "| head | structure (fused linear CE) | numbers | every kernel | multimodal RoPE |",
+        "|---|---|---|---|---|",
     ]
     for row in rows:
         text = _cell(row.get("fused_linear", row.get("error", "")), 140)
@@ -1102,11 +1153,20 @@ def vlm_markdown(rows, summary) -> str:
             numbers = f"run error: {_cell(row.get('error', ''), 140)}"
         rope_entry = row.get("rope", {})
         rope_text = f"{ROPE_MARK.get(rope_entry.get('kind'), rope_entry.get('kind', ''))}: {_cell(rope_entry.get('text', ''), 200)}"
-        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} | {rope_text} |")
+        every = row.get("all_kernels")
+        if every is None:
+            every_text = "–"
+        elif every["verdict"] == "error":
+            every_text = f"run error: {_cell(every['detail'], 100)}"
+        elif every["verdict"] == "verified":
+            every_text = f"✅ {', '.join(every['ran']) or 'none ran'}"
+        else:
+            every_text = f"❌ MISMATCH ({', '.join(every.get('blamed', [])) or '?'}) {_cell(every['detail'], 80)}"
+        lines.append(f"| {row['arch']} | {mark} {text} | {numbers} | {every_text} | {rope_text} |")
     return "\n".join(lines) + "\n"
 
 
-VLM_SECONDS = 60  # per head; a tiny model takes seconds, one that takes longer is not tiny: an error row
+VLM_SECONDS = 90  # per head (two checks); a tiny model takes seconds, one that takes longer is not tiny: an error row
 
 
 class _TooSlow(BaseException):  # not an Exception: the builders' retries must not swallow it
