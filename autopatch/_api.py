@@ -31,6 +31,7 @@ APPLY_DEFAULTS: dict[str, bool] = {
     "layer_norm": True,
     "swiglu": True,
     "geglu": True,
+    "gelu_mlp": True,  # ours, not Liger's: the same numbers, less memory
     "cross_entropy": False,
     "fused_linear_cross_entropy": True,
     "causal_mask": True,  # ours, not Liger's: exact, and only changes what a compiled SDPA model runs

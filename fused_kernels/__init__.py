@@ -3,6 +3,7 @@
 Functional API (names fixed; see DESIGN.md):
     rms_norm, rope, swiglu, geglu, cross_entropy, fused_linear_cross_entropy
     (+ glu_linear: the GLU and the down projection, without keeping their product;
+     gelu, gelu_linear: a plain MLP's GELU and its second projection, without keeping gelu(h);
      moe_experts: a mixture-of-experts layer's experts, routing to weighted combine)
 Every op has forward and backward kernels, is registered as a torch.library custom op with a fake
 implementation (so torch.compile(fullgraph=True) traces it) and runs where Triton runs: CUDA, or the
@@ -16,6 +17,7 @@ from fused_kernels.rms_norm import rms_norm
 from fused_kernels.layer_norm import layer_norm
 from fused_kernels.rope import rope
 from fused_kernels.glu import geglu, glu_linear, swiglu
+from fused_kernels.gelu import gelu, gelu_linear
 from fused_kernels.cross_entropy import cross_entropy
 from fused_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fused_kernels.moe_experts import moe_experts
@@ -26,6 +28,8 @@ __all__ = [
     "swiglu",
     "geglu",
     "glu_linear",
+    "gelu",
+    "gelu_linear",
     "cross_entropy",
     "fused_linear_cross_entropy",
     "moe_experts",

@@ -24,6 +24,7 @@ RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.layer_norm",
     "autopatch.rules.rope",
     "autopatch.rules.glu_mlp",
+    "autopatch.rules.gelu_mlp",
     "autopatch.rules.moe_gate",
     "autopatch.rules.moe_experts",
     "autopatch.rules.loss",

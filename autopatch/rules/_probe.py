@@ -366,3 +366,23 @@ def dressed_forward(forward, original_forward, variant_text: str):
     forward._autopatch_variant = variant_text
     return forward
 
+
+def build_mlp(cls, module):
+    """An instance of an MLP class (gated or not) from the signatures MLPs take: a tiny config of its
+    architecture (with or without an intermediate size), sizes and an activation name, or nothing.
+    (instance, None) or (None, reason); call inside probing()."""
+    attempts = []
+    for config in probe_configs(cls, module):
+        attempts += [
+            lambda c=config: ((c,), {}),
+            lambda c=config: ((c,), {"intermediate_size": INTERMEDIATE}),
+            lambda c=config: ((INTERMEDIATE, c), {}),
+            lambda c=config: ((c, 0), {}),  # (config, layer_idx)
+        ]
+    attempts += [
+        lambda: ((HIDDEN, INTERMEDIATE), {}),
+        lambda: ((HIDDEN, INTERMEDIATE, "silu"), {}),
+        lambda: ((HIDDEN, INTERMEDIATE, HIDDEN, "silu"), {}),  # (in, hidden, out, act)
+        lambda: ((), {}),  # everything defaulted
+    ]
+    return try_build(cls, attempts)

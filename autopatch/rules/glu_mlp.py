@@ -80,9 +80,10 @@ def _act_key(act):
     return act
 
 
-def classify_activation(act) -> str | None:
-    """'silu' | 'gelu_tanh' | 'gelu_erf' | None, by running `act` on a fixed float64 grid (wide
-    enough that a clipped GELU shows its clip)."""
+def classify_activation(act, references: dict | None = None) -> str | None:
+    """'silu' | 'gelu_tanh' | 'gelu_erf' | None (the keys of `references`, ACT_REFERENCES by default), by
+    running `act` on a fixed float64 grid (wide enough that a clipped GELU shows its clip)."""
+    references = ACT_REFERENCES if references is None else references
     if isinstance(act, nn.Module) and (any(True for _ in act.parameters()) or any(True for _ in act.buffers())):
         return None
     if not callable(act):
@@ -94,18 +95,19 @@ def classify_activation(act) -> str | None:
             out = act(t.clone())
     except Exception:  # noqa: BLE001 - not an elementwise activation we know
         return None
-    found = [kind for kind, ref in ACT_REFERENCES.items() if _probe.rel_err(out, ref(t)) <= PROBE_TOL]
+    found = [kind for kind, ref in references.items() if _probe.rel_err(out, ref(t)) <= PROBE_TOL]
     return found[0] if len(found) == 1 else None
 
 
-def activation_kind(act) -> str | None:
+def activation_kind(act, references: dict | None = None) -> str | None:
+    """classify_activation, cached by the activation's type and settings (per reference set)."""
     try:
-        key = _act_key(act)
+        key = (_act_key(act), id(references))
         hash(key)
     except Exception:  # noqa: BLE001 - unhashable settings: classify every time
-        return classify_activation(act)
+        return classify_activation(act, references)
     if key not in _act_kinds:
-        _act_kinds[key] = classify_activation(act)
+        _act_kinds[key] = classify_activation(act, references)
     return _act_kinds[key]
 
 
@@ -157,29 +159,11 @@ def looks_like_glu_mlp(cls: type) -> bool:
     return "down_proj" in source and ("gate_up_proj" in source or ("gate_proj" in source and "up_proj" in source))
 
 
-def _build(cls, module):
-    attempts = []
-    for config in _probe.probe_configs(cls, module):
-        attempts += [
-            lambda c=config: ((c,), {}),
-            lambda c=config: ((c,), {"intermediate_size": _probe.INTERMEDIATE}),
-            lambda c=config: ((_probe.INTERMEDIATE, c), {}),
-            lambda c=config: ((c, 0), {}),  # (config, layer_idx)
-        ]
-    attempts += [
-        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE), {}),
-        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, "silu"), {}),
-        lambda: ((_probe.HIDDEN, _probe.INTERMEDIATE, _probe.HIDDEN, "silu"), {}),  # (in, hidden, out, act)
-        lambda: ((), {}),  # everything defaulted
-    ]
-    return _probe.try_build(cls, attempts)
-
-
 def detect(cls: type, module: ModuleType) -> Verdict:
     target = cls.__name__
     extra = _probe.forward_extra_args(cls)
     with _probe.probing():
-        instance, why = _build(cls, module)
+        instance, why = _probe.build_mlp(cls, module)
         if instance is None:
             return Verdict(target, None, extra or why)
         if _is_expert_container(instance):
