@@ -41,13 +41,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-KINDS = ("rms_norm", "layer_norm", "rope", "glu", "experts", "loss")
+KINDS = ("rms_norm", "layer_norm", "rope", "glu", "gelu_mlp", "experts", "loss")
 KIND_OF_KERNEL = {
     "rms_norm": "rms_norm",
     "layer_norm": "layer_norm",
     "rope": "rope",
     "swiglu": "glu",
     "geglu": "glu",
+    "gelu_mlp": "gelu_mlp",
     "cross_entropy": "loss",
     "fused_linear_cross_entropy": "loss",
 }
@@ -57,6 +58,7 @@ LAUNCH_PREFIX = {
     "layer_norm": ("layer_norm",),
     "rope": ("rope",),
     "glu": ("swiglu", "geglu"),
+    "gelu_mlp": ("gelu",),
     "experts": ("moe_experts",),
     "loss": ("cross_entropy", "fused_linear_cross_entropy"),
 }
@@ -310,17 +312,17 @@ def markdown(rows, summary, versions) -> str:
         "",
         f"**Summary:** {summary['architectures']} architectures, {summary['built']} build tiny; verified: "
         f"rms_norm {summary['rms_norm_verified']}, layer_norm {summary['layer_norm_verified']}, rope {summary['rope_verified']}, glu {summary['glu_verified']}, "
-        f"experts {summary['experts_verified']}, loss {summary['loss_verified']}; MISMATCH rows: {summary['mismatch']}; run errors: {summary['errors']}.",
+        f"gelu_mlp {summary['gelu_mlp_verified']}, experts {summary['experts_verified']}, loss {summary['loss_verified']}; MISMATCH rows: {summary['mismatch']}; run errors: {summary['errors']}.",
         "",
-        "| architecture | rms_norm | layer_norm | rope | glu (swiglu/geglu) | MoE experts | loss (CE / fused linear CE) |",
-        "|---|---|---|---|---|---|---|",
+        "| architecture | rms_norm | layer_norm | rope | glu (swiglu/geglu) | GELU MLP | MoE experts | loss (CE / fused linear CE) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["status"] == "could not build":
-            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | | | |")
+            lines.append(f"| {row['arch']} | could not build: {row['error'][:100].replace('|', '/')} | | | | | | |")
             continue
         if row["status"] == "error":
-            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | | | |")
+            lines.append(f"| {row['arch']} | run error: {row['error'][:100].replace('|', '/')} | | | | | | |")
             continue
         lines.append("| " + " | ".join([row["arch"]] + [cell(row, k) for k in KINDS]) + " |")
     return "\n".join(lines) + "\n"

@@ -121,7 +121,7 @@ def test_doctor_output():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert text.startswith("autopatch doctor: transformers ")
-    assert "kernels: rope, rms_norm, layer_norm, swiglu, geglu, fused_linear_cross_entropy" in text.splitlines()[0]
+    assert "kernels: rope, rms_norm, layer_norm, swiglu, geglu, gelu_mlp, fused_linear_cross_entropy" in text.splitlines()[0]
     blocks = {b.splitlines()[0].split()[0]: b for b in text.split("\n\n") if b.startswith("transformers.models.")}
     llama = blocks["transformers.models.llama.modeling_llama"]
     assert "(model_type llama)" in llama
