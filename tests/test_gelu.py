@@ -97,3 +97,28 @@ def test_opcheck_and_compile_fullgraph():
 
 def test_plan_blocks():
     assert mod.plan(10 ** 6, 2).config.block == 8192 and mod.plan(10 ** 6, 4).config.block == 4096
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["tanh", "quick"])
+def test_gpu_phi2_mlp_tail(approximate):
+    """Phi-2's MLP tail at 16384 tokens in bf16: gelu_linear against float32, and what it keeps for the
+    backward: nothing beyond its output (h and the weight are the caller's)."""
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(16384, 10240, device=device, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(2560, 10240, device=device, generator=g) / 100).bfloat16().requires_grad_()
+    b = torch.randn(2560, device=device, generator=g).bfloat16().requires_grad_()
+    dout = torch.randn(16384, 2560, device=device, generator=g).bfloat16()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fused_kernels.gelu_linear(h, w, b, approximate)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - base <= out.numel() * 2 + (1 << 20)  # gelu(h) was not kept
+    grads = torch.autograd.grad(out, (h, w, b), dout)
+    f32 = [t.detach().float().requires_grad_() for t in (h, w, b)]
+    ref = F.linear(REFERENCE[approximate](f32[0]), f32[1], f32[2])
+    ref_grads = torch.autograd.grad(ref, f32, dout.float())
+    assert rel(out, ref) < 1e-2
+    for got, want in zip(grads, ref_grads):
+        assert torch.isfinite(got).all() and rel(got, want) < 1e-2
