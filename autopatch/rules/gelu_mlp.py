@@ -1,8 +1,8 @@
 """Plain (non-gated) GELU MLPs -> fused_kernels.gelu_linear (kernel "gelu_mlp").
 
 Detection. Candidates are the classes a modeling module defines whose __init__ names one of the
-projection pairs below (fc1/fc2: CLIP, SigLIP, Phi; c_fc/c_proj: StarCoder2; dense_h_to_4h/dense_4h_to_h:
-GPT-NeoX, Falcon) and no gate projection. One instance is built from a tiny config of the module's own
+projection pairs below (fc1/fc2: CLIP, SigLIP, ViT, Phi; dense_h_to_4h/dense_4h_to_h: GPT-NeoX; c_fc/c_proj
+and linear_fc1/linear_fc2: other families) and no gate projection. One instance is built from a tiny config of the module's own
 config class; it must hold exactly the two projections as plain nn.Linear modules and the activation
 (in `act_fn` / `activation_fn` / `act`), nothing else, and its forward must mention no dropout. Its
 forward is run in float64 on random weights against
