@@ -176,7 +176,6 @@ def _restore(model) -> None:
 
 
 def check_architecture(arch) -> dict:
-    import fused_kernels
     from autopatch.tiny_models import build_tiny, smoke_inputs
 
     row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
@@ -190,24 +189,11 @@ def check_architecture(arch) -> dict:
     inputs = smoke_inputs(model)
     try:
         ref = _run(model, inputs)
-        try:  # the unpatched model in float64: the yardstick for ill-conditioned parameters
-            ref64 = _run(copy.deepcopy(model).double(), inputs)
-        except Exception:  # noqa: BLE001 - some architectures do not run in float64
-            ref64 = None
-        before = fused_kernels.launch_counts()
-        records = _patch(model, set(KINDS))
-        got = _run(model, inputs)
-        after = fused_kernels.launch_counts()
-        ok, detail = _compare(ref, got, ref64)
+        check = _every_rule(model, inputs, ref, _run)
+        ok, records, before, after = check["ok"], check["records"], check["before"], check["after"]
         row["status"] = "ok" if ok else "mismatch"
-        row["detail"] = detail
-        mismatched: set[str] = set()
-        if not ok:  # find which kinds are to blame: patch one kind at a time
-            for kind in KINDS:
-                _restore(model)
-                _patch(model, {kind})
-                if not _compare(ref, _run(model, inputs), ref64)[0]:
-                    mismatched.add(kind)
+        row["detail"] = check["detail"]
+        mismatched = set(check["blamed"])
         for kind in KINDS:
             mine = [r for r in records if kind_of(r) == kind]
             patched = [r for r in mine if r.patched]
@@ -232,6 +218,32 @@ def check_architecture(arch) -> dict:
         _restore(model)
         row["seconds"] = round(time.time() - t0, 2)
     return row
+
+
+def _every_rule(model, inputs, ref, run, inputs64=None) -> dict:
+    """Every rule on over the model's modules (its nn.LayerNorm instances too), run with `run` and compared
+    with the unpatched `ref`, a float64 run of the unpatched model as the yardstick for ill-conditioned
+    parameters where it runs in float64 (on `inputs64`, default `inputs`); where the numbers differ, the
+    kinds to blame, patched one at a time. {"ok", "detail", "records", "before", "after", "blamed"}."""
+    import fused_kernels
+
+    try:
+        ref64 = run(copy.deepcopy(model).double(), inputs if inputs64 is None else inputs64)
+    except Exception:  # noqa: BLE001 - some architectures do not run in float64
+        ref64 = None
+    before = fused_kernels.launch_counts()
+    records = _patch(model, set(KINDS))
+    got = run(model, inputs)
+    after = fused_kernels.launch_counts()
+    ok, detail = _compare(ref, got, ref64)
+    blamed = []
+    if not ok:
+        for kind in KINDS:
+            _restore(model)
+            _patch(model, {kind})
+            if not _compare(ref, run(model, inputs), ref64)[0]:
+                blamed.append(kind)
+    return {"ok": ok, "detail": detail, "records": records, "before": before, "after": after, "blamed": blamed}
 
 
 def causal_lm_architectures() -> list:
@@ -971,31 +983,15 @@ def check_vlm_loss(arch) -> dict:
 def _check_every_kernel(model, inputs, ref) -> dict:
     """Every rule over every module of the head (vision tower and text model included; the model's
     nn.LayerNorm instances too), patched vs unpatched: the verdict, the kinds whose kernels ran, and
-    where the numbers differ the kinds to blame (patched one at a time)."""
-    import fused_kernels
-
-    try:  # the unpatched head in float64: the yardstick for ill-conditioned parameters, as in the causal table
-        inputs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                    for k, v in inputs.items()}
-        ref64 = _run_vlm(copy.deepcopy(model).double(), inputs64)
-    except Exception:  # noqa: BLE001 - some heads do not run in float64
-        ref64 = None
-    before = fused_kernels.launch_counts()
-    records = _patch(model, set(KINDS))
-    got = _run_vlm(model, inputs)
-    after = fused_kernels.launch_counts()
-    ok, detail = _compare(ref, got, ref64)
-    out = {"verdict": "verified" if ok else "MISMATCH", "detail": detail,
-           "ran": [kind for kind in KINDS if _launched(before, after, kind)],
-           "patched": sorted({f"{kind_of(r)}:{r.target}" for r in records if r.patched})}
-    if not ok:
-        blamed = []
-        for kind in KINDS:
-            _restore(model)
-            _patch(model, {kind})
-            if not _compare(ref, _run_vlm(model, inputs), ref64)[0]:
-                blamed.append(kind)
-        out["blamed"] = blamed
+    where the numbers differ the kinds to blame."""
+    inputs64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in inputs.items()}
+    check = _every_rule(model, inputs, ref, _run_vlm, inputs64)
+    out = {"verdict": "verified" if check["ok"] else "MISMATCH", "detail": check["detail"],
+           "ran": [kind for kind in KINDS if _launched(check["before"], check["after"], kind)],
+           "patched": sorted({f"{kind_of(r)}:{r.target}" for r in check["records"] if r.patched})}
+    if not check["ok"]:
+        out["blamed"] = check["blamed"]
     return out
 
 

@@ -140,3 +140,17 @@ def launches(prefix: str) -> int:
     import fused_kernels
 
     return sum(n for name, n in fused_kernels.launch_counts().items() if name.startswith(prefix))
+
+
+def train_and_eval(model, inputs):
+    """(loss, eval logits, {name: grad}): one training forward+backward with `inputs` (labels included),
+    then an eval forward of the same ids without labels."""
+    model.zero_grad(set_to_none=True)
+    model.train()
+    out = model(**inputs)
+    out.loss.backward()
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=inputs["input_ids"]).logits
+    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, everything, modeling, verdict_of
+from helpers import assert_close, everything, modeling, train_and_eval, verdict_of
 
 pytest.importorskip("transformers")
 
@@ -21,17 +21,6 @@ ARCHS = {a.class_name: a for a in tiny_models.causal_lm_architectures()}
 pytestmark = pytest.mark.usefixtures("restore_patches")
 
 
-def _step(model, inputs):
-    model.zero_grad(set_to_none=True)
-    model.train()
-    out = model(**inputs)
-    out.loss.backward()
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=inputs["input_ids"]).logits
-    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("arch,mlp,launches", [
     ("PhiForCausalLM", "PhiMLP", True),  # gelu_new (tanh)
     ("GPTNeoXForCausalLM", "GPTNeoXMLP", True),  # erf GELU
@@ -40,13 +29,13 @@ def _step(model, inputs):
 def test_patched_model_matches(arch, mlp, launches):
     model = tiny_models.build_tiny(ARCHS[arch])
     inputs = tiny_models.smoke_inputs(model)
-    ref = _step(model, inputs)
+    ref = train_and_eval(model, inputs)
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
     record = verdict_of(RULE.patch_module(module, everything), mlp)
     assert record.patched and record.kernel == "gelu_mlp", record
     assert verdict_of(RULE.patch_module(module, everything), mlp) == record  # idempotent
     before = fused_kernels.launch_counts().get("gelu_bwd", 0)
-    got = _step(model, inputs)
+    got = train_and_eval(model, inputs)
     ran = fused_kernels.launch_counts().get("gelu_bwd", 0) - before
     assert (ran > 0) == launches, ran
     assert_close(got[0], ref[0], torch.float32, "loss")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_close, everything, modeling, verdict_of
+from helpers import assert_close, everything, modeling, train_and_eval, verdict_of
 
 pytest.importorskip("transformers")
 
@@ -24,17 +24,6 @@ pytestmark = [pytest.mark.skipif(moe_experts._dispatcher_code() is None,
               pytest.mark.usefixtures("restore_patches")]
 
 
-def _step(model, inputs):
-    model.zero_grad(set_to_none=True)
-    model.train()
-    out = model(**inputs)
-    out.loss.backward()
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=inputs["input_ids"]).logits
-    return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("arch,experts_cls,implementation", [
     ("Qwen3MoeForCausalLM", "Qwen3MoeExperts", "grouped_mm"),
     ("Qwen3MoeForCausalLM", "Qwen3MoeExperts", "eager"),
@@ -49,7 +38,7 @@ def test_patched_model_matches_and_runs_the_kernel(arch, experts_cls, implementa
     experts = [m for m in model.modules() if type(m).__name__ == experts_cls]
     assert experts, f"no {experts_cls} in the tiny {arch}"
     inputs = tiny_models.smoke_inputs(model)
-    ref_loss, ref_logits, ref_grads = _step(model, inputs)
+    ref_loss, ref_logits, ref_grads = train_and_eval(model, inputs)
 
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
     record = verdict_of(RULE.patch_module(module, everything), f"{experts_cls}.forward")
@@ -57,7 +46,7 @@ def test_patched_model_matches_and_runs_the_kernel(arch, experts_cls, implementa
     assert verdict_of(RULE.patch_module(module, everything), f"{experts_cls}.forward") == record  # idempotent
 
     before = fused_kernels.launch_counts()
-    loss, logits, grads = _step(model, inputs)
+    loss, logits, grads = train_and_eval(model, inputs)
     after = fused_kernels.launch_counts()
     for direction in ("fwd", "bwd"):
         ran = after.get(f"moe_experts_{direction}", 0) - before.get(f"moe_experts_{direction}", 0)
@@ -127,12 +116,12 @@ def test_gpu_bf16_model_on_the_grouped_gemm_path():
     fp32 = tiny_models.build_tiny(ARCHS["Qwen3MoeForCausalLM"]).to("cuda")
     fp32.set_experts_implementation("grouped_mm")
     inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in tiny_models.smoke_inputs(fp32).items()}
-    ref_loss, _, ref_grads = _step(fp32, inputs)
+    ref_loss, _, ref_grads = train_and_eval(fp32, inputs)
     model = fp32.to(torch.bfloat16)
-    plain_loss, _, plain_grads = _step(model, inputs)
+    plain_loss, _, plain_grads = train_and_eval(model, inputs)
     assert verdict_of(RULE.patch_module(modeling("qwen3_moe"), everything), "Qwen3MoeExperts.forward").patched
     before = fused_kernels.launch_counts().get("moe_experts_bwd", 0)
-    loss, _, grads = _step(model, inputs)
+    loss, _, grads = train_and_eval(model, inputs)
     assert fused_kernels.launch_counts().get("moe_experts_bwd", 0) > before
     assert_close(loss.float(), ref_loss, torch.bfloat16, "loss")
     for name, ref in ref_grads.items():

@@ -386,3 +386,20 @@ def build_mlp(cls, module):
         lambda: ((), {}),  # everything defaulted
     ]
     return try_build(cls, attempts)
+
+
+def init_source(cls: type) -> str:
+    """The source of cls's __init__ and of the ones it inherits and extends (up to nn.Module), joined;
+    what a rule's structural detection reads for attribute names."""
+    sources = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        try:
+            sources.append(inspect.getsource(init))
+        except (OSError, TypeError):
+            continue
+    return "\n".join(sources)

@@ -58,22 +58,9 @@ class Variant:
         return f"{self.second}({self.act_attr}({self.first}(x))), {self.act_attr} a GELU (tanh, erf, quick) at run time"
 
 
-def _init_source(cls: type) -> str:
-    sources = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        init = vars(klass).get("__init__")
-        try:
-            sources.append(inspect.getsource(init)) if init is not None else None
-        except (OSError, TypeError):
-            continue
-    return "\n".join(sources)
-
-
 def pair_of(cls: type):
     """The projection pair cls's __init__ names (and no gate), or None."""
-    source = _init_source(cls)
+    source = _probe.init_source(cls)
     if any(g in source for g in GATES):
         return None
     return next((pair for pair in PAIRS if all(f"self.{name}" in source for name in pair)), None)

@@ -27,7 +27,6 @@ original forward, with one notice per process.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from types import ModuleType
 from typing import Callable
@@ -144,18 +143,7 @@ class Verdict:
 
 def looks_like_glu_mlp(cls: type) -> bool:
     """Its __init__, or one it inherits and extends, mentions the gated-MLP projections."""
-    sources = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        init = vars(klass).get("__init__")
-        if init is None:
-            continue
-        try:
-            sources.append(inspect.getsource(init))
-        except (OSError, TypeError):
-            continue
-    source = "\n".join(sources)
+    source = _probe.init_source(cls)
     return "down_proj" in source and ("gate_up_proj" in source or ("gate_proj" in source and "up_proj" in source))
 
 
