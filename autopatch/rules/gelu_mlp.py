@@ -61,8 +61,8 @@ class Variant:
 def pair_of(cls: type):
     """The projection pair cls's __init__ names (and no gate), or None."""
     source = _probe.init_source(cls)
-    if any(g in source for g in GATES):
-        return None
+    if any(g in source for g in GATES) or "attn" in source or "attention" in source:
+        return None  # a gated MLP (the GLU rule's), or a whole layer that holds an MLP's projections
     return next((pair for pair in PAIRS if all(f"self.{name}" in source for name in pair)), None)
 
 
