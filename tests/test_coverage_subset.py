@@ -25,7 +25,7 @@ SUBSET = {
     "qwen3": ({"rms_norm", "rope", "glu", "loss"}, "per-head q/k norms"),
     "cohere": ({"rope", "glu", "loss"}, "interleaved rotary, logit_scale; its LayerNorm is left alone"),
     "glm": ({"rms_norm", "rope", "glu", "loss"}, "GLM-style rotary, fused gate_up_proj"),
-    "phi": ({"rope", "loss"}, "partial rotary, lm_head bias"),
+    "phi": ({"rope", "gelu_mlp", "loss"}, "partial rotary, lm_head bias, plain GELU MLP"),
     "phi3": ({"rms_norm", "rope", "glu", "loss"}, "fused gate_up_proj"),
     "granite": ({"rms_norm", "rope", "glu", "loss"}, "logits_scaling divide"),
     "mixtral": ({"rms_norm", "rope", "experts", "loss"}, "MoE experts fused, router aux loss"),
@@ -45,7 +45,8 @@ SUBSET = {
     "lfm2_moe": ({"rms_norm", "rope", "glu", "loss"}, "tiny config: layer_types has no default (OVERRIDES)"),
     "cohere_compass": ({"rope", "glu", "loss"}, "tiny config: RoPE parameters per layer type (OVERRIDES)"),
     "xmod": ({"loss"}, "tiny config: a default language for the adapters (OVERRIDES)"),
-    "git": ({"loss"}, "inputs: pixel_values, the loss skips the image tokens (INPUT_LAYOUTS)"),
+    "git": ({"gelu_mlp", "loss"}, "inputs: pixel_values, the loss skips the image tokens (INPUT_LAYOUTS); "
+                                   "its vision tower's GELU MLP"),
     "qwen4_exp": ({"rms_norm", "rope", "glu", "loss"}, "rope also called with q alone (k=None); indexer fields (OVERRIDES)"),
     "musicgen": ({"loss"}, "inputs: codebook ids (INPUT_LAYOUTS); own loss over several heads (torch CrossEntropyLoss)"),
 }
