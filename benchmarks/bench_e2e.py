@@ -15,7 +15,11 @@ torch.optim.AdamW(fused=True), labels = input ids (the model shifts them):
   deepseek_v3_6layers  DeepSeek-V3 style cut to fit: hidden 2048, MLA, one dense layer then 5 MoE layers
                      of 256 experts (8 active, width 512) + 1 shared, sigmoid group routing, routed
                      scaling 2.5, vocab 129280; batch 4 x 4096
-  tiny_llama         the CPU dry run: hidden 64, 2 layers, vocab 256; batch 2 x 32
+  qwen2_5_vl_3b      Qwen2.5-VL-3B shape: text 36 x 2048 (vocab 151936, tied), vision 32 x 1280; one 448 x 448
+                     image (256 tokens) per sequence; batch 4 x 4096
+  gemma3_4b          Gemma-3-4B shape: text 34 x 2560 (vocab 262208), SigLIP 27 x 1152 at 896 x 896 pooled to
+                     256 tokens; one image per sequence; batch 4 x 4096
+  tiny_llama, tiny_qwen2_5_vl   the CPU dry runs (batch 2 x 32, 2 x 16 with a 4-token image)
 Peers: hf_eager, torch_compile (torch.compile(model), or each decoder layer with --compile-mode
 layers), liger (rope, rms_norm, swiglu, fused_linear_cross_entropy), ours
 (autopatch.apply(model, rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)),
@@ -31,6 +35,7 @@ for every peer: a peer whose first loss differs is computing something else).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -82,6 +87,47 @@ MODELS = {
         "batch": 4, "seq": 4096,
         "liger": {"rope": False},  # Liger's DeepSeek-V3 entry has no RoPE kernel (its default)
     },
+    # vision-language: one image per sequence, its tokens inside the 4 x 4096 (labels -100 on them)
+    "qwen2_5_vl_3b": {  # Qwen2.5-VL-3B shape: text 36 x 2048, vision 32 x 1280; a 448 x 448 image = 256 tokens
+        "model_type": "qwen2_5_vl", "kind": "image_text",
+        "config": dict(
+            text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                             rms_norm_eps=1e-6, tie_word_embeddings=True,
+                             rope_parameters=dict(rope_type="default", rope_theta=1000000.0, mrope_section=[16, 24, 24])),
+            vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                               fullatt_block_indexes=[7, 15, 23, 31]),
+            image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+            tie_word_embeddings=True),
+        "image": dict(form="qwen_grid", grid=(1, 32, 32), patch_values=3 * 2 * 14 * 14, tokens=256),
+        "batch": 4, "seq": 4096,
+    },
+    "gemma3_4b": {  # Gemma-3-4B shape: text 34 x 2560, SigLIP 27 x 1152 at 896 x 896 pooled to 256 tokens
+        "model_type": "gemma3", "kind": "image_text",
+        "config": dict(
+            text_config=dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                             num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+                             query_pre_attn_scalar=256, max_position_embeddings=131072),
+            vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                               image_size=896, patch_size=14),
+            mm_tokens_per_image=256, image_token_index=262144, boi_token_index=255999, eoi_token_index=256000),
+        "image": dict(form="square", size=896, tokens=256, token_type_ids=True),
+        "batch": 4, "seq": 4096,
+    },
+    "tiny_qwen2_5_vl": {  # the CPU dry run of the image-text path
+        "model_type": "qwen2_5_vl", "kind": "image_text",
+        "config": dict(
+            text_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
+            vision_config=dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2,
+                               spatial_merge_size=2, temporal_patch_size=2, window_size=4, out_hidden_size=32,
+                               fullatt_block_indexes=[1]),
+            image_token_id=90, video_token_id=93, vision_start_token_id=91, vision_end_token_id=92),
+        "image": dict(form="qwen_grid", grid=(1, 4, 4), patch_values=3 * 2 * 2 * 2, tokens=4),
+        "batch": 2, "seq": 16,
+    },
     "tiny_llama": {
         "model_type": "llama",
         "config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -100,8 +146,10 @@ OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_ent
 
 
 def _build_model(spec, device, torch):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if spec.get("kind") == "image_text":
+        AutoModelForCausalLM = AutoModelForImageTextToText  # noqa: N806 - the same from_config call below
     cfg = AutoConfig.for_model(spec["model_type"], **spec["config"])
     cfg.use_cache = False
     try:
@@ -116,12 +164,50 @@ def _build_model(spec, device, torch):
     return model.to(device=device, dtype=torch.bfloat16).train()
 
 
+def make_batches(spec, device, torch, gen, count: int = 2) -> list[dict]:
+    """`count` training batches of the spec's form: token ids (labels = ids; the model shifts them), and
+    for image-text models one image per sequence: its placeholder tokens after 16 text tokens (fewer in a
+    short dry-run sequence; labels -100 there) and pixels of the tower's form."""
+    text = spec["config"].get("text_config", spec["config"])
+    vocab, batch, seq = text["vocab_size"], spec["batch"], spec["seq"]
+    out = []
+    for _ in range(count):
+        if spec.get("kind") != "image_text":
+            ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
+            out.append({"input_ids": ids, "labels": ids})
+            continue
+        image, cfg = spec["image"], spec["config"]
+        specials = [v for k, v in cfg.items() if k.endswith("token_id") or k.endswith("token_index")]
+        top = min(specials) if specials and min(specials) < vocab else vocab  # text ids below every special id
+        ids = torch.randint(0, top, (batch, seq), device=device, generator=gen)
+        image_id = cfg.get("image_token_id", cfg.get("image_token_index"))
+        n = image["tokens"]
+        start = min(16, (seq - n) // 2)
+        ids[:, start:start + n] = image_id
+        labels = ids.masked_fill(ids == image_id, -100)
+        inputs = {"input_ids": ids, "labels": labels}
+        if image["form"] == "qwen_grid":
+            t, h, w = image["grid"]
+            inputs["pixel_values"] = torch.randn(batch * t * h * w, image["patch_values"], device=device,
+                                                 generator=gen, dtype=torch.bfloat16)
+            inputs["image_grid_thw"] = torch.tensor([[t, h, w]] * batch, device=device)
+        else:
+            inputs["pixel_values"] = torch.randn(batch, 3, image["size"], image["size"], device=device,
+                                                 generator=gen, dtype=torch.bfloat16)
+        if image.get("token_type_ids"):
+            inputs["token_type_ids"] = (ids == image_id).long()
+        out.append(inputs)
+    return out
+
+
 def _apply_liger(spec):
     import liger_kernel.transformers as lt
 
     fn = getattr(lt, f"apply_liger_kernel_to_{spec['model_type']}")
     kwargs = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
-    fn(**{**kwargs, **spec.get("liger", {})})
+    kwargs.update(spec.get("liger", {}))
+    accepted = inspect.signature(fn).parameters  # Gemma 3's takes geglu and layer_norm, not swiglu: its defaults
+    fn(**{k: v for k, v in kwargs.items() if k in accepted})
     return fn.__name__
 
 
@@ -176,12 +262,10 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
     res.update(info)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=(device.type == "cuda"))
     gen = torch.Generator(device=device).manual_seed(1)
-    vocab = spec["config"]["vocab_size"]
-    batches = [torch.randint(0, vocab, (batch, seq), device=device, generator=gen) for _ in range(2)]
+    batches = make_batches(spec, device, torch, gen)
 
     def step(i):
-        ids = batches[i % len(batches)]
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**batches[i % len(batches)]).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -259,13 +343,14 @@ def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
     """Cheapest and most telling runs first, so a budget cut drops compile peers, not the baselines."""
     if tiny:
         order = [("tiny_llama", p) for p in ("hf_eager", "ours", "liger", "ours_keep_input")]
+        order += [("tiny_qwen2_5_vl", p) for p in ("hf_eager", "ours")]
     else:
         q, l = "qwen3_0.6b", "llama3_8b_4layers"
         order = [(q, "hf_eager"), (q, "ours"), (q, "liger"), (l, "hf_eager"), (l, "ours"), (l, "liger"),
                  (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile"),
                  (q, "ours_keep_input"), (l, "ours_keep_input")]
-        for moe in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers"):
-            order += [(moe, "hf_eager"), (moe, "ours"), (moe, "liger")]
+        for other in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers", "qwen2_5_vl_3b", "gemma3_4b"):
+            order += [(other, "hf_eager"), (other, "ours"), (other, "liger")]
     if models:
         order = [o for o in order if o[0] in models]
     if peers:

@@ -181,3 +181,20 @@ def test_bench_moe_tiny_checks_every_peer_against_eager(tmp_path):
         assert res["status"] == "ok" and res["finite"], (peer, res)
         assert 0 < res["rel_err_out"] < 1e-5, (peer, res)
         assert all(0 < e < 1e-5 for e in res["rel_err_grads"].values()), (peer, res)
+
+
+def test_bench_e2e_image_text_worker_on_the_cpu(tmp_path):
+    """benchmarks/bench_e2e.py's image-text path on its tiny Qwen2.5-VL: HF eager and ours train a step on
+    batches with an image per sequence (placeholder tokens, grid pixels), the same first loss, and ours
+    runs the fused loss on the multimodal head."""
+    results = {}
+    for peer in ("hf_eager", "ours"):
+        out = tmp_path / f"{peer}.json"
+        proc = _run(["benchmarks/bench_e2e.py", "--worker", "--model", "tiny_qwen2_5_vl", "--peer", peer,
+                     "--device", "cpu", "--steps", "1", "--warmup", "1", "--result", str(out)], tmp_path)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        results[peer] = json.loads(out.read_text())
+        assert results[peer]["status"] == "ok" and results[peer]["finite"], results[peer]
+    ref, ours = results["hf_eager"]["loss_first"], results["ours"]["loss_first"]
+    assert ref > 0 and abs(ours - ref) / ref < 1e-2
+    assert "fused_linear_cross_entropy:Qwen2_5_VLForConditionalGeneration.forward" in results["ours"]["patched"]
