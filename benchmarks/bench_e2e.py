@@ -148,8 +148,7 @@ OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_ent
 def _build_model(spec, device, torch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if spec.get("kind") == "image_text":
-        AutoModelForCausalLM = AutoModelForImageTextToText  # noqa: N806 - the same from_config call below
+    auto = AutoModelForImageTextToText if spec.get("kind") == "image_text" else AutoModelForCausalLM
     cfg = AutoConfig.for_model(spec["model_type"], **spec["config"])
     cfg.use_cache = False
     try:
@@ -158,9 +157,9 @@ def _build_model(spec, device, torch):
         pass
     with torch.device(device):
         try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+            model = auto.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
         except TypeError:  # older transformers spell it torch_dtype
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+            model = auto.from_config(cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.to(device=device, dtype=torch.bfloat16).train()
 
 
