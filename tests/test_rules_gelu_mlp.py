@@ -17,24 +17,45 @@ from autopatch.rules import gelu_mlp  # noqa: E402
 
 RULE = gelu_mlp.RULE
 ARCHS = {a.class_name: a for a in tiny_models.causal_lm_architectures()}
+ARCHS.setdefault("GPT2LMHeadModel", tiny_models.Architecture("gpt2", "transformers.models.gpt2.modeling_gpt2",
+                                                             "GPT2LMHeadModel"))
 
 pytestmark = pytest.mark.usefixtures("restore_patches")
+
+
+def _with_dropout(model, p: float = 0.2) -> int:
+    """Every MLP dropout of the model at probability p (module or float attribute); how many."""
+    count = 0
+    for m in model.modules():
+        if type(getattr(m, "dropout", None)) is torch.nn.Dropout and hasattr(m, "c_proj"):
+            m.dropout.p = p
+            count += 1
+        if isinstance(getattr(m, "residual_dropout", None), float):
+            m.residual_dropout = p
+            count += 1
+    return count
 
 
 @pytest.mark.parametrize("arch,mlp,launches", [
     ("PhiForCausalLM", "PhiMLP", True),  # gelu_new (tanh)
     ("GPTNeoXForCausalLM", "GPTNeoXMLP", True),  # erf GELU
     ("PersimmonForCausalLM", "PersimmonMLP", False),  # the same structure with relu²: the original runs
+    ("GPT2LMHeadModel", "GPT2MLP", True),  # Conv1D projections, a dropout module after c_proj
+    ("Starcoder2ForCausalLM", "Starcoder2MLP", True),  # F.dropout(p=self.residual_dropout) after c_proj
 ])
 def test_patched_model_matches(arch, mlp, launches):
     model = tiny_models.build_tiny(ARCHS[arch])
+    if arch in ("GPT2LMHeadModel", "Starcoder2ForCausalLM"):
+        assert _with_dropout(model) > 0  # training draws masks: the same seed must give the same ones
     inputs = tiny_models.smoke_inputs(model)
+    torch.manual_seed(0)
     ref = train_and_eval(model, inputs)
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
     record = verdict_of(RULE.patch_module(module, everything), mlp)
     assert record.patched and record.kernel == "gelu_mlp", record
     assert verdict_of(RULE.patch_module(module, everything), mlp) == record  # idempotent
     before = fused_kernels.launch_counts().get("gelu_bwd", 0)
+    torch.manual_seed(0)
     got = train_and_eval(model, inputs)
     ran = fused_kernels.launch_counts().get("gelu_bwd", 0) - before
     assert (ran > 0) == launches, ran
@@ -46,7 +67,6 @@ def test_patched_model_matches(arch, mlp, launches):
 
 
 @pytest.mark.parametrize("model_dir,target,reason", [
-    ("starcoder2", "Starcoder2MLP", "dropout"),
     ("falcon", "FalconMLP", "not a plain nn.Linear"),
     ("bloom", "BloomMLP", "extra arguments"),
 ])
@@ -79,3 +99,37 @@ def test_clip_quick_gelu_instance():
     (g1,) = torch.autograd.grad(out.sum(), x)
     (g2,) = torch.autograd.grad(ref.sum(), x)
     assert_close(g1, g2, torch.float32, "grad")
+
+
+def test_a_dropout_before_the_second_projection_is_left_alone():
+    """The seeded training-mode probe tells a dropout after the second projection (patched) from one
+    before it (another mask: left alone)."""
+    import types
+
+    module = types.ModuleType("transformers_modules.fake_org.modeling_fake_mlp")
+
+    def make(dropout_last: bool):
+        class FakeMLP(torch.nn.Module):
+            def __init__(self, hidden, intermediate):
+                super().__init__()
+                self.fc1 = torch.nn.Linear(hidden, intermediate)
+                self.fc2 = torch.nn.Linear(intermediate, hidden)
+                self.act = torch.nn.GELU()
+                self.dropout = torch.nn.Dropout(0.1)
+
+            def forward(self, x):
+                if dropout_last:
+                    return self.dropout(self.fc2(self.act(self.fc1(x))))
+                return self.fc2(self.dropout(self.act(self.fc1(x))))
+
+        FakeMLP.__module__ = module.__name__
+        return FakeMLP
+
+    for last in (True, False):
+        module.FakeMLP = make(last)
+        gelu_mlp._verdicts.pop(module.FakeMLP, None)
+        record = verdict_of(RULE.patch_module(module, everything), "FakeMLP")
+        if last:
+            assert record.patched and record.variant.startswith("dropout(fc2("), record
+        else:
+            assert not record.patched and "not the last step" in record.reason, record

@@ -44,6 +44,10 @@ REFERENCES = {
     "gelu_quick": lambda t: t * torch.sigmoid(1.702 * t),
 }
 APPROXIMATE = {"gelu_tanh": "tanh", "gelu_erf": "none", "gelu_quick": "quick"}
+# A dropout after the second projection, as GPT-2 (a child module) and StarCoder2 (a float attribute read
+# by F.dropout) apply it: proven in training mode with a seeded probe, applied again after the kernel.
+DROPOUT_MODULES = ("dropout",)
+DROPOUT_FLOATS = ("residual_dropout",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +57,40 @@ class Variant:
     second: str
     act_attr: str
     state: tuple = ()
+    dropout: tuple = ()  # ("module", name) or ("float", name): a dropout after the second projection
 
     def describe(self) -> str:
-        return f"{self.second}({self.act_attr}({self.first}(x))), {self.act_attr} a GELU (tanh, erf, quick) at run time"
+        text = f"{self.second}({self.act_attr}({self.first}(x)))"
+        if self.dropout:
+            text = f"{self.dropout[1]}({text})"
+        return f"{text}, {self.act_attr} a GELU (tanh, erf, quick) at run time"
+
+
+def _conv1d_type():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except Exception:  # noqa: BLE001
+        return None
+    return Conv1D
+
+
+def _projection_ok(proj) -> bool:
+    """An nn.Linear, or transformers' Conv1D (GPT-2: x @ weight + bias, weight (in, out)), exactly."""
+    return type(proj) is nn.Linear or (_conv1d_type() is not None and type(proj) is _conv1d_type())
+
+
+def _in_features(proj) -> int:
+    return proj.in_features if isinstance(proj, nn.Linear) else proj.weight.shape[0]
+
+
+def _dropped(y, dropout: tuple, instance):
+    """y through the instance's own trailing dropout (the same call, so the same random mask)."""
+    if not dropout:
+        return y
+    kind, name = dropout
+    if kind == "module":
+        return getattr(instance, name)(y)
+    return nn.functional.dropout(y, p=getattr(instance, name), training=instance.training)
 
 
 def pair_of(cls: type):
@@ -76,20 +111,24 @@ def detect(cls: type, module: ModuleType):
         forward_source = inspect.getsource(cls.forward)
     except (OSError, TypeError):
         forward_source = ""
-    if "dropout" in forward_source:
-        return None, "its forward applies dropout"
     with _probe.probing():
         instance, why = _probe.build_mlp(cls, module)
         if instance is None:
             return None, why
         first, second = (getattr(instance, name, None) for name in pair)
         for name, proj in zip(pair, (first, second)):
-            if type(proj) is not nn.Linear:
-                return None, f"{name} is {type(proj).__name__}, not a plain nn.Linear"
+            if not _projection_ok(proj):
+                return None, f"{name} is {type(proj).__name__}, not a plain nn.Linear or Conv1D"
         act_attr = next((a for a in glu_mlp.ACT_ATTRS if getattr(instance, a, None) is not None), "")
         if not act_attr:
             return None, f"no activation attribute ({', '.join(glu_mlp.ACT_ATTRS)})"
-        extra_children = [n for n, _ in instance.named_children() if n not in pair and n != act_attr]
+        dropout = next((("module", n) for n in DROPOUT_MODULES if type(getattr(instance, n, None)) is nn.Dropout),
+                       next((("float", n) for n in DROPOUT_FLOATS
+                             if isinstance(getattr(instance, n, None), (int, float)) and n in forward_source), ()))
+        if "dropout" in forward_source and not dropout:
+            return None, "its forward applies a dropout this rule does not know"
+        extra_children = [n for n, _ in instance.named_children()
+                          if n not in pair and n != act_attr and (not dropout or n != dropout[1])]
         if extra_children:
             return None, f"has other submodules ({', '.join(extra_children)})"
         own = [n for n, _ in instance.named_parameters(recurse=False)] + [n for n, _ in instance.named_buffers(recurse=False)]
@@ -109,7 +148,8 @@ def detect(cls: type, module: ModuleType):
         instance.double()
         for p in instance.parameters():
             p.copy_(_probe.randn(tuple(p.shape), gen, torch.float64, scale=0.3))
-        x = _probe.randn((2, 3, first.in_features), gen, torch.float64)
+        x = _probe.randn((2, 3, _in_features(first)), gen, torch.float64)
+        instance.eval()  # the formula first, dropout off
         try:
             out = cls.forward(instance, x)
         except Exception as exc:  # noqa: BLE001
@@ -119,11 +159,49 @@ def detect(cls: type, module: ModuleType):
         if matches != [kind]:
             return None, (f"matches no formula {pair[1]}(gelu({pair[0]}(x)))" if not matches else
                           f"forward computes {', '.join(matches)} but {act_attr} is {kind}")
-        return Variant(kind, pair[0], pair[1], act_attr, state), ""
+        if dropout:
+            why = _probe_trailing_dropout(cls, instance, x, dropout, lambda t: second(getattr(instance, act_attr)(first(t))))
+            if why:
+                return None, why
+        return Variant(kind, pair[0], pair[1], act_attr, state, dropout), ""
+
+
+def _probe_trailing_dropout(cls, instance, x, dropout, formula) -> str:
+    """'' when, in training mode with the dropout at p = 0.5, the forward equals dropout(formula(x)) drawn
+    from the same seed (a dropout anywhere else draws another mask); else why not."""
+    kind, name = dropout
+    if kind == "module":
+        getattr(instance, name).p = 0.5
+    else:
+        setattr(instance, name, 0.5)
+    instance.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        out = cls.forward(instance, x)
+        torch.manual_seed(1234)
+        want = _dropped(formula(x), dropout, instance)
+    if _probe.rel_err(out, want) > glu_mlp.PROBE_TOL:
+        return f"its dropout ({name}) is not the last step after the second projection"
+    return ""
+
+
+def _fusable_conv1d(module, h: torch.Tensor) -> bool:
+    """A plain Conv1D (its own forward, no hooks) with weights of h's dtype, no DTensor, no autocast."""
+    from torch.nn.modules import module as _module
+
+    conv = _conv1d_type()
+    if conv is None or type(module) is not conv or "forward" in module.__dict__ or module._forward_hooks \
+            or module._forward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    weight, bias = module.weight, module.bias
+    return (weight.dtype == h.dtype and weight.device == h.device and not hasattr(weight, "device_mesh")
+            and (bias is None or (bias.dtype == h.dtype and not hasattr(bias, "device_mesh")))
+            and not torch.is_autocast_enabled(h.device.type))
 
 
 def make_forward(original_forward: Callable, variant: Variant, input_name: str):
     first_name, second_name, act_attr, state = variant.first, variant.second, variant.act_attr, variant.state
+    dropout = variant.dropout
 
     def forward(self, *args, **kwargs):
         x = args[0] if args else kwargs.get(input_name)
@@ -141,8 +219,12 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             return original_forward(self, *args, **kwargs)
         second = getattr(self, second_name)
         if glu_mlp._fusable_down_proj(second, h):
-            return fk.gelu_linear(h, second.weight, second.bias, APPROXIMATE[kind])
-        return second(fk.gelu(h, APPROXIMATE[kind]))
+            y = fk.gelu_linear(h, second.weight, second.bias, APPROXIMATE[kind])
+        elif _fusable_conv1d(second, h):  # x @ weight + bias, weight (in, out): the same as linear with weight.t()
+            y = fk.gelu_linear(h, second.weight.t(), second.bias, APPROXIMATE[kind])
+        else:
+            y = second(fk.gelu(h, APPROXIMATE[kind]))
+        return _dropped(y, dropout, self)
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
 
