@@ -13,7 +13,8 @@ KERNELS: dict[str, str] = {
     "geglu": "gated MLP forward with a GELU gate (tanh or erf) -> fused_kernels.geglu; MoE experts modules with "
              "GELU experts -> fused_kernels.moe_experts",
     "gelu_mlp": "plain MLP forward second(gelu(first(x))) (fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h; "
-                "GELU tanh, erf or quick): vision towers (CLIP, SigLIP, ViT), Phi, GPT-NeoX -> "
+                "GELU tanh, erf or quick; a trailing dropout): vision towers (CLIP, SigLIP, ViT), Phi, GPT-NeoX, GPT-2, "
+                "StarCoder2 -> "
                 "fused_kernels.gelu_linear (gelu(h) recomputed in the backward, not kept)",
     "cross_entropy": "the causal-LM loss where logits exist anyway (eval, no labels path) -> fused_kernels.cross_entropy",
     "fused_linear_cross_entropy": "*ForCausalLM forward in training with labels: lm_head + loss without full logits -> fused_kernels.fused_linear_cross_entropy",

@@ -10,14 +10,16 @@ forward is run in float64 on random weights against
     second(act(first(x)))        act in {gelu_tanh, gelu_erf, gelu_quick (x·σ(1.702x))}
 
 and exactly one must match, the activation the instance holds (a GELU put in its place when the tiny
-config chose another one). At run time the activation is read
+config chose another one). A dropout must be the last step: in training mode at p = 0.5, the forward
+must equal dropout(second(act(first(x)))) drawn from the same seed. At run time the activation is read
 from each instance (as the GLU rule does); another activation, a disabled kernel, other arguments or an
 instance built differently from the probed one run the original forward.
 
 Patch. `forward` calls the instance's first projection (so LoRA wrappers keep working) and then
-fused_kernels.gelu_linear with the second one's weight and bias when that is a plain nn.Linear of the
-activations' dtype (no hooks, no autocast): gelu(h) is recomputed in the backward instead of being kept
-(tokens × intermediate per layer). Otherwise the second projection runs on fused_kernels.gelu(h).
+fused_kernels.gelu_linear with the second one's weight and bias when that is a plain nn.Linear or Conv1D
+(weight transposed, a view) of the activations' dtype (no hooks, no autocast): gelu(h) is recomputed in
+the backward instead of being kept (tokens × intermediate per layer). Otherwise the second projection
+runs on fused_kernels.gelu(h). The instance's own dropout follows, the same call as the original's.
 """
 
 from __future__ import annotations
