@@ -24,6 +24,7 @@ from fused_kernels.moe_experts import moe_experts
 
 __all__ = [
     "rms_norm",
+    "layer_norm",
     "rope",
     "swiglu",
     "geglu",

@@ -36,6 +36,17 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
     return devices == {"cpu"} and interpreter_on()
 
 
+def require_triton(op: str, *tensors: torch.Tensor) -> None:
+    """RuntimeError naming `op` and the devices when the Triton kernels cannot run on `tensors` (an op's
+    entry calls this; patched components check triton_can_run first and call the original code)."""
+    if not triton_can_run(*tensors):
+        devices = sorted({str(t.device) for t in tensors})
+        raise RuntimeError(
+            f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
+            f"got tensors on {', '.join(devices)}"
+        )
+
+
 def check_interpreter_unchanged() -> None:
     """Before a launch on CPU tensors: were the kernels built in the TRITON_INTERPRET mode that
     os.environ shows now? triton.jit reads the variable once per kernel, when the kernel's module is

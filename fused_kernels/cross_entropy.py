@@ -77,7 +77,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, require_triton
 
 __all__ = ["cross_entropy"]
 
@@ -767,15 +767,6 @@ def finish_loss(loss_rows: torch.Tensor, coef: torch.Tensor, flag: torch.Tensor,
             f"got {bad.numel()} outside, e.g. {bad[:5].tolist()}"
         )
     return loss
-
-
-def require_triton(op: str, *tensors: torch.Tensor) -> None:
-    if not triton_can_run(*tensors):
-        devices = sorted({str(t.device) for t in tensors})
-        raise RuntimeError(
-            f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
-            f"got tensors on {', '.join(devices)}"
-        )
 
 
 def _forward_impl(logits, target, divisor, ignore_index, reduction, label_smoothing, z_loss, softcap,

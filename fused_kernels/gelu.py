@@ -29,7 +29,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
 
 __all__ = ["gelu", "gelu_linear", "plan", "APPROXIMATE"]
 
@@ -77,15 +77,8 @@ def _launch(kernel, ins, out, act: int) -> None:
                dict(ACT=act, BLOCK=cfg.block, EXACT_BF16=_INTERPRETED, num_warps=cfg.num_warps))
 
 
-def _require(op: str, *tensors) -> None:
-    if not triton_can_run(*tensors):
-        devices = sorted({str(t.device) for t in tensors})
-        raise RuntimeError(f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
-                           f"got tensors on {', '.join(devices)}")
-
-
 def _forward(x: torch.Tensor, act: int) -> torch.Tensor:
-    _require("gelu", x)
+    require_triton("gelu", x)
     count_launch("gelu_fwd")
     x = x.contiguous()
     out = _new_output(x.shape, x.dtype, x.device)
@@ -95,7 +88,7 @@ def _forward(x: torch.Tensor, act: int) -> torch.Tensor:
 
 def _backward(dout: torch.Tensor, x: torch.Tensor, act: int, into: torch.Tensor = None) -> torch.Tensor:
     """dx = dout · gelu'(x); `into`: a contiguous buffer of x's shape to write it in (may be dout itself)."""
-    _require("gelu", dout, x)
+    require_triton("gelu", dout, x)
     count_launch("gelu_bwd")
     x = x.contiguous()
     dout = dout.to(x.dtype).contiguous()

@@ -49,7 +49,7 @@ from fused_kernels._activations import GELU_APPROXIMATE, GELU_ERF, GELU_TANH, SI
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, require_triton
 
 __all__ = ["swiglu", "geglu", "glu_linear"]
 
@@ -255,17 +255,8 @@ def _launch(kernel, direction: str, inputs: list[torch.Tensor], outputs: list[to
                     num_warps=cfg.num_warps))
 
 
-def _require_triton(op: str, *tensors: torch.Tensor) -> None:
-    if not all(t.is_cuda for t in tensors) and not triton_can_run(*tensors):
-        devices = sorted({str(t.device) for t in tensors})
-        raise RuntimeError(
-            f"{op}: the Triton kernels run on CUDA tensors, or on CPU tensors with TRITON_INTERPRET=1; "
-            f"got tensors on {', '.join(devices)}"
-        )
-
-
 def _forward(op: str, gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
-    _require_triton(op, gate, up)
+    require_triton(op, gate, up)
     count_launch(op)
     out = _empty_output(gate.shape, gate)
     if out.numel():
@@ -279,7 +270,7 @@ def _backward(op: str, dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     the caller needs no more) where one launch can do that (`_writable_rows`). In place, the version
     counters of gate and up are bumped, so a second backward through a graph that saved them
     (retain_graph=True) fails loudly instead of reading gradients as activations."""
-    _require_triton(op, dout, gate, up)
+    require_triton(op, dout, gate, up)
     count_launch(op)
     if dout.dtype != gate.dtype:
         dout = dout.to(gate.dtype)

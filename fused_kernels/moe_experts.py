@@ -49,7 +49,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, triton_can_run
+from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
 from fused_kernels.glu import geglu, swiglu
 
 __all__ = ["moe_experts", "plan", "ACTIVATIONS"]
@@ -261,9 +261,7 @@ def _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, transpos
 
 
 def _forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: int, transposed: bool):
-    if not triton_can_run(hidden):
-        raise RuntimeError(f"moe_experts: the Triton kernels run on CUDA tensors, or on CPU tensors with "
-                           f"TRITON_INTERPRET=1; got tensors on {hidden.device}")
+    require_triton("moe_experts", hidden, gate_up_proj, down_proj)
     count_launch("moe_experts_fwd")
     n_tokens, k = top_k_index.shape
     n_experts = gate_up_proj.shape[0]
