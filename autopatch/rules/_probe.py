@@ -342,12 +342,18 @@ def describe_exc(exc: BaseException) -> str:
 
 def plain_linear(module) -> bool:
     """An nn.Linear whose call is exactly F.linear(x, weight, bias), so that a patched forward may use
-    its weight directly: no subclass forward (quantised, LoRA), no instance-level forward (accelerate
-    hooks), no module hooks (FSDP units, user hooks) and no global module hooks
-    (nn.modules.module.register_module_forward_hook: they would see every call but this one)."""
+    its weight directly (plain_call)."""
+    return plain_call(module, nn.Linear)
+
+
+def plain_call(module, cls: type) -> bool:
+    """Whether calling `module` runs exactly `cls.forward`: an instance of cls with no subclass forward
+    (quantised, LoRA), no instance-level forward (accelerate hooks), no module hooks (FSDP units, user
+    hooks) and no global module hooks (nn.modules.module.register_module_forward_hook: they would see
+    every call but this one)."""
     return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
+        isinstance(module, cls)
+        and type(module).forward is cls.forward
         and "forward" not in module.__dict__
         and not module._forward_hooks
         and not module._forward_pre_hooks

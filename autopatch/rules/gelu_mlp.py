@@ -188,17 +188,9 @@ def _probe_trailing_dropout(cls, instance, x, dropout, formula) -> str:
 
 
 def _fusable_conv1d(module, h: torch.Tensor) -> bool:
-    """A plain Conv1D (its own forward, no hooks) with weights of h's dtype, no DTensor, no autocast."""
-    from torch.nn.modules import module as _module
-
+    """A Conv1D called as Conv1D.forward (no hooks, no forward of its own) whose weights fit h."""
     conv = _conv1d_type()
-    if conv is None or type(module) is not conv or "forward" in module.__dict__ or module._forward_hooks \
-            or module._forward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
-    weight, bias = module.weight, module.bias
-    return (weight.dtype == h.dtype and weight.device == h.device and not hasattr(weight, "device_mesh")
-            and (bias is None or (bias.dtype == h.dtype and not hasattr(bias, "device_mesh")))
-            and not torch.is_autocast_enabled(h.device.type))
+    return conv is not None and type(module) is conv and _probe.plain_call(module, conv) and glu_mlp.weights_fit(module, h)
 
 
 def make_forward(original_forward: Callable, variant: Variant, input_name: str):

@@ -257,14 +257,18 @@ def _fusable_down_proj(down, gate: torch.Tensor) -> bool:
     (_probe.plain_linear: no forward of its own, no hooks that would be skipped, global ones
     included), plain tensors of gate's dtype (no DTensor), and no autocast (which would recast the
     weight inside the Linear)."""
-    if not _probe.plain_linear(down):
+    return _probe.plain_linear(down) and weights_fit(down, gate)
+
+
+def weights_fit(module, x: torch.Tensor) -> bool:
+    """Whether `module`'s weight and bias may go straight into a kernel call on `x`: plain tensors (no
+    DTensor) of x's dtype and device, and no autocast (which would recast them inside the module)."""
+    weight, bias = module.weight, module.bias
+    if weight.dtype != x.dtype or weight.device != x.device or hasattr(weight, "device_mesh"):
         return False
-    weight, bias = down.weight, down.bias
-    if weight.dtype != gate.dtype or weight.device != gate.device or hasattr(weight, "device_mesh"):
+    if bias is not None and (bias.dtype != x.dtype or hasattr(bias, "device_mesh")):
         return False
-    if bias is not None and (bias.dtype != gate.dtype or hasattr(bias, "device_mesh")):
-        return False
-    return not torch.is_autocast_enabled(gate.device.type)
+    return not torch.is_autocast_enabled(x.device.type)
 
 
 def _unobserved(mlp, fused: bool) -> bool:
