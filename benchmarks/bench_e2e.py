@@ -136,7 +136,7 @@ MODELS = {
         "batch": 2, "seq": 32,
     },
 }
-PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile", "ours_keep_input")
+PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_env", "ours_compile", "ours_keep_input")
 OUR_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True, causal_mask=True)
 
 
@@ -218,6 +218,13 @@ def _compile(model, mode, torch):
     return torch.compile(model)
 
 
+def _record_patches(info: dict, records) -> None:
+    recs = [r.as_dict() if hasattr(r, "as_dict") else str(r) for r in (records or [])]
+    info["patched"] = sorted({f"{r['kernel']}:{r['target']}" for r in recs if isinstance(r, dict) and r.get("patched")})
+    info["not_patched"] = sorted({f"{r['kernel']}:{r['target']}: {r.get('reason', '')}"[:200]
+                                  for r in recs if isinstance(r, dict) and not r.get("patched")})
+
+
 def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     """(model, info): the model of `spec` as `peer` trains it (Liger's class patches before it is built,
     autopatch after, torch.compile last); info holds the parameter count and what was patched. Used by
@@ -226,9 +233,20 @@ def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     info = {}
     if peer == "liger":
         info["liger_applied"] = _apply_liger(spec)  # class-level patch, before the model exists
+    if peer == "ours_env":  # FUSED_KERNELS=all set by the driver; the installed .pth registered the hooks
+        started = "autopatch._startup" in sys.modules
+        if not started:  # run from a checkout without installing: the same hooks, started by hand
+            import autopatch
+
+            autopatch.enable()
+        info["started_by"] = ".pth (FUSED_KERNELS=all)" if started else "autopatch.enable() (no .pth: not installed)"
     model = _build_model(spec, device, torch)
     info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
-    if peer.startswith("ours"):
+    if peer == "ours_env":
+        import autopatch
+
+        _record_patches(info, autopatch.applied())
+    elif peer.startswith("ours"):
         import autopatch
 
         if peer == "ours_keep_input":  # A/B: the memory trade-offs of the rules off (norms keep x, MLPs keep h)
@@ -237,11 +255,7 @@ def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
             rms_norm.KEEP = "input"
             glu_mlp.FUSE_DOWN_PROJ = False
 
-        records = autopatch.apply(model, **OUR_TOGGLES)
-        recs = [r.as_dict() if hasattr(r, "as_dict") else str(r) for r in (records or [])]
-        info["patched"] = [f"{r['kernel']}:{r['target']}" for r in recs if isinstance(r, dict) and r.get("patched")]
-        info["not_patched"] = [f"{r['kernel']}:{r['target']}: {r.get('reason', '')}"[:200]
-                               for r in recs if isinstance(r, dict) and not r.get("patched")]
+        _record_patches(info, autopatch.apply(model, **OUR_TOGGLES))
     if peer.endswith("compile"):
         model = _compile(model, compile_mode, torch)
     return model, info
@@ -342,14 +356,16 @@ def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
     """Cheapest and most telling runs first, so a budget cut drops compile peers, not the baselines."""
     if tiny:
         order = [("tiny_llama", p) for p in ("hf_eager", "ours", "liger", "ours_keep_input")]
-        order += [("tiny_qwen2_5_vl", p) for p in ("hf_eager", "ours")]
+        order += [("tiny_qwen2_5_vl", p) for p in ("hf_eager", "ours_env")]
     else:
         q, l = "qwen3_0.6b", "llama3_8b_4layers"
         order = [(q, "hf_eager"), (q, "ours"), (q, "liger"), (l, "hf_eager"), (l, "ours"), (l, "liger"),
                  (q, "torch_compile"), (q, "ours_compile"), (l, "torch_compile"), (l, "ours_compile"),
                  (q, "ours_keep_input"), (l, "ours_keep_input")]
-        for other in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers", "qwen2_5_vl_3b", "gemma3_4b"):
+        for other in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers"):
             order += [(other, "hf_eager"), (other, "ours"), (other, "liger")]
+        for other in ("qwen2_5_vl_3b", "gemma3_4b"):  # every kernel, from the environment alone
+            order += [(other, "hf_eager"), (other, "ours_env"), (other, "liger")]
     if models:
         order = [o for o in order if o[0] in models]
     if peers:
@@ -364,8 +380,12 @@ def _run_worker(model_key, peer, args, timeout_s) -> dict:
            "--steps", str(args.e2e_steps), "--warmup", str(args.e2e_warmup), "--device", args.device,
            "--compile-mode", args.compile_mode, "--result", path]
     t0 = time.perf_counter()
+    # Only ours_env sees a FUSED_KERNELS setting: the other peers run with none of our variables.
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    if peer == "ours_env":
+        env["FUSED_KERNELS"] = "all"
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     try:
         log, _ = proc.communicate(timeout=timeout_s)
         timed_out = False

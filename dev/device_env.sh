@@ -2,9 +2,17 @@
 # wheels (.whl/: pydantic-settings & co., liger-kernel, cut-cross-entropy) into /tmp/site and puts them
 # and the repository on PYTHONPATH (the repository is used in place, not installed); real kernels, not
 # the Triton interpreter.
+# A carried autopatch wheel (built here: pip wheel --no-deps . -w .whl/) goes into the image's own
+# site-packages, where its autopatch.pth runs at interpreter start: FUSED_KERNELS=all then patches with
+# nothing imported, as for a user. The checkout stays first on PYTHONPATH, so the code is this commit's.
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  deps=$(ls .whl/*.whl | grep -v '/autopatch-')
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $deps \
     || echo "WARNING: wheel install failed; pydantic-settings / liger / cut-ce may be missing"
+  if compgen -G ".whl/autopatch-*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-cache-dir --force-reinstall .whl/autopatch-*.whl \
+      || echo "WARNING: the autopatch wheel did not install; its .pth will not run"
+  fi
 else
   echo "WARNING: no .whl/ carried; autopatch needs pydantic-settings, and the Liger / Cut-CE peers will be skipped"
 fi

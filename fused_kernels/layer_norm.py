@@ -68,16 +68,18 @@ _INTERPRETED = interpreter_on()
 class LayerNormConfig:
     """Launch shape of one call's kernels."""
 
-    rows: int  # rows per tile (power of two): several for short rows, so each load is large enough
+    fwd_rows: int  # forward rows per tile (power of two): several for short rows, so each load is large enough
     fwd_block: int  # forward: columns per load (power of two), >= n_cols unless fwd_chunked
     fwd_chunked: bool  # forward: rows swept twice in chunks of fwd_block columns
     fwd_warps: int
-    fwd_programs: int  # forward grid: one program per tile on a GPU, a few under the interpreter
+    fwd_programs: int  # forward grid: one program per tile, or fewer looping over tiles (persistent)
+    fwd_stages: int  # software pipelining of the whole-row forward's tile loop (1: none)
+    bwd_rows: int  # backward rows per tile
     bwd_block: int
     bwd_chunked: bool
     bwd_warps: int
     bwd_programs: int  # persistent backward programs, each writing one dw and one db partial row
-    num_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
+    bwd_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
 
 
 # Whole rows in registers, from the sizing of fused_kernels/rms_norm.py's tables (H200, sm_90a): 2-4 K
@@ -145,8 +147,8 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
     # The same number of sweeps with fewer programs where possible (fewer partial rows to sum).
     bwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, bwd_programs))
     fwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, fwd_programs))
-    cfg = LayerNormConfig(rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs,
-                          bwd_block, bwd_chunked, bwd_warps, bwd_programs, stages)
+    cfg = LayerNormConfig(rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs, 1,
+                          rows, bwd_block, bwd_chunked, bwd_warps, bwd_programs, stages)
     backward = (f"backward: {bwd_programs} persistent programs writing dw/db partial rows"
                 + (" (capped so that their rows stay in L2)" if bwd_chunked and not interpreted else ""))
     if not bwd_chunked:
@@ -176,6 +178,7 @@ def _layer_norm_fwd_kernel(
     n_rows, n_cols, stride_x, stride_y, eps,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, CHUNKED: tl.constexpr, EXACT_BF16: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     # Tiles of ROWS rows; program p takes tiles p, p + P, p + 2P, ...
     pid = tl.program_id(0)
@@ -189,7 +192,7 @@ def _layer_norm_fwd_kernel(
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
-        for tile in range(pid, n_tiles, n_programs):
+        for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
             rows = tile * ROWS + tl.arange(0, ROWS)
             row_mask = rows < n_rows
             rows64 = rows.to(tl.int64)
@@ -399,8 +402,8 @@ def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optiona
     launch(_layer_norm_fwd_kernel, (cfg.fwd_programs,),
            (x2, x2 if weight is None else weight, x2 if bias is None else bias, y, mean, rstd,
             n_rows, n_cols, _row_stride(x2), n_cols, eps),
-           dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.fwd_block, ROWS=cfg.rows,
-                CHUNKED=cfg.fwd_chunked, EXACT_BF16=_INTERPRETED, num_warps=cfg.fwd_warps))
+           dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_N=cfg.fwd_block, ROWS=cfg.fwd_rows,
+                CHUNKED=cfg.fwd_chunked, EXACT_BF16=_INTERPRETED, NUM_STAGES=cfg.fwd_stages, num_warps=cfg.fwd_warps))
     return y, mean, rstd
 
 
@@ -432,7 +435,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
            (dy2, x2, x2 if weight is None else weight, mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1),
             dx, dw_partial, db_partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols),
            dict(HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=cfg.bwd_block,
-                ROWS=cfg.rows, CHUNKED=cfg.bwd_chunked, EXACT_BF16=_INTERPRETED, NUM_STAGES=cfg.num_stages,
+                ROWS=cfg.bwd_rows, CHUNKED=cfg.bwd_chunked, EXACT_BF16=_INTERPRETED, NUM_STAGES=cfg.bwd_stages,
                 num_warps=cfg.bwd_warps))
     dw = _new_output(weight.shape, weight.dtype, device) if compute_dw else empty()
     db = _new_output(bias.shape, bias.dtype, device) if compute_db else empty()

@@ -14,8 +14,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, tmp_path, timeout=600):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+def _run(args, tmp_path, timeout=600, **extra_env):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, **extra_env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -186,15 +186,22 @@ def test_bench_moe_tiny_checks_every_peer_against_eager(tmp_path):
 def test_bench_e2e_image_text_worker_on_the_cpu(tmp_path):
     """benchmarks/bench_e2e.py's image-text path on its tiny Qwen2.5-VL: HF eager and ours train a step on
     batches with an image per sequence (placeholder tokens, grid pixels), the same first loss, and ours
-    runs the fused loss on the multimodal head."""
+    runs the fused loss on the multimodal head, whether applied (ours) or from FUSED_KERNELS=all in the
+    environment alone (ours_env: the worker calls nothing of ours but reads the records)."""
     results = {}
-    for peer in ("hf_eager", "ours"):
+    for peer in ("hf_eager", "ours", "ours_env"):
         out = tmp_path / f"{peer}.json"
+        extra = {"FUSED_KERNELS": "all"} if peer == "ours_env" else {}
         proc = _run(["benchmarks/bench_e2e.py", "--worker", "--model", "tiny_qwen2_5_vl", "--peer", peer,
-                     "--device", "cpu", "--steps", "1", "--warmup", "1", "--result", str(out)], tmp_path)
+                     "--device", "cpu", "--steps", "1", "--warmup", "1", "--result", str(out)], tmp_path, **extra)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         results[peer] = json.loads(out.read_text())
         assert results[peer]["status"] == "ok" and results[peer]["finite"], results[peer]
-    ref, ours = results["hf_eager"]["loss_first"], results["ours"]["loss_first"]
-    assert ref > 0 and abs(ours - ref) / ref < 1e-2
-    assert "fused_linear_cross_entropy:Qwen2_5_VLForConditionalGeneration.forward" in results["ours"]["patched"]
+    ref = results["hf_eager"]["loss_first"]
+    assert ref > 0
+    for peer in ("ours", "ours_env"):
+        assert abs(results[peer]["loss_first"] - ref) / ref < 1e-2, (peer, results[peer]["loss_first"], ref)
+        assert "fused_linear_cross_entropy:Qwen2_5_VLForConditionalGeneration.forward" in results[peer]["patched"]
+    # every kernel from the environment: the vision tower's norms and the text MLP too
+    kernels = {p.split(":")[0] for p in results["ours_env"]["patched"]}
+    assert {"rms_norm", "swiglu", "fused_linear_cross_entropy"} <= kernels, kernels

@@ -281,14 +281,14 @@ def test_plan_named_shapes_h200():
     p = ln_module.plan(16384, 4096, torch.bfloat16, 132, False)
     assert p.path == "whole-row"
     c = p.config
-    assert (c.fwd_block, c.rows, c.fwd_warps, c.fwd_chunked, c.bwd_chunked) == (4096, 1, 8, False, False)
+    assert (c.fwd_block, c.fwd_rows, c.fwd_warps, c.fwd_chunked, c.bwd_chunked) == (4096, 1, 8, False, False)
     # 2 per SM = 264 wanted: 63 tiles each, so 261 programs do the same sweeps with fewer partial rows
     assert c.fwd_programs == 16384 and c.bwd_programs == 261 and c.bwd_warps == 8
     assert "fit in registers" in p.reason
 
     p = ln_module.plan(65536, 1024, torch.bfloat16, 132, False)
     c = p.config
-    assert p.path == "whole-row" and (c.fwd_block, c.rows) == (1024, 4)
+    assert p.path == "whole-row" and (c.fwd_block, c.fwd_rows) == (1024, 4)
     assert c.fwd_programs == 16384 and c.bwd_programs == 261  # 4 rows per tile
 
     p = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)

@@ -15,7 +15,7 @@ the model defines it, with one notice.
     linear cross entropy ran on every step; and the HF Trainer with `deepspeed=` (ZeRO-3), plain and
     patched by FUSED_KERNELS=all alone, the same logged losses.
 
-    python tests/test_stack_deepspeed.py STAGE OUT.pt                (the subprocesses' entry points)
+    python tests/test_stack_deepspeed.py STAGE[-cuda] OUT.pt         (the subprocesses' entry points)
     python tests/test_stack_deepspeed.py trainer OUT.pt OUTPUT_DIR
 """
 
@@ -127,13 +127,26 @@ def test_zero3_stand_in_without_a_deepspeed_hook_falls_back_with_one_notice(caps
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [3, 2])
 def test_deepspeed_zero_plain_vs_patched(stage, tmp_path):
+    _zero_plain_vs_patched(stage, "cpu", tmp_path)
+
+
+@pytest.mark.gpu
+def test_deepspeed_zero3_plain_vs_patched_on_the_gpu(tmp_path):
+    """The same comparison on one GPU (NCCL, world size 1: ZeRO-3 still partitions every parameter),
+    the kernels compiled for the GPU rather than interpreted."""
+    _zero_plain_vs_patched(3, "cuda", tmp_path)
+
+
+def _zero_plain_vs_patched(stage: int, device: str, tmp_path) -> None:
     pytest.importorskip("deepspeed", reason="DeepSpeed is an optional test dependency (pip install -e .[deepspeed])")
     from helpers import assert_close
     from test_e2e_env import clean_env
 
     out = tmp_path / "ds.pt"
-    proc = subprocess.run([sys.executable, str(Path(__file__)), str(stage), str(out)],
-                          env=clean_env(PYTHONPATH=str(REPO), MASTER_PORT=str(29500 + os.getpid() % 500 + stage)),
+    extra = {} if device == "cpu" else {"TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, str(Path(__file__)), f"{stage}-{device}", str(out)],
+                          env=clean_env(PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+                                        MASTER_PORT=str(29500 + os.getpid() % 500 + stage), **extra),
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     got = torch.load(out, weights_only=False)
@@ -199,13 +212,13 @@ def _train_hf_trainer_zero3(output_dir: str) -> dict:
     return {"losses": log.losses, "launches": stack_worker.launches()}
 
 
-def _train_zero(stage: int, patch: bool) -> dict:
+def _train_zero(stage: int, patch: bool, device: str) -> dict:
     import deepspeed
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "fp16": {"enabled": False}, "bf16": {"enabled": False}}
-    model = stack_worker.tiny_llama()
+    model = stack_worker.tiny_llama().to(device)
     if patch:
         import autopatch
 
@@ -217,7 +230,7 @@ def _train_zero(stage: int, patch: bool) -> dict:
     losses = []
     for step in range(2):
         ids, labels = _batch(seed=step)
-        out = engine(input_ids=ids, labels=labels)
+        out = engine(input_ids=ids.to(device), labels=labels.to(device))
         engine.backward(out.loss)
         engine.step()
         losses.append(float(out.loss))
@@ -225,7 +238,7 @@ def _train_zero(stage: int, patch: bool) -> dict:
     params = {}
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None, enabled=stage == 3):
-            params[name] = p.detach().clone()
+            params[name] = p.detach().cpu().clone()
     return {"losses": losses, "params": params,
             "launches": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}}
 
@@ -236,12 +249,13 @@ def main(argv: list[str]) -> int:
     if argv[0] == "trainer":
         torch.save(_train_hf_trainer_zero3(argv[2]), argv[1])
         return 0
-    stage, out = int(argv[0]), argv[1]
+    stage, _, device = argv[0].partition("-")
+    stage, device, out = int(stage), device or "cpu", argv[1]
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    plain = _train_zero(stage, patch=False)
-    patched = _train_zero(stage, patch=True)
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
+    plain = _train_zero(stage, patch=False, device=device)
+    patched = _train_zero(stage, patch=True, device=device)
     torch.save({"plain": plain, "patched": patched}, out)
     return 0
 

@@ -1,0 +1,201 @@
+"""Which launch shape of fused_kernels.layer_norm is fastest on this GPU, forward and backward apart.
+
+    TRITON_INTERPRET=0 python dev/tune_layer_norm.py [--shapes 16384x4096,65536x1024] [--budget-s 200]
+                                                     [--out ln_sweep.json]
+
+Per shape (bf16 x, weight and bias): every candidate LayerNormConfig (rows per tile, warps, grid size,
+pipelining; chunked sweeps for long rows) is forced in place of plan()'s, checked against torch's fp32
+LayerNorm, and timed kernel-only (CUDA-graph replay, `tune_common.graph_ms`) against the floor from a
+copy measured in the same run (forward: read x + write y; backward: read x, dy + write dx). plan()'s own
+choice and torch's F.layer_norm are timed the same way. Candidates past the time budget are skipped (the
+JSON says how many). The JSON keeps every timing, so a table change can cite it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import itertools
+import json
+import os
+import sys
+import time
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tune_common import graph_ms, header  # noqa: E402
+
+import fused_kernels  # noqa: E402,F401  (registers the custom ops)
+from fused_kernels._dispatch import Plan  # noqa: E402
+
+ln = importlib.import_module("fused_kernels.layer_norm")
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def forward_candidates(n_rows: int, n_cols: int, sms: int):
+    """(fwd_rows, fwd_block, chunked, warps, programs, stages) tuples worth timing for this shape."""
+    out = []
+    whole = max(16, _pow2_at_least(n_cols))
+    if whole <= 16384:
+        for rows in (1, 2, 4, 8, 16):
+            tile = rows * whole
+            if tile > 8192 or (rows > 1 and tile < 1024):
+                continue
+            for warps in (1, 2, 4, 8, 16, 32):
+                per_thread = tile // (32 * warps)
+                if per_thread not in (4, 8, 16, 32) or (per_thread == 32 and warps < 32 and whole < 16384):
+                    continue
+                n_tiles = -(-n_rows // rows)
+                out.append((rows, whole, False, warps, n_tiles, 1))
+                for per_sm in (2, 4, 8):
+                    if per_sm * sms < n_tiles and warps * per_sm <= 64:
+                        out.append((rows, whole, False, warps, per_sm * sms, 3))
+    if n_cols > 4096:
+        for block, rows, warps in ((8192, 1, 16), (4096, 1, 8), (4096, 2, 16), (2048, 4, 16), (4096, 1, 16)):
+            if block < n_cols:
+                out.append((rows, block, True, warps, -(-n_rows // rows), 1))
+    return out
+
+
+def backward_candidates(n_rows: int, n_cols: int, sms: int):
+    """(bwd_rows, bwd_block, chunked, warps, programs, stages) tuples worth timing for this shape."""
+    out = []
+    whole = max(16, _pow2_at_least(n_cols))
+    if whole <= 16384:
+        for rows in (1, 2, 4, 8, 16):
+            tile = rows * whole
+            if tile > 8192 or (rows > 1 and tile < 1024):
+                continue
+            for warps in (2, 4, 8, 16, 32):
+                per_thread = tile // (32 * warps)
+                if per_thread not in (4, 8, 16) and not (whole == 16384 and warps == 32):
+                    continue
+                n_tiles = -(-n_rows // rows)
+                for per_sm in (1, 2, 3, 4, 8):
+                    if warps * per_sm > 64 or per_sm * sms > n_tiles * 2:
+                        continue
+                    for stages in (1, 2, 3):
+                        out.append((rows, whole, False, warps, min(n_tiles, per_sm * sms), stages))
+    if n_cols > 4096:
+        for (block, rows), warps, per_sm in itertools.product(
+                ((8192, 1), (4096, 1), (4096, 2), (2048, 4), (2048, 2), (1024, 8)), (8, 16, 32), (1, 2, 3)):
+            if block >= n_cols or block * rows // (32 * warps) not in (4, 8, 16) or warps * per_sm > 64:
+                continue
+            out.append((rows, block, True, warps, min(-(-n_rows // rows), per_sm * sms), 1))
+    return out
+
+
+def with_forward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
+    rows, block, chunked, warps, programs, stages = c
+    return dataclasses.replace(base, fwd_rows=rows, fwd_block=block, fwd_chunked=chunked, fwd_warps=warps,
+                               fwd_programs=programs, fwd_stages=stages)
+
+
+def with_backward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
+    rows, block, chunked, warps, programs, stages = c
+    return dataclasses.replace(base, bwd_rows=rows, bwd_block=block, bwd_chunked=chunked, bwd_warps=warps,
+                               bwd_programs=programs, bwd_stages=stages)
+
+
+def forced(cfg: ln.LayerNormConfig):
+    return mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: Plan("forced", cfg, "tune_layer_norm"))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-2) -> bool:
+    a, b = a.float(), b.float()
+    return bool(torch.isfinite(a).all()) and (a - b).norm().item() <= tol * b.norm().item()
+
+
+def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(n_rows + n_cols)
+    x = (torch.randn(n_rows, n_cols, device=dev, generator=g) * 2 + 0.5).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(n_cols, device=dev, generator=g)).to(torch.bfloat16)
+    b = (0.1 * torch.randn(n_cols, device=dev, generator=g)).to(torch.bfloat16)
+    dy = torch.randn(n_rows, n_cols, device=dev, generator=g).to(torch.bfloat16)
+    eps = 1e-5
+    # references: torch in fp32, one rounding
+    xr = x.float().requires_grad_(True)
+    wr = w.float().requires_grad_(True)
+    br = b.float().requires_grad_(True)
+    yr = torch.nn.functional.layer_norm(xr, (n_cols,), wr, br, eps)
+    yr.backward(dy.float())
+    xb = n_rows * n_cols * 2
+    floor = {"forward": 2 * xb / (gbps * 1e6), "backward": 3 * xb / (gbps * 1e6)}
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    base = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False)
+    res = {"shape": [n_rows, n_cols], "floor_ms": floor, "plan": {"path": base.path, "config": dataclasses.asdict(base.config)}}
+
+    # plan()'s own and torch's, same timing
+    y, mean, rstd = ln._forward_impl(x, w, b, eps)
+    res["plan_ms"] = {"forward": graph_ms(lambda: ln._forward_impl(x, w, b, eps)),
+                      "backward": graph_ms(lambda: ln._backward_impl(dy, x, w, b, mean, rstd, True, True))}
+    xt = x.detach().requires_grad_(True)
+    wt = w.detach().requires_grad_(True)
+    bt = b.detach().requires_grad_(True)
+    res["torch_ms"] = {"forward": graph_ms(lambda: torch.nn.functional.layer_norm(x, (n_cols,), w, b, eps))}
+    yt = torch.nn.functional.layer_norm(xt, (n_cols,), wt, bt, eps)
+    res["torch_ms"]["backward"] = graph_ms(lambda: torch.autograd.grad(yt, (xt, wt, bt), dy, retain_graph=True))
+
+    for direction, cands, build in (("forward", forward_candidates(n_rows, n_cols, sms), with_forward),
+                                    ("backward", backward_candidates(n_rows, n_cols, sms), with_backward)):
+        rows_out, skipped = [], 0
+        for c in cands:
+            if time.time() > deadline:
+                skipped += 1
+                continue
+            cfg = build(base.config, c)
+            try:
+                with forced(cfg):
+                    if direction == "forward":
+                        fn = lambda: ln._forward_impl(x, w, b, eps)  # noqa: E731
+                        yy, mm, rr = fn()
+                        ok = close(yy, yr) and close(rr, 1 / (xr.float().var(1, unbiased=False) + eps).sqrt(), 1e-4)
+                    else:
+                        fn = lambda: ln._backward_impl(dy, x, w, b, mean, rstd, True, True)  # noqa: E731
+                        dx, dw, db = fn()
+                        ok = close(dx, xr.grad) and close(dw, wr.grad) and close(db, br.grad)
+                    ms = graph_ms(fn) if ok else None
+            except Exception as exc:  # a shape Triton cannot build (too many registers / shared memory)
+                rows_out.append({"config": list(c), "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
+                continue
+            rows_out.append({"config": list(c), "ok": ok, "ms": ms})
+        timed = sorted((r for r in rows_out if r.get("ms")), key=lambda r: r["ms"])
+        res[direction] = {"candidates": rows_out, "skipped": skipped,
+                          "fields": ["rows", "block", "chunked", "warps", "programs", "stages"]}
+        print(f"\n{n_rows}x{n_cols} {direction}: floor {floor[direction]:.4f} ms  plan {res['plan_ms'][direction]:.4f}  "
+              f"torch {res['torch_ms'][direction]:.4f}  ({len(timed)} timed, {skipped} skipped, "
+              f"{sum(1 for r in rows_out if 'error' in r or not r.get('ok', True))} failed)")
+        for r in timed[:6]:
+            print(f"   {r['ms']:.4f} ms  {floor[direction] / r['ms']:6.1%}  {r['config']}")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="16384x4096,65536x1024,4096x16384")
+    ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    start = time.time()
+    gbps = header(torch.device("cuda"))
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "triton": importlib.import_module("triton").__version__, "copy_gbps": gbps, "shapes": []}
+    for i, (r, c) in enumerate(shapes):
+        # an equal share of what is left for each remaining shape
+        deadline = time.time() + (args.budget_s - (time.time() - start)) / (len(shapes) - i)
+        results["shapes"].append(sweep_shape(r, c, gbps, deadline))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
