@@ -365,7 +365,7 @@ def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
         for other in ("qwen3_moe_30b_a3b_6layers", "deepseek_v3_6layers"):
             order += [(other, "hf_eager"), (other, "ours"), (other, "liger")]
         for other in ("qwen2_5_vl_3b", "gemma3_4b"):  # every kernel, from the environment alone
-            order += [(other, "hf_eager"), (other, "ours_env"), (other, "liger")]
+            order += [(other, "hf_eager"), (other, "ours_env"), (other, "liger"), (other, "ours_keep_input")]
     if models:
         order = [o for o in order if o[0] in models]
     if peers:
