@@ -82,25 +82,22 @@ class LayerNormConfig:
     bwd_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
 
 
-# Whole rows in registers, from the sizing of fused_kernels/rms_norm.py's tables (H200, sm_90a): 2-4 K
-# elements per tile for short rows, 16 fp32 values per thread per held array so nothing spills. The
-# LayerNorm backward holds one array more than RMSNorm's (the db partial sums), so its rows per tile and
-# programs per SM stop one step earlier. (largest n_cols, rows per tile, forward warps, backward warps,
-# backward programs per SM)
-_TABLE = (
-    (64, 32, 4, 4, 4),
-    (256, 16, 8, 8, 2),
-    (512, 8, 8, 8, 2),
-    (1024, 4, 8, 8, 2),
-    (2048, 2, 8, 8, 2),
-    (4096, 1, 8, 8, 2),
-    (8192, 1, 16, 16, 1),
-    (16384, 1, 32, None, None),  # forward only: the backward's 16 K row held whole spills (as RMSNorm's)
-)
-WHOLE_ROW_MAX = {"forward": 16384, "backward": 8192}
-# Chunked rows: 8 K columns per chunk, 16 fp32 values per thread at 16 warps.
-_CHUNK = 8192
-_CHUNK_WARPS = 16
+# Sizes measured on an H200 (dev/tune_layer_norm.py: every candidate forced and timed kernel-only; the
+# numbers are in docs/kernels/layer_norm.md). One rule fits the widths it measured (1024 and 4096 columns):
+# 16 fp32 values per thread per held array, small programs, several resident per SM, and the tile loop
+# software-pipelined (3 stages) so one tile's loads are in flight while the previous one is reduced.
+#   forward:  one row per tile (at least 1024 columns a tile), warps = tile / 512, up to 8 programs per SM
+#             (64 warps an SM at most), persistent;
+#   backward: at least 2048 columns a tile (2 rows of 1024), warps = tile / 512, 16 warps an SM.
+WHOLE_ROW_MAX = {"forward": 8192, "backward": 8192}
+_PER_THREAD = 16
+_FWD_MIN_TILE, _FWD_WARPS_PER_SM, _FWD_MAX_PER_SM = 1024, 64, 8
+_BWD_MIN_TILE, _BWD_WARPS_PER_SM = 2048, 16
+_STAGES = 3
+# Longer rows are swept twice in column chunks; two rows of 4096 columns per tile at 16 warps were the
+# fastest (forward and backward) of the chunkings timed at 16384 columns. Two rows a tile also halve the
+# backward's read-modify-writes of its partial dw / db rows (one per tile).
+_CHUNK, _CHUNK_ROWS, _CHUNK_WARPS = 4096, 2, 16
 # Chunked backward: the second sweep re-reads x and dy and read-modify-writes the program's two partial
 # rows; persistent programs are capped so that all of it stays within this much of the L2 (H200: 50 MiB).
 L2_BUDGET_BYTES = 32 * 2**20
@@ -116,53 +113,61 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _whole_row_tiling(whole: int, min_tile: int) -> tuple[int, int]:
+    """(rows per tile, warps): tiles of at least min_tile elements, _PER_THREAD values per thread."""
+    rows = max(1, min_tile // whole)
+    return rows, max(1, rows * whole // (32 * _PER_THREAD))
+
+
 @functools.lru_cache(maxsize=4096)
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False) -> Plan:
     """The launch plan for `n_rows` rows of `n_cols` elements of `dtype` on a device with `sm_count` SMs
     (`interpreted`: the CPU interpreter). Path "whole-row" (each row in registers, read once per kernel)
-    or "chunked" (two sweeps over column chunks); with the backward alone chunked, "whole-row-fwd"."""
+    or "chunked" (two sweeps over column chunks, the second from L2)."""
     if n_cols < 1:
         raise ValueError(f"n_cols must be >= 1; got {n_cols}")
     bytes_x = torch.empty(0, dtype=dtype).element_size()
-    row = next((r for r in _TABLE if n_cols <= r[0]), None)
     whole = max(16, _next_pow2(n_cols))
-    fwd_chunked = row is None
-    bwd_chunked = row is None or row[3] is None
-    rows = 1 if bwd_chunked else row[1]  # one tiling for both kernels: the backward's is the tighter
-    fwd_block, fwd_warps = (_CHUNK, _CHUNK_WARPS) if fwd_chunked else (whole, row[2])
-    if bwd_chunked:
-        bwd_block, bwd_warps, per_sm, stages = _CHUNK, _CHUNK_WARPS, 1, 1
+    chunked = whole > WHOLE_ROW_MAX["backward"]
+    if chunked:
+        fwd_rows = bwd_rows = _CHUNK_ROWS if whole <= 2 * WHOLE_ROW_MAX["backward"] else 1  # as measured; beyond,
+        # two rows a tile would halve the programs the L2 budget allows
+        fwd_block = bwd_block = _CHUNK
+        fwd_warps = bwd_warps = _CHUNK_WARPS
+        fwd_per_sm, bwd_per_sm, fwd_stages, bwd_stages = None, 1, 1, 1
     else:
-        bwd_block, bwd_warps, per_sm, stages = whole, row[3], row[4], 2
-    n_tiles = max(1, _cdiv(n_rows, rows))
+        fwd_rows, fwd_warps = _whole_row_tiling(whole, _FWD_MIN_TILE)
+        bwd_rows, bwd_warps = _whole_row_tiling(whole, _BWD_MIN_TILE)
+        fwd_block = bwd_block = whole
+        fwd_per_sm = min(_FWD_MAX_PER_SM, max(1, _FWD_WARPS_PER_SM // fwd_warps))
+        bwd_per_sm = max(1, _BWD_WARPS_PER_SM // bwd_warps)
+        fwd_stages = bwd_stages = _STAGES
+    fwd_tiles = max(1, _cdiv(n_rows, fwd_rows))
+    bwd_tiles = max(1, _cdiv(n_rows, bwd_rows))
     if interpreted:
-        fwd_programs = min(n_tiles, _INTERPRETER_PROGRAMS)
-        bwd_programs = min(n_tiles, _INTERPRETER_PROGRAMS)
+        fwd_programs = min(fwd_tiles, _INTERPRETER_PROGRAMS)
+        bwd_programs = min(bwd_tiles, _INTERPRETER_PROGRAMS)
     else:
-        fwd_programs = n_tiles
-        bwd_programs = min(n_tiles, max(1, per_sm * sm_count))
-        if bwd_chunked:
-            per_program = n_cols * (2 * bytes_x + 8)  # x, dy and the two fp32 partial rows
+        fwd_programs = fwd_tiles if fwd_per_sm is None else min(fwd_tiles, fwd_per_sm * sm_count)
+        bwd_programs = min(bwd_tiles, max(1, bwd_per_sm * sm_count))
+        if chunked:
+            per_program = bwd_rows * n_cols * 2 * bytes_x + n_cols * 8  # x and dy of a tile, two fp32 partial rows
             bwd_programs = min(bwd_programs, max(1, L2_BUDGET_BYTES // per_program))
     # The same number of sweeps with fewer programs where possible (fewer partial rows to sum).
-    bwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, bwd_programs))
-    fwd_programs = _cdiv(n_tiles, _cdiv(n_tiles, fwd_programs))
-    cfg = LayerNormConfig(rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs, 1,
-                          rows, bwd_block, bwd_chunked, bwd_warps, bwd_programs, stages)
-    backward = (f"backward: {bwd_programs} persistent programs writing dw/db partial rows"
-                + (" (capped so that their rows stay in L2)" if bwd_chunked and not interpreted else ""))
-    if not bwd_chunked:
+    bwd_programs = _cdiv(bwd_tiles, _cdiv(bwd_tiles, bwd_programs))
+    fwd_programs = _cdiv(fwd_tiles, _cdiv(fwd_tiles, fwd_programs))
+    cfg = LayerNormConfig(fwd_rows, fwd_block, chunked, fwd_warps, fwd_programs, fwd_stages,
+                          bwd_rows, bwd_block, chunked, bwd_warps, bwd_programs, bwd_stages)
+    backward = (f"backward: {bwd_programs} persistent programs of {bwd_rows}-row tiles writing dw/db partial rows"
+                + (" (capped so that their rows stay in L2)" if chunked and not interpreted else ""))
+    if not chunked:
         path = "whole-row"
-        reason = f"rows of {n_cols} fit in registers ({whole} columns, {rows} rows per tile); {backward}"
-    elif not fwd_chunked:
-        path = "chunked-backward"
-        reason = (f"forward: rows of {n_cols} fit in registers ({fwd_warps} warps); the backward holds rows of up "
-                  f"to {WHOLE_ROW_MAX['backward']}: two sweeps over {_CHUNK}-column chunks, the second from L2; "
-                  f"{backward}")
+        reason = (f"rows of {n_cols} fit in registers ({whole} columns; forward {fwd_rows} rows a tile, "
+                  f"{fwd_programs} programs; {backward})")
     else:
         path = "chunked"
-        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX['forward']} columns: both kernels sweep each row twice "
-                  f"in {_CHUNK}-column chunks, the second sweep from L2; {backward}")
+        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX['backward']} columns: both kernels sweep each row twice "
+                  f"in {_CHUNK}-column chunks, {_CHUNK_ROWS} rows a tile, the second sweep from L2; {backward}")
     if interpreted:
         reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
     return Plan(path, cfg, reason)

@@ -124,7 +124,7 @@ def test_width_4097(dtype, affine):
     check(x, w, b)
 
 
-@pytest.mark.parametrize("width,path", [(9000, "chunked-backward"), (20000, "chunked")])
+@pytest.mark.parametrize("width,path", [(9000, "chunked"), (20000, "chunked")])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_long_rows_chunked(width, path, dtype):
     """Rows longer than the whole-row limits: the chunked sweeps (mean merged across chunks), with a
@@ -278,29 +278,33 @@ def test_compile_fullgraph_no_graph_breaks():
 # --- the plan: one place decides the launch shape ---------------------------------------------
 
 def test_plan_named_shapes_h200():
+    """The launch shapes dev/tune_layer_norm.py measured fastest on an H200 (docs/kernels/layer_norm.md)."""
     p = ln_module.plan(16384, 4096, torch.bfloat16, 132, False)
     assert p.path == "whole-row"
     c = p.config
-    assert (c.fwd_block, c.fwd_rows, c.fwd_warps, c.fwd_chunked, c.bwd_chunked) == (4096, 1, 8, False, False)
+    assert (c.fwd_block, c.fwd_rows, c.fwd_warps, c.fwd_stages, c.fwd_chunked) == (4096, 1, 8, 3, False)
+    assert c.fwd_programs == 1024  # 8 per SM = 1056 wanted: 16 tiles each, so 1024 programs do the same
     # 2 per SM = 264 wanted: 63 tiles each, so 261 programs do the same sweeps with fewer partial rows
-    assert c.fwd_programs == 16384 and c.bwd_programs == 261 and c.bwd_warps == 8
+    assert (c.bwd_rows, c.bwd_warps, c.bwd_stages, c.bwd_programs) == (1, 8, 3, 261)
     assert "fit in registers" in p.reason
 
     p = ln_module.plan(65536, 1024, torch.bfloat16, 132, False)
     c = p.config
-    assert p.path == "whole-row" and (c.fwd_block, c.fwd_rows) == (1024, 4)
-    assert c.fwd_programs == 16384 and c.bwd_programs == 261  # 4 rows per tile
+    assert p.path == "whole-row" and (c.fwd_block, c.fwd_rows, c.fwd_warps) == (1024, 1, 2)
+    assert c.fwd_programs == 1041  # 8 per SM = 1056 wanted: 63 tiles each
+    assert (c.bwd_rows, c.bwd_warps, c.bwd_programs) == (2, 4, 521)  # 4 per SM: 32768 tiles, 63 each
 
     p = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
     c = p.config
-    assert p.path == "chunked-backward"
-    assert (c.fwd_block, c.fwd_chunked, c.fwd_warps) == (16384, False, 32)
-    assert (c.bwd_block, c.bwd_chunked) == (8192, True)
-    assert c.bwd_programs == 128  # 132 wanted, the L2 budget allows 170; 32 rows each
+    assert p.path == "chunked"
+    assert (c.fwd_block, c.fwd_rows, c.fwd_chunked, c.fwd_warps) == (4096, 2, True, 16)
+    assert (c.bwd_block, c.bwd_rows, c.bwd_chunked) == (4096, 2, True)
+    assert c.fwd_programs == 2048 and c.bwd_programs == 128  # 132 wanted (L2 allows 170): 16 tiles each
     assert "L2" in p.reason
 
     p = ln_module.plan(1024, 65536, torch.bfloat16, 132, False)
     assert p.path == "chunked" and p.config.fwd_chunked and p.config.bwd_chunked
+    assert p.config.bwd_rows == 1  # two rows a tile would halve the programs the L2 budget allows
     assert p.config.bwd_programs == 41  # 32 MiB of L2 / (65536 · 12 bytes) = 42 -> 25 rows each
 
 
