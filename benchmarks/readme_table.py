@@ -1,7 +1,8 @@
 """The README's performance tables, made from the results files.
 
     python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json \
-        benchmarks/results/h200-torch2.11-triton3.6-moe.json                  # print
+        benchmarks/results/h200-torch2.11-triton3.6-moe.json \
+        benchmarks/results/h200-torch2.11-triton3.6-vlm.json                  # print
     ... --update README.md                                                     # into the README
 
 With --update the text between the README's `<!-- perf-table:begin -->` and `<!-- perf-table:end -->`
@@ -12,8 +13,8 @@ Kernel rows (forward + backward, bf16): our GPU time (the kernels' own durations
 fastest peer's GPU time, their ratio, our fraction of the ceiling measured in the same run (copy
 bandwidth for memory-bound ops, bf16 matmul for the fused linear cross entropy), then the do_bench wall
 time and our peak memory beyond inputs and gradients. Training-step rows: tokens/s and peak GiB per peer.
-A further file with MoE results (benchmarks/bench_moe.py's experts block, bench_e2e.py's MoE models; each
-row with the commit of its run) adds the mixture-of-experts tables.
+Further files, each row with the commit of its run, add their tables: the MoE one (bench_moe.py's experts
+block, bench_e2e.py's MoE models) and the vision-language one (bench_e2e.py's image-text models).
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ KERNEL_ROWS = (
     ("flce 16384x2304->262144", "Fused linear CE 16384×2304 → 262144"),
 )
 PEER_NAMES = {"hf_eager": "HF eager", "torch_compile": "torch.compile", "liger": "Liger", "cutce": "Cut-CE",
-              "cutce_exact": "Cut-CE exact", "ours": "autopatch", "ours_compile": "autopatch + compile"}
+              "cutce_exact": "Cut-CE exact", "ours": "autopatch", "ours_compile": "autopatch + compile",
+              "ours_env": "autopatch (FUSED_KERNELS=all)", "ours_keep_input": "autopatch, memory trade-offs off"}
 NOT_PEERS = ("ours", "host_floor")  # host_floor launches empty kernels: what Python costs any eager op
-E2E_PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_compile")
+E2E_PEERS = ("hf_eager", "torch_compile", "liger", "ours", "ours_env", "ours_keep_input", "ours_compile")
 E2E_MODELS = {"qwen3_0.6b": "Qwen3-0.6B", "llama3_8b_4layers": "Llama-3-8B, 4 layers"}
 MOE_MODELS = {"qwen3_moe_30b_a3b_6layers": "Qwen3-30B-A3B, 6 layers",
               "deepseek_v3_6layers": "DeepSeek-V3 style, 6 layers"}
+VLM_MODELS = {"qwen2_5_vl_3b": "Qwen2.5-VL-3B", "gemma3_4b": "Gemma-3-4B"}
 MOE_BLOCKS = {"qwen3_moe": "Qwen3-30B-A3B experts", "deepseek_v3": "DeepSeek-V3-style experts"}
 
 
@@ -82,7 +85,7 @@ def kernel_table(results: dict) -> list[str]:
 
 
 def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
-    runs = {(r["model"], r["peer"]): r for r in results.get("e2e", []) if r.get("status") == "ok"}
+    runs = {(r["model"], r["peer"]): r for r in results.get("e2e", []) if r.get("status") in ("ok", "oom")}
     peers = [p for p in E2E_PEERS if any(key[1] == p for key in runs)]
     lines = ["| training step | " + " | ".join(PEER_NAMES[p] for p in peers) + " |",
              "|---|" + "---|" * len(peers)]
@@ -90,10 +93,10 @@ def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
         cells = []
         for p in peers:
             r = runs.get((model, p))
-            cells.append("–" if r is None else
+            cells.append("–" if r is None else "out of memory" if r["status"] == "oom" else
                          f"{r['tokens_per_s'] / 1000:.1f}k tok/s, {r['peak_gib']:.1f} GiB")
-        if any(c != "–" for c in cells):
-            r0 = next(runs[(model, p)] for p in peers if (model, p) in runs)
+        if any(c not in ("–", "out of memory") for c in cells):
+            r0 = next(runs[(model, p)] for p in peers if (model, p) in runs and runs[(model, p)]["status"] == "ok")
             lines.append(f"| {label} ({r0['batch']}×{r0['seq']} tokens) | " + " | ".join(cells) + " |")
     return lines
 
@@ -122,19 +125,24 @@ def experts_table(results: dict) -> list[str]:
     return lines
 
 
-def render_moe(results: dict, path: str) -> str:
+def render_further(results: dict, path: str) -> str:
+    """A further file's tables: the MoE training steps and experts block, or the image-text training steps."""
     meta = results["meta"]
     commits = sorted({r.get("git_commit", "?") for r in [*results.get("e2e", []), *results.get("experts_block", [])]})
-    head = (f"Mixtures of experts, same machine and stack ({meta['gpu']}, torch {meta['torch']}, transformers "
+    models = {r["model"] for r in results.get("e2e", [])}
+    what = "Vision-language models" if models & set(VLM_MODELS) else "Mixtures of experts"
+    head = (f"{what}, same machine and stack ({meta['gpu']}, torch {meta['torch']}, transformers "
             f"{meta['transformers']}, Liger-Kernel {meta.get('liger_kernel', '–')}); runs on commits "
             f"{', '.join(commits)}, each row's in the file. From [{path}]({path}).")
+    if what == "Vision-language models":
+        return "\n".join([head, "", *e2e_table(results, VLM_MODELS)])
     return "\n".join([head, "", *e2e_table(results, MOE_MODELS), "", *experts_table(results)])
 
 
 def render_all(files: list[tuple[dict, str]]) -> str:
     """The block for the README: the main results file, then each further file's tables."""
     parts = [render(*files[0])]
-    parts += [render_moe(results, path) for results, path in files[1:]]
+    parts += [render_further(results, path) for results, path in files[1:]]
     return "\n\n".join(parts)
 
 
@@ -149,7 +157,7 @@ def update(readme: str, table: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="The README's performance tables from the results files.")
     ap.add_argument("results", help="the results JSON written by benchmarks/bench.py")
-    ap.add_argument("more", nargs="*", help="further results files: the MoE one (bench_moe.py, bench_e2e.py)")
+    ap.add_argument("more", nargs="*", help="further results files: the MoE and the vision-language ones")
     ap.add_argument("--update", metavar="README", help="replace the table block of this file")
     args = ap.parse_args(argv)
     files = []
