@@ -8,6 +8,9 @@
 #   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
 #                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/;
 #                                             BENCH_TRL_HEAD_ARGS="--cases qwen3_0.6b --sets sft" narrows it)
+#   PART=trl_sft bash dev/gpu_check.sh        TRL SFTTrainer steps per peer (benchmarks/bench_trl.py; JSON:
+#                                             $OUT/trl_sft.json; needs TRL, datasets, dill, multiprocess
+#                                             wheels and an autopatch wheel in .whl/; BENCH_TRL_ARGS narrows)
 #
 # The README table comes from the kernels and e2e parts on one commit, merged:
 #   python benchmarks/bench.py --merge k.json e.json --out benchmarks/results/<gpu>-<stack>.json
@@ -34,7 +37,8 @@ case "${PART:-all}" in
   kernels) : "${TOTAL_BUDGET_S:=560}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=kernels; BENCH_MODES=${BENCH_MODES:-fwdbwd} ;;
   e2e) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=e2e ;;
   trl_head) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_head ;;
-  *) echo "gpu_check: PART must be all, tests, kernels, e2e or trl_head; got '$PART'" >&2; exit 2 ;;
+  trl_sft) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_sft ;;
+  *) echo "gpu_check: PART must be all, tests, kernels, e2e, trl_head or trl_sft; got '$PART'" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -97,6 +101,11 @@ elif [ "$PARTS" = trl_head ]; then
     || echo "[gpu_check] trl is NOT importable: the TRL peer will be missing (carry a TRL 1.16 wheel in .whl/)"
   timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl_head.py --out "$OUT/trl_head.json" \
     --budget-s "$LEFT" ${BENCH_TRL_HEAD_ARGS:-} 2>&1 | tee "$OUT/trl_head.log"
+  BENCH_RC=${PIPESTATUS[0]}
+elif [ "$PARTS" = trl_sft ]; then
+  echo "== (d) TRL SFTTrainer steps: plain, use_liger_kernel, FUSED_KERNELS=all (budget ${LEFT} s)"
+  timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl.py --out "$OUT/trl_sft.json" \
+    --budget-s "$LEFT" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$OUT/trl_sft.log"
   BENCH_RC=${PIPESTATUS[0]}
 elif [ "$LEFT" -lt 60 ]; then
   echo "[gpu_check] only $LEFT s left: benchmark not run"

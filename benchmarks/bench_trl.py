@@ -1,0 +1,238 @@
+"""TRL's SFTTrainer, end to end: tokens/s and peak memory per peer, each peer in a fresh process.
+
+    python benchmarks/bench_trl.py --out trl.json [--models qwen3_0.6b,llama3_2_3b] [--peers trl,trl_liger,trl_ours]
+    python benchmarks/bench_trl.py --device cpu --models tiny_llama --steps 1 --warmup 1    (the CPU dry run)
+
+What runs (TRL 1.16's SFTConfig defaults otherwise: gradient checkpointing on, AdamW fused, bf16 on a
+GPU): random weights from benchmarks/bench_e2e.py's model configs, built on the device; pre-tokenized
+random sequences of the model's length (no tokenization, no packing), batch × seq tokens a step; an
+offline word-level tokenizer for the collator's pad id. Peers:
+  trl        plain TRL;
+  trl_liger  SFTConfig(use_liger_kernel=True);
+  trl_ours   FUSED_KERNELS=all in the worker's environment, nothing imported by it (autopatch installed
+             as a wheel runs from its .pth; from a checkout, autopatch.enable() starts the same hooks).
+A callback times each optimizer step with CUDA events (forward, backward and AdamW; the data loader's
+host work between steps is outside) after `warmup` untimed steps, and resets the peak-memory counter
+there. The first logged loss must agree across peers (same seed, same weights, same batches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(1, ROOT)
+if HERE not in sys.path:
+    sys.path.insert(1, HERE)
+
+import bench_e2e  # noqa: E402  (the model configs, how a model is built, how patches are recorded)
+
+PEERS = ("trl", "trl_liger", "trl_ours")
+MODELS = dict(bench_e2e.MODELS)
+MODELS["qwen3_0.6b"] = dict(MODELS["qwen3_0.6b"], batch=4, seq=4096)
+MODELS["llama3_2_3b"] = {  # Llama-3.2-3B shape
+    "model_type": "llama",
+    "config": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                   num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
+    "batch": 4, "seq": 4096,
+}
+DEFAULT_MODELS = ("qwen3_0.6b", "llama3_2_3b")
+
+
+def _tokenizer():
+    """A word-level tokenizer built in memory (the data is pre-tokenized; the collator reads its pad id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab={"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _step_timer(warmup: int, torch, cuda: bool):
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        """CUDA-event (or wall, on the CPU) time of each optimizer step; the peak-memory counter reset
+        when the first timed step begins; every logged loss."""
+
+        def __init__(self):
+            self.step_ms, self.losses, self._begin, self.step = [], [], None, 0
+
+        def on_step_begin(self, args, state, control, **kw):
+            if self.step == warmup and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            if cuda:
+                self._begin = torch.cuda.Event(enable_timing=True)
+                self._begin.record()
+            else:
+                self._begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                ms = self._begin.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - self._begin) * 1e3
+            if self.step >= warmup:
+                self.step_ms.append(ms)
+            self.step += 1
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    return StepTimer()
+
+
+def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str, out_dir: str) -> dict:
+    import torch
+    from datasets import Dataset
+
+    spec = MODELS[model_key]
+    batch, seq = spec["batch"], spec["seq"]
+    res = {"model": model_key, "peer": peer, "trainer": "sft", "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+           "status": "ok"}
+    if peer == "trl_ours":
+        started = "autopatch._startup" in sys.modules
+        if not started:
+            import autopatch
+
+            autopatch.enable()
+        res["started_by"] = ".pth (FUSED_KERNELS=all)" if started else "autopatch.enable() (no .pth: not installed)"
+    import trl
+
+    res["trl"] = trl.__version__
+    cuda = device_name == "cuda"
+    device = torch.device(device_name)
+    torch.manual_seed(0)
+    model = bench_e2e._build_model(spec, device, torch)
+    vocab = spec["config"]["vocab_size"]
+    gen = torch.Generator().manual_seed(1)
+    rows = (warmup + steps) * batch
+    ids = torch.randint(3, vocab, (rows, seq), generator=gen).tolist()
+    data = Dataset.from_dict({"input_ids": ids})
+    config = trl.SFTConfig(
+        output_dir=out_dir, max_steps=warmup + steps, per_device_train_batch_size=batch, max_length=seq,
+        learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+        seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, use_cpu=not cuda, bf16=cuda,
+        use_liger_kernel=peer == "trl_liger")
+    timer = _step_timer(warmup, torch, cuda)
+    t0 = time.perf_counter()
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=_tokenizer(),
+                             callbacks=[timer])
+    trainer.train()
+    res["wall_s"] = time.perf_counter() - t0
+    if peer == "trl_ours":
+        import autopatch
+
+        bench_e2e._record_patches(res, autopatch.applied())
+        res["runs"] = {f"{r.kernel}:{r.target}": r.runs for r in autopatch.applied() if r.patched and r.runs}
+    if cuda:
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    res["step_ms"] = timer.step_ms
+    res["step_ms_median"] = statistics.median(timer.step_ms)
+    res["tokens_per_s"] = batch * seq / (res["step_ms_median"] * 1e-3)
+    res["losses"] = timer.losses
+    res["loss_first"] = timer.losses[0] if timer.losses else None
+    res["finite"] = all(x == x and abs(x) != float("inf") for x in timer.losses)
+    return res
+
+
+def _run(model_key: str, peer: str, args, timeout_s: float) -> dict:
+    fd, path = tempfile.mkstemp(prefix=f"trl_{model_key}_{peer}_", suffix=".json")
+    os.close(fd)
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    if peer == "trl_ours":
+        env["FUSED_KERNELS"] = "all"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model_key, "--peer", peer,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", path]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        log, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        log, code = f"{exc.stdout or ''}{exc.stderr or ''}", "timeout"
+    try:
+        with open(path) as f:
+            text = f.read()
+        res = json.loads(text) if text.strip() else None
+    finally:
+        os.remove(path)
+    if res is None:
+        tail = "\n".join(str(log).strip().splitlines()[-15:])
+        res = {"model": model_key, "peer": peer, "status": "timeout" if code == "timeout" else "crashed",
+               "error": f"exit {code}", "log_tail": tail[-2000:]}
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="trl.json")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of all runs")
+    ap.add_argument("--worker", action="store_true", help="internal: one model and peer, JSON to --result")
+    ap.add_argument("--model", choices=sorted(MODELS))
+    ap.add_argument("--peer", choices=PEERS)
+    ap.add_argument("--result")
+    a = ap.parse_args(argv)
+    if a.worker:
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                res = worker(a.model, a.peer, a.steps, a.warmup, a.device, out_dir)
+            except Exception as exc:  # noqa: BLE001 - the driver reads the reason from the JSON
+                import traceback
+
+                kind = "oom" if "out of memory" in str(exc).lower() else "error"
+                res = {"model": a.model, "peer": a.peer, "status": kind, "error": f"{type(exc).__name__}: {exc}"[:600],
+                       "traceback": traceback.format_exc()[-3000:]}
+        with open(a.result, "w") as f:
+            json.dump(res, f)
+        return 0 if res["status"] == "ok" else 1
+    for name, known in (("--models", MODELS), ("--peers", PEERS)):
+        bad = [v for v in getattr(a, name[2:]).split(",") if v and v not in known]
+        if bad:
+            ap.error(f"{name}: unknown {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    import torch
+    from bench_common import environment, write_json
+
+    start = time.perf_counter()
+    results = []
+    for model_key in [m for m in a.models.split(",") if m]:
+        for peer in [p for p in a.peers.split(",") if p]:
+            left = a.budget_s - (time.perf_counter() - start)
+            if left < 20:
+                results.append({"model": model_key, "peer": peer, "status": "skipped", "error": "time budget spent"})
+                continue
+            print(f"[trl] {model_key} / {peer}  ({left:.0f} s left)", flush=True)
+            res = _run(model_key, peer, a, left)
+            results.append(res)
+            if res["status"] == "ok":
+                print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
+                      f"step {res['step_ms_median']:.1f} ms, loss {res['loss_first']}", flush=True)
+            else:
+                print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
+            write_json(a.out, {"meta": environment(torch.device(a.device)), "trl_sft": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
