@@ -38,24 +38,30 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _whole_row_tilings(n_rows: int, n_cols: int, warp_choices, per_thread_ok):
+    """(rows, block, warps, tiles) of whole-row tilings: 1-16 rows a tile of at most 8192 elements (at
+    least 1024 when several rows), warps whose values per thread pass `per_thread_ok(per_thread, warps)`."""
+    whole = max(16, _pow2_at_least(n_cols))
+    if whole > 16384:
+        return
+    for rows in (1, 2, 4, 8, 16):
+        tile = rows * whole
+        if tile > 8192 or (rows > 1 and tile < 1024):
+            continue
+        for warps in warp_choices:
+            if per_thread_ok(tile // (32 * warps), warps):
+                yield rows, whole, warps, -(-n_rows // rows)
+
+
 def forward_candidates(n_rows: int, n_cols: int, sms: int):
     """(fwd_rows, fwd_block, chunked, warps, programs, stages) tuples worth timing for this shape."""
     out = []
-    whole = max(16, _pow2_at_least(n_cols))
-    if whole <= 16384:
-        for rows in (1, 2, 4, 8, 16):
-            tile = rows * whole
-            if tile > 8192 or (rows > 1 and tile < 1024):
-                continue
-            for warps in (1, 2, 4, 8, 16, 32):
-                per_thread = tile // (32 * warps)
-                if per_thread not in (4, 8, 16, 32) or (per_thread == 32 and warps < 32 and whole < 16384):
-                    continue
-                n_tiles = -(-n_rows // rows)
-                out.append((rows, whole, False, warps, n_tiles, 1))
-                for per_sm in (2, 4, 8):
-                    if per_sm * sms < n_tiles and warps * per_sm <= 64:
-                        out.append((rows, whole, False, warps, per_sm * sms, 3))
+    for rows, whole, warps, n_tiles in _whole_row_tilings(n_rows, n_cols, (1, 2, 4, 8, 16, 32),
+                                                          lambda per_thread, warps: per_thread in (4, 8, 16)):
+        out.append((rows, whole, False, warps, n_tiles, 1))  # one program per tile
+        for per_sm in (2, 4, 8):  # persistent, pipelined
+            if per_sm * sms < n_tiles and warps * per_sm <= 64:
+                out.append((rows, whole, False, warps, per_sm * sms, 3))
     if n_cols > 4096:
         for block, rows, warps in ((8192, 1, 16), (4096, 1, 8), (4096, 2, 16), (2048, 4, 16), (4096, 1, 16)):
             if block < n_cols:
@@ -66,22 +72,14 @@ def forward_candidates(n_rows: int, n_cols: int, sms: int):
 def backward_candidates(n_rows: int, n_cols: int, sms: int):
     """(bwd_rows, bwd_block, chunked, warps, programs, stages) tuples worth timing for this shape."""
     out = []
-    whole = max(16, _pow2_at_least(n_cols))
-    if whole <= 16384:
-        for rows in (1, 2, 4, 8, 16):
-            tile = rows * whole
-            if tile > 8192 or (rows > 1 and tile < 1024):
+    big = max(16, _pow2_at_least(n_cols)) == 16384  # 16 K held whole at 32 warps spills; timed all the same
+    for rows, whole, warps, n_tiles in _whole_row_tilings(
+            n_rows, n_cols, (2, 4, 8, 16, 32), lambda per_thread, warps: per_thread in (4, 8, 16) or (big and warps == 32)):
+        for per_sm in (1, 2, 3, 4, 8):
+            if warps * per_sm > 64 or per_sm * sms > n_tiles * 2:
                 continue
-            for warps in (2, 4, 8, 16, 32):
-                per_thread = tile // (32 * warps)
-                if per_thread not in (4, 8, 16) and not (whole == 16384 and warps == 32):
-                    continue
-                n_tiles = -(-n_rows // rows)
-                for per_sm in (1, 2, 3, 4, 8):
-                    if warps * per_sm > 64 or per_sm * sms > n_tiles * 2:
-                        continue
-                    for stages in (1, 2, 3):
-                        out.append((rows, whole, False, warps, min(n_tiles, per_sm * sms), stages))
+            for stages in (1, 2, 3):
+                out.append((rows, whole, False, warps, min(n_tiles, per_sm * sms), stages))
     if n_cols > 4096:
         for (block, rows), warps, per_sm in itertools.product(
                 ((8192, 1), (4096, 1), (4096, 2), (2048, 4), (2048, 2), (1024, 8)), (8, 16, 32), (1, 2, 3)):
