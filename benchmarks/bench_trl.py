@@ -1,12 +1,18 @@
-"""TRL's SFTTrainer, end to end: tokens/s and peak memory per peer, each peer in a fresh process.
+"""TRL's SFTTrainer and DPOTrainer, end to end: tokens/s and peak memory per peer, each peer in a fresh process.
 
-    python benchmarks/bench_trl.py --out trl.json [--models qwen3_0.6b,llama3_2_3b] [--peers trl,trl_liger,trl_ours]
+    python benchmarks/bench_trl.py --out trl.json [--trainers sft,dpo] [--models qwen3_0.6b,llama3_2_3b]
+                                   [--peers trl,trl_liger,trl_ours]
     python benchmarks/bench_trl.py --device cpu --models tiny_llama --steps 1 --warmup 1    (the CPU dry run)
 
-What runs (TRL 1.16's SFTConfig defaults otherwise: gradient checkpointing on, AdamW fused, bf16 on a
-GPU): random weights from benchmarks/bench_e2e.py's model configs, built on the device; pre-tokenized
-random sequences of the model's length (no tokenization, no packing), batch × seq tokens a step; an
-offline word-level tokenizer for the collator's pad id. Peers:
+What runs (TRL 1.16's configs' defaults otherwise: gradient checkpointing on, AdamW fused, bf16 on a
+GPU): random weights from benchmarks/bench_e2e.py's model configs, built on the device; random data with
+batch × seq policy tokens a step:
+  sft  pre-tokenized sequences of the model's length (no tokenization, no packing), batch of them;
+  dpo  batch // 2 pairs of text over an offline word-level tokenizer of the model's vocabulary (a word a
+       token): a prompt of seq / 2 words, chosen and rejected completions of seq / 2 words each, so each
+       step runs 2 × (batch // 2) sequences of seq tokens through the policy (and the reference model,
+       TRL's copy of it, without gradients).
+Peers:
   trl        plain TRL;
   trl_liger  SFTConfig(use_liger_kernel=True);
   trl_ours   FUSED_KERNELS=all in the worker's environment, nothing imported by it (autopatch installed
@@ -37,6 +43,7 @@ if HERE not in sys.path:
 import bench_e2e  # noqa: E402  (the model configs, how a model is built, how patches are recorded)
 
 PEERS = ("trl", "trl_liger", "trl_ours")
+TRAINERS = ("sft", "dpo")
 MODELS = dict(bench_e2e.MODELS)
 MODELS["qwen3_0.6b"] = dict(MODELS["qwen3_0.6b"], batch=4, seq=4096)
 MODELS["llama3_2_3b"] = {  # Llama-3.2-3B shape
@@ -49,14 +56,48 @@ MODELS["llama3_2_3b"] = {  # Llama-3.2-3B shape
 DEFAULT_MODELS = ("qwen3_0.6b", "llama3_2_3b")
 
 
-def _tokenizer():
-    """A word-level tokenizer built in memory (the data is pre-tokenized; the collator reads its pad id)."""
+def _tokenizer(vocab: int = 3):
+    """A word-level tokenizer built in memory: <pad> 0, <eos> 1, <unk> 2, then the words w3 ... w{vocab-1},
+    a token each (nothing is downloaded)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    core = Tokenizer(models.WordLevel(vocab={"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    words = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    core = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _words(gen, n: int, vocab: int, torch) -> str:
+    return " ".join(f"w{i}" for i in torch.randint(3, vocab, (n,), generator=gen).tolist())
+
+
+def _trainer(kind: str, model, spec: dict, rows: int, common: dict, timer, torch):
+    """The TRL trainer of `kind` on random data of the spec's shape (see the module docstring)."""
+    import trl
+    from datasets import Dataset
+
+    vocab, batch, seq = spec["config"]["vocab_size"], spec["batch"], spec["seq"]
+    gen = torch.Generator().manual_seed(1)
+    if kind == "sft":
+        ids = torch.randint(3, vocab, (rows * batch, seq), generator=gen).tolist()
+        config = trl.SFTConfig(**common, per_device_train_batch_size=batch, max_length=seq)
+        return trl.SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": ids}),
+                              processing_class=_tokenizer(), callbacks=[timer])
+    pairs, half = max(1, batch // 2), seq // 2
+    n = rows * pairs
+    data = Dataset.from_dict({
+        "prompt": [_words(gen, half, vocab, torch) for _ in range(n)],
+        # a leading space so that prompt + completion tokenizes as the prompt's tokens, then the completion's;
+        # the trailing <eos> (one of the completion's words) keeps TRL from appending another
+        "chosen": [" " + _words(gen, half - 1, vocab, torch) + " <eos>" for _ in range(n)],
+        "rejected": [" " + _words(gen, half - 1, vocab, torch) + " <eos>" for _ in range(n)],
+    })
+    config = trl.DPOConfig(**common, per_device_train_batch_size=pairs, max_length=seq)
+    torch.manual_seed(0)  # the reference: the policy's starting weights (TRL would load it from a Hub name)
+    ref = bench_e2e._build_model(spec, next(model.parameters()).device, torch).eval().requires_grad_(False)
+    return trl.DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=data,
+                          processing_class=_tokenizer(vocab), callbacks=[timer])
 
 
 def _step_timer(warmup: int, torch, cuda: bool):
@@ -98,13 +139,13 @@ def _step_timer(warmup: int, torch, cuda: bool):
     return StepTimer()
 
 
-def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str, out_dir: str) -> dict:
+def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device_name: str, out_dir: str) -> dict:
     import torch
-    from datasets import Dataset
 
     spec = MODELS[model_key]
     batch, seq = spec["batch"], spec["seq"]
-    res = {"model": model_key, "peer": peer, "trainer": "sft", "batch": batch, "seq": seq, "tokens_per_step": batch * seq,
+    tokens = batch * seq if kind == "sft" else 2 * max(1, batch // 2) * seq
+    res = {"trainer": kind, "model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": tokens,
            "status": "ok"}
     if peer == "trl_ours":
         started = "autopatch._startup" in sys.modules
@@ -120,20 +161,12 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
     device = torch.device(device_name)
     torch.manual_seed(0)
     model = bench_e2e._build_model(spec, device, torch)
-    vocab = spec["config"]["vocab_size"]
-    gen = torch.Generator().manual_seed(1)
-    rows = (warmup + steps) * batch
-    ids = torch.randint(3, vocab, (rows, seq), generator=gen).tolist()
-    data = Dataset.from_dict({"input_ids": ids})
-    config = trl.SFTConfig(
-        output_dir=out_dir, max_steps=warmup + steps, per_device_train_batch_size=batch, max_length=seq,
-        learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True, use_cpu=not cuda, bf16=cuda,
-        use_liger_kernel=peer == "trl_liger")
+    common = dict(output_dir=out_dir, max_steps=warmup + steps, learning_rate=1e-5, lr_scheduler_type="constant",
+                  logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
+                  disable_tqdm=True, use_cpu=not cuda, bf16=cuda, use_liger_kernel=peer == "trl_liger")
     timer = _step_timer(warmup, torch, cuda)
     t0 = time.perf_counter()
-    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=_tokenizer(),
-                             callbacks=[timer])
+    trainer = _trainer(kind, model, spec, warmup + steps, common, timer, torch)
     trainer.train()
     res["wall_s"] = time.perf_counter() - t0
     if peer == "trl_ours":
@@ -145,20 +178,20 @@ def worker(model_key: str, peer: str, steps: int, warmup: int, device_name: str,
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["step_ms"] = timer.step_ms
     res["step_ms_median"] = statistics.median(timer.step_ms)
-    res["tokens_per_s"] = batch * seq / (res["step_ms_median"] * 1e-3)
+    res["tokens_per_s"] = tokens / (res["step_ms_median"] * 1e-3)
     res["losses"] = timer.losses
     res["loss_first"] = timer.losses[0] if timer.losses else None
     res["finite"] = all(x == x and abs(x) != float("inf") for x in timer.losses)
     return res
 
 
-def _run(model_key: str, peer: str, args, timeout_s: float) -> dict:
-    fd, path = tempfile.mkstemp(prefix=f"trl_{model_key}_{peer}_", suffix=".json")
+def _run(kind: str, model_key: str, peer: str, args, timeout_s: float) -> dict:
+    fd, path = tempfile.mkstemp(prefix=f"trl_{kind}_{model_key}_{peer}_", suffix=".json")
     os.close(fd)
     env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
     if peer == "trl_ours":
         env["FUSED_KERNELS"] = "all"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", model_key, "--peer", peer,
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--trainer", kind, "--model", model_key, "--peer", peer,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", path]
     t0 = time.perf_counter()
     try:
@@ -174,7 +207,7 @@ def _run(model_key: str, peer: str, args, timeout_s: float) -> dict:
         os.remove(path)
     if res is None:
         tail = "\n".join(str(log).strip().splitlines()[-15:])
-        res = {"model": model_key, "peer": peer, "status": "timeout" if code == "timeout" else "crashed",
+        res = {"trainer": kind, "model": model_key, "peer": peer, "status": "timeout" if code == "timeout" else "crashed",
                "error": f"exit {code}", "log_tail": tail[-2000:]}
     res["process_wall_s"] = time.perf_counter() - t0
     return res
@@ -183,6 +216,7 @@ def _run(model_key: str, peer: str, args, timeout_s: float) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="trl.json")
+    ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--steps", type=int, default=10)
@@ -190,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of all runs")
     ap.add_argument("--worker", action="store_true", help="internal: one model and peer, JSON to --result")
+    ap.add_argument("--trainer", choices=TRAINERS)
     ap.add_argument("--model", choices=sorted(MODELS))
     ap.add_argument("--peer", choices=PEERS)
     ap.add_argument("--result")
@@ -197,17 +232,17 @@ def main(argv=None) -> int:
     if a.worker:
         with tempfile.TemporaryDirectory() as out_dir:
             try:
-                res = worker(a.model, a.peer, a.steps, a.warmup, a.device, out_dir)
+                res = worker(a.trainer, a.model, a.peer, a.steps, a.warmup, a.device, out_dir)
             except Exception as exc:  # noqa: BLE001 - the driver reads the reason from the JSON
                 import traceback
 
                 kind = "oom" if "out of memory" in str(exc).lower() else "error"
-                res = {"model": a.model, "peer": a.peer, "status": kind, "error": f"{type(exc).__name__}: {exc}"[:600],
+                res = {"trainer": a.trainer, "model": a.model, "peer": a.peer, "status": kind, "error": f"{type(exc).__name__}: {exc}"[:600],
                        "traceback": traceback.format_exc()[-3000:]}
         with open(a.result, "w") as f:
             json.dump(res, f)
         return 0 if res["status"] == "ok" else 1
-    for name, known in (("--models", MODELS), ("--peers", PEERS)):
+    for name, known in (("--trainers", TRAINERS), ("--models", MODELS), ("--peers", PEERS)):
         bad = [v for v in getattr(a, name[2:]).split(",") if v and v not in known]
         if bad:
             ap.error(f"{name}: unknown {', '.join(bad)}; known: {', '.join(sorted(known))}")
@@ -216,21 +251,23 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     results = []
-    for model_key in [m for m in a.models.split(",") if m]:
-        for peer in [p for p in a.peers.split(",") if p]:
-            left = a.budget_s - (time.perf_counter() - start)
-            if left < 20:
-                results.append({"model": model_key, "peer": peer, "status": "skipped", "error": "time budget spent"})
-                continue
-            print(f"[trl] {model_key} / {peer}  ({left:.0f} s left)", flush=True)
-            res = _run(model_key, peer, a, left)
-            results.append(res)
-            if res["status"] == "ok":
-                print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
-                      f"step {res['step_ms_median']:.1f} ms, loss {res['loss_first']}", flush=True)
-            else:
-                print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
-            write_json(a.out, {"meta": environment(torch.device(a.device)), "trl_sft": results})
+    runs = [(k, m, p) for k in a.trainers.split(",") if k for m in a.models.split(",") if m
+            for p in a.peers.split(",") if p]
+    for kind, model_key, peer in runs:
+        left = a.budget_s - (time.perf_counter() - start)
+        if left < 20:
+            results.append({"trainer": kind, "model": model_key, "peer": peer, "status": "skipped",
+                            "error": "time budget spent"})
+            continue
+        print(f"[trl] {kind} {model_key} / {peer}  ({left:.0f} s left)", flush=True)
+        res = _run(kind, model_key, peer, a, left)
+        results.append(res)
+        if res["status"] == "ok":
+            print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
+                  f"step {res['step_ms_median']:.1f} ms, loss {res['loss_first']}", flush=True)
+        else:
+            print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
+        write_json(a.out, {"meta": environment(torch.device(a.device)), "runs": results})
     return 0
 
 

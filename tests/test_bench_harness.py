@@ -210,21 +210,24 @@ def test_bench_e2e_image_text_worker_on_the_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_trl_sft_dry_run_on_the_cpu(tmp_path):
-    """benchmarks/bench_trl.py on its tiny Llama: plain TRL SFT and TRL with FUSED_KERNELS=all (each in a
-    fresh process, nothing of ours imported by the worker) log the same losses, and our layer kernels ran
-    inside TRL's trainer."""
+def test_bench_trl_dry_run_on_the_cpu(tmp_path):
+    """benchmarks/bench_trl.py on its tiny Llama, SFT and DPO: plain TRL and TRL with FUSED_KERNELS=all
+    (each in a fresh process, nothing of ours imported by the worker) log the same losses, and our layer
+    kernels ran inside TRL's trainers."""
     pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e .[test])")
     pytest.importorskip("datasets", reason="TRL's trainers take datasets.Dataset")
     out = tmp_path / "trl.json"
-    proc = _run(["benchmarks/bench_trl.py", "--device", "cpu", "--models", "tiny_llama", "--peers", "trl,trl_ours",
-                 "--steps", "2", "--warmup", "1", "--out", str(out)], tmp_path)
+    proc = _run(["benchmarks/bench_trl.py", "--device", "cpu", "--trainers", "sft,dpo", "--models", "tiny_llama",
+                 "--peers", "trl,trl_ours", "--steps", "1", "--warmup", "1", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    plain, ours = json.loads(out.read_text())["trl_sft"]
-    assert plain["status"] == "ok" and ours["status"] == "ok", (plain, ours)
-    assert len(plain["losses"]) == 3 and all(v > 0 for v in plain["losses"])
-    for a, b in zip(ours["losses"], plain["losses"], strict=True):  # bf16 weights, as the benchmark trains
-        assert abs(a - b) <= 1e-2 * abs(b), (ours["losses"], plain["losses"])
-    assert abs(ours["losses"][0] - plain["losses"][0]) <= 1e-4 * plain["losses"][0]  # before any update
-    for kernel in ("rms_norm:LlamaRMSNorm", "rope:apply_rotary_pos_emb", "swiglu:LlamaMLP"):
-        assert ours["runs"].get(kernel, 0) > 0, ours["runs"]
+    runs = {(r["trainer"], r["peer"]): r for r in json.loads(out.read_text())["runs"]}
+    for kind in ("sft", "dpo"):
+        plain, ours = runs[(kind, "trl")], runs[(kind, "trl_ours")]
+        assert plain["status"] == "ok" and ours["status"] == "ok", (plain, ours)
+        assert len(plain["losses"]) == 2 and all(v > 0 for v in plain["losses"])
+        for a, b in zip(ours["losses"], plain["losses"], strict=True):  # bf16 weights, as the benchmark trains
+            assert abs(a - b) <= 1e-2 * abs(b), (kind, ours["losses"], plain["losses"])
+        assert abs(ours["losses"][0] - plain["losses"][0]) <= 1e-4 * plain["losses"][0]  # before any update
+        for kernel in ("rms_norm:LlamaRMSNorm", "rope:apply_rotary_pos_emb", "swiglu:LlamaMLP"):
+            assert ours["runs"].get(kernel, 0) > 0, (kind, ours["runs"])
+    assert abs(runs[("dpo", "trl")]["losses"][0] - math.log(2)) < 1e-3  # the policy starts as its reference
