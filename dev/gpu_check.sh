@@ -8,8 +8,8 @@
 #   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
 #                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/;
 #                                             BENCH_TRL_HEAD_ARGS="--cases qwen3_0.6b --sets sft" narrows it)
-#   PART=trl_sft bash dev/gpu_check.sh        TRL SFT and DPO steps per peer (benchmarks/bench_trl.py; JSON:
-#                                             $OUT/trl_sft.json; needs TRL, datasets, dill, multiprocess
+#   PART=trl_steps bash dev/gpu_check.sh        TRL SFT and DPO steps per peer (benchmarks/bench_trl.py; JSON:
+#                                             $OUT/trl_steps.json; needs TRL, datasets, dill, multiprocess
 #                                             wheels and an autopatch wheel in .whl/; BENCH_TRL_ARGS narrows)
 #
 # The README table comes from the kernels and e2e parts on one commit, merged:
@@ -37,8 +37,8 @@ case "${PART:-all}" in
   kernels) : "${TOTAL_BUDGET_S:=560}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=kernels; BENCH_MODES=${BENCH_MODES:-fwdbwd} ;;
   e2e) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=e2e ;;
   trl_head) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_head ;;
-  trl_sft) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_sft ;;
-  *) echo "gpu_check: PART must be all, tests, kernels, e2e, trl_head or trl_sft; got '$PART'" >&2; exit 2 ;;
+  trl_steps) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_steps ;;
+  *) echo "gpu_check: PART must be all, tests, kernels, e2e, trl_head or trl_steps; got '$PART'" >&2; exit 2 ;;
 esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
@@ -102,10 +102,10 @@ elif [ "$PARTS" = trl_head ]; then
   timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl_head.py --out "$OUT/trl_head.json" \
     --budget-s "$LEFT" ${BENCH_TRL_HEAD_ARGS:-} 2>&1 | tee "$OUT/trl_head.log"
   BENCH_RC=${PIPESTATUS[0]}
-elif [ "$PARTS" = trl_sft ]; then
+elif [ "$PARTS" = trl_steps ]; then
   echo "== (d) TRL SFT and DPO steps: plain, use_liger_kernel, FUSED_KERNELS=all (budget ${LEFT} s)"
-  timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl.py --out "$OUT/trl_sft.json" \
-    --budget-s "$LEFT" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$OUT/trl_sft.log"
+  timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl.py --out "$OUT/trl_steps.json" \
+    --budget-s "$LEFT" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$OUT/trl_steps.log"
   BENCH_RC=${PIPESTATUS[0]}
 elif [ "$LEFT" -lt 60 ]; then
   echo "[gpu_check] only $LEFT s left: benchmark not run"
