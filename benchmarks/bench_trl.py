@@ -1,6 +1,6 @@
-"""TRL's SFTTrainer and DPOTrainer, end to end: tokens/s and peak memory per peer, each peer in a fresh process.
+"""TRL's SFT, DPO and GRPO trainers, end to end: tokens/s and peak memory per peer, each peer in a fresh process.
 
-    python benchmarks/bench_trl.py --out trl.json [--trainers sft,dpo] [--models qwen3_0.6b,llama3_2_3b]
+    python benchmarks/bench_trl.py --out trl.json [--trainers sft,dpo,grpo] [--models qwen3_0.6b,llama3_2_3b]
                                    [--peers trl,trl_liger,trl_ours]
     python benchmarks/bench_trl.py --device cpu --models tiny_llama --steps 1 --warmup 1    (the CPU dry run)
 
@@ -11,7 +11,11 @@ batch × seq policy tokens a step:
   dpo  batch // 2 pairs of text over an offline word-level tokenizer of the model's vocabulary (a word a
        token): a prompt of seq / 2 words, chosen and rejected completions of seq / 2 words each, so each
        step runs 2 × (batch // 2) sequences of seq tokens through the policy (and the reference model,
-       TRL's copy of it, without gradients).
+       TRL's copy of it, without gradients);
+  grpo one prompt of seq − seq/16 words a step, batch completions of seq/16 tokens generated for it by
+       transformers' generate (no vLLM), a reward from its words: batch × seq tokens through
+       the loss. Generation is timed apart (`generation_ms`) and left out of tokens/s, which counts the
+       scoring, the loss's forward and backward and AdamW (`train_ms` = step − generation).
 Peers:
   trl        plain TRL;
   trl_liger  SFTConfig(use_liger_kernel=True);
@@ -43,7 +47,7 @@ if HERE not in sys.path:
 import bench_e2e  # noqa: E402  (the model configs, how a model is built, how patches are recorded)
 
 PEERS = ("trl", "trl_liger", "trl_ours")
-TRAINERS = ("sft", "dpo")
+TRAINERS = ("sft", "dpo", "grpo")
 MODELS = dict(bench_e2e.MODELS)
 MODELS["qwen3_0.6b"] = dict(MODELS["qwen3_0.6b"], batch=4, seq=4096)
 MODELS["llama3_2_3b"] = {  # Llama-3.2-3B shape
@@ -72,6 +76,30 @@ def _words(gen, n: int, vocab: int, torch) -> str:
     return " ".join(f"w{i}" for i in torch.randint(3, vocab, (n,), generator=gen).tolist())
 
 
+def _even_words(completions, **kwargs):
+    """GRPO's reward: how many of the completion's words have an even id (any real number works; this one
+    varies between completions, so the advantages and the gradients are not zero)."""
+    return [float(sum(1 for w in str(c).split() if w[1:].isdigit() and int(w[1:]) % 2 == 0)) for c in completions]
+
+
+def _timed_generation(trainer, cuda: bool, torch) -> list:
+    """Wrap GRPO's generation (`_generate`) so that its time is recorded (ms, one entry a call)."""
+    times, generate = [], trainer._generate
+
+    def timed(prompts):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = generate(prompts)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    trainer._generate = timed
+    return times
+
+
 def _trainer(kind: str, model, spec: dict, rows: int, common: dict, timer, torch):
     """The TRL trainer of `kind` on random data of the spec's shape (see the module docstring)."""
     import trl
@@ -93,6 +121,13 @@ def _trainer(kind: str, model, spec: dict, rows: int, common: dict, timer, torch
         "chosen": [" " + _words(gen, half - 1, vocab, torch) + " <eos>" for _ in range(n)],
         "rejected": [" " + _words(gen, half - 1, vocab, torch) + " <eos>" for _ in range(n)],
     })
+    if kind == "grpo":
+        completion = max(2, seq // 16)
+        data = Dataset.from_dict({"prompt": [_words(gen, seq - completion, vocab, torch) for _ in range(rows)]})
+        config = trl.GRPOConfig(**common, per_device_train_batch_size=batch, num_generations=batch,
+                                steps_per_generation=1, max_completion_length=completion, use_vllm=False)
+        return trl.GRPOTrainer(model=model, reward_funcs=_even_words, args=config, train_dataset=data,
+                               processing_class=_tokenizer(vocab), callbacks=[timer])
     config = trl.DPOConfig(**common, per_device_train_batch_size=pairs, max_length=seq)
     torch.manual_seed(0)  # the reference: the policy's starting weights (TRL would load it from a Hub name)
     ref = bench_e2e._build_model(spec, next(model.parameters()).device, torch).eval().requires_grad_(False)
@@ -105,10 +140,10 @@ def _step_timer(warmup: int, torch, cuda: bool):
 
     class StepTimer(TrainerCallback):
         """CUDA-event (or wall, on the CPU) time of each optimizer step; the peak-memory counter reset
-        when the first timed step begins; every logged loss."""
+        when the first timed step begins; every logged loss and gradient norm."""
 
         def __init__(self):
-            self.step_ms, self.losses, self._begin, self.step = [], [], None, 0
+            self.step_ms, self.losses, self.grad_norms, self._begin, self.step = [], [], [], None, 0
 
         def on_step_begin(self, args, state, control, **kw):
             if self.step == warmup and cuda:
@@ -135,6 +170,8 @@ def _step_timer(warmup: int, torch, cuda: bool):
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))
+            if logs and "grad_norm" in logs:  # GRPO's on-policy loss is 0 by construction; its gradient is not
+                self.grad_norms.append(float(logs["grad_norm"]))
 
     return StepTimer()
 
@@ -144,7 +181,7 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
 
     spec = MODELS[model_key]
     batch, seq = spec["batch"], spec["seq"]
-    tokens = batch * seq if kind == "sft" else 2 * max(1, batch // 2) * seq
+    tokens = 2 * max(1, batch // 2) * seq if kind == "dpo" else batch * seq
     res = {"trainer": kind, "model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": tokens,
            "status": "ok"}
     if peer == "trl_ours":
@@ -167,6 +204,7 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
     timer = _step_timer(warmup, torch, cuda)
     t0 = time.perf_counter()
     trainer = _trainer(kind, model, spec, warmup + steps, common, timer, torch)
+    generation_ms = _timed_generation(trainer, cuda, torch) if kind == "grpo" else None
     trainer.train()
     res["wall_s"] = time.perf_counter() - t0
     if peer == "trl_ours":
@@ -178,8 +216,17 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["step_ms"] = timer.step_ms
     res["step_ms_median"] = statistics.median(timer.step_ms)
-    res["tokens_per_s"] = tokens / (res["step_ms_median"] * 1e-3)
+    timed_ms = timer.step_ms
+    if generation_ms is not None:  # one generation a step (steps_per_generation=1)
+        if len(generation_ms) != warmup + steps:
+            raise RuntimeError(f"expected one generation a step, got {len(generation_ms)} in {warmup + steps} steps")
+        res["generation_ms"] = generation_ms[warmup:]
+        res["generation_ms_median"] = statistics.median(res["generation_ms"])
+        timed_ms = res["train_ms"] = [s - g for s, g in zip(timer.step_ms, res["generation_ms"])]
+        res["train_ms_median"] = statistics.median(timed_ms)
+    res["tokens_per_s"] = tokens / (statistics.median(timed_ms) * 1e-3)
     res["losses"] = timer.losses
+    res["grad_norms"] = timer.grad_norms
     res["loss_first"] = timer.losses[0] if timer.losses else None
     res["finite"] = all(x == x and abs(x) != float("inf") for x in timer.losses)
     return res

@@ -8,7 +8,7 @@
 #   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
 #                                             JSON: $OUT/trl_head.json; needs a TRL wheel in .whl/;
 #                                             BENCH_TRL_HEAD_ARGS="--cases qwen3_0.6b --sets sft" narrows it)
-#   PART=trl_steps bash dev/gpu_check.sh        TRL SFT and DPO steps per peer (benchmarks/bench_trl.py; JSON:
+#   PART=trl_steps bash dev/gpu_check.sh        TRL SFT, DPO, GRPO steps per peer (benchmarks/bench_trl.py; JSON:
 #                                             $OUT/trl_steps.json; needs TRL, datasets, dill, multiprocess
 #                                             wheels and an autopatch wheel in .whl/; BENCH_TRL_ARGS narrows)
 #
@@ -103,7 +103,7 @@ elif [ "$PARTS" = trl_head ]; then
     --budget-s "$LEFT" ${BENCH_TRL_HEAD_ARGS:-} 2>&1 | tee "$OUT/trl_head.log"
   BENCH_RC=${PIPESTATUS[0]}
 elif [ "$PARTS" = trl_steps ]; then
-  echo "== (d) TRL SFT and DPO steps: plain, use_liger_kernel, FUSED_KERNELS=all (budget ${LEFT} s)"
+  echo "== (d) TRL SFT, DPO and GRPO steps: plain, use_liger_kernel, FUSED_KERNELS=all (budget ${LEFT} s)"
   timeout --kill-after=10 $((LEFT + 30)) python3 benchmarks/bench_trl.py --out "$OUT/trl_steps.json" \
     --budget-s "$LEFT" ${BENCH_TRL_ARGS:-} 2>&1 | tee "$OUT/trl_steps.log"
   BENCH_RC=${PIPESTATUS[0]}

@@ -211,23 +211,34 @@ def test_bench_e2e_image_text_worker_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_bench_trl_dry_run_on_the_cpu(tmp_path):
-    """benchmarks/bench_trl.py on its tiny Llama, SFT and DPO: plain TRL and TRL with FUSED_KERNELS=all
-    (each in a fresh process, nothing of ours imported by the worker) log the same losses, and our layer
-    kernels ran inside TRL's trainers."""
+    """benchmarks/bench_trl.py on its tiny Llama, SFT, DPO and GRPO: plain TRL and TRL with
+    FUSED_KERNELS=all (each in a fresh process, nothing of ours imported by the worker) log the same losses
+    and gradient norms, our layer kernels ran inside TRL's trainers, and GRPO's generation is timed apart."""
     pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e .[test])")
     pytest.importorskip("datasets", reason="TRL's trainers take datasets.Dataset")
     out = tmp_path / "trl.json"
-    proc = _run(["benchmarks/bench_trl.py", "--device", "cpu", "--trainers", "sft,dpo", "--models", "tiny_llama",
+    proc = _run(["benchmarks/bench_trl.py", "--device", "cpu", "--trainers", "sft,dpo,grpo", "--models", "tiny_llama",
                  "--peers", "trl,trl_ours", "--steps", "1", "--warmup", "1", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = {(r["trainer"], r["peer"]): r for r in json.loads(out.read_text())["runs"]}
-    for kind in ("sft", "dpo"):
+
+    def close(a, b, rel):
+        return abs(a - b) <= rel * abs(b)
+
+    for kind in ("sft", "dpo", "grpo"):
         plain, ours = runs[(kind, "trl")], runs[(kind, "trl_ours")]
         assert plain["status"] == "ok" and ours["status"] == "ok", (plain, ours)
-        assert len(plain["losses"]) == 2 and all(v > 0 for v in plain["losses"])
-        for a, b in zip(ours["losses"], plain["losses"], strict=True):  # bf16 weights, as the benchmark trains
-            assert abs(a - b) <= 1e-2 * abs(b), (kind, ours["losses"], plain["losses"])
-        assert abs(ours["losses"][0] - plain["losses"][0]) <= 1e-4 * plain["losses"][0]  # before any update
+        assert len(plain["losses"]) == 2 and len(plain["grad_norms"]) == 2
+        # GRPO's gradient is 0 on a step whose completions all earn the same reward; never on every step
+        assert all(math.isfinite(g) for g in plain["grad_norms"]) and max(plain["grad_norms"]) > 0, plain["grad_norms"]
+        # bf16 weights, as the benchmark trains
+        for got, want in ((ours["losses"], plain["losses"]), (ours["grad_norms"], plain["grad_norms"])):
+            for a, b in zip(got, want, strict=True):
+                assert abs(a - b) <= 1e-2 * abs(b) + 1e-6, (kind, got, want)
         for kernel in ("rms_norm:LlamaRMSNorm", "rope:apply_rotary_pos_emb", "swiglu:LlamaMLP"):
             assert ours["runs"].get(kernel, 0) > 0, (kind, ours["runs"])
+    assert all(v > 0 for v in runs[("sft", "trl")]["losses"])
+    assert close(runs[("sft", "trl_ours")]["losses"][0], runs[("sft", "trl")]["losses"][0], 1e-4)
     assert abs(runs[("dpo", "trl")]["losses"][0] - math.log(2)) < 1e-3  # the policy starts as its reference
+    grpo = runs[("grpo", "trl_ours")]
+    assert len(grpo["generation_ms"]) == 1 and all(0 < t < s for t, s in zip(grpo["train_ms"], grpo["step_ms"]))
