@@ -39,14 +39,14 @@ def _pow2_at_least(n: int) -> int:
 
 
 def _whole_row_tilings(n_rows: int, n_cols: int, warp_choices, per_thread_ok):
-    """(rows, block, warps, tiles) of whole-row tilings: 1-16 rows a tile of at most 8192 elements (at
-    least 1024 when several rows), warps whose values per thread pass `per_thread_ok(per_thread, warps)`."""
+    """(rows, block, warps, tiles) of whole-row tilings: one row of up to 16384 columns, or 2-16 rows a tile
+    of 1024-8192 elements, warps whose values per thread pass `per_thread_ok(per_thread, warps)`."""
     whole = max(16, _pow2_at_least(n_cols))
     if whole > 16384:
         return
     for rows in (1, 2, 4, 8, 16):
         tile = rows * whole
-        if tile > 8192 or (rows > 1 and tile < 1024):
+        if rows > 1 and not 1024 <= tile <= 8192:
             continue
         for warps in warp_choices:
             if per_thread_ok(tile // (32 * warps), warps):
