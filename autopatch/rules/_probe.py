@@ -394,18 +394,26 @@ def build_mlp(cls, module):
     return try_build(cls, attempts)
 
 
-def init_source(cls: type) -> str:
-    """The source of cls's __init__ and of the ones it inherits and extends (up to nn.Module), joined;
-    what a rule's structural detection reads for attribute names."""
+def source_text(*functions) -> str:
+    """The sources of `functions`, joined; None and functions without a readable source (built-ins,
+    code made at run time) are skipped. What the rules' structural detection reads."""
     sources = []
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        init = vars(klass).get("__init__")
-        if init is None:
+    for fn in functions:
+        if fn is None:
             continue
         try:
-            sources.append(inspect.getsource(init))
+            sources.append(inspect.getsource(fn))
         except (OSError, TypeError):
             continue
     return "\n".join(sources)
+
+
+def init_source(cls: type) -> str:
+    """The source of cls's __init__ and of the ones it inherits and extends (up to nn.Module), joined;
+    what a rule's structural detection reads for attribute names."""
+    own = []
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        own.append(vars(klass).get("__init__"))
+    return source_text(*own)

@@ -25,7 +25,6 @@ runs on fused_kernels.gelu(h). The instance's own dropout follows, the same call
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from types import ModuleType
 from typing import Callable
 
@@ -109,10 +108,7 @@ def detect(cls: type, module: ModuleType):
     extra = _probe.forward_extra_args(cls)
     if extra:
         return None, extra
-    try:
-        forward_source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        forward_source = ""
+    forward_source = _probe.source_text(cls.forward)
     with _probe.probing():
         instance, why = _probe.build_mlp(cls, module)
         if instance is None:

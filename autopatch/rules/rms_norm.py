@@ -27,7 +27,6 @@ cannot run on go to the original forward, with one notice per process.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from types import ModuleType
 from typing import Callable
 
@@ -76,16 +75,7 @@ def looks_like_rms_norm(cls: type) -> bool:
     name = cls.__name__
     if "RMSNorm" in name or "RmsNorm" in name:
         return True
-    sources = []
-    for attr in ("forward", "_norm"):
-        fn = vars(cls).get(attr)
-        if fn is None:
-            continue
-        try:
-            sources.append(inspect.getsource(fn))
-        except (OSError, TypeError):
-            continue
-    text = "\n".join(sources)
+    text = _probe.source_text(vars(cls).get("forward"), vars(cls).get("_norm"))
     return "rsqrt" in text and ("pow(2)" in text or "square(" in text or "**2" in text) and "mean(" in text
 
 
