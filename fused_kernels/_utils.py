@@ -129,6 +129,18 @@ def check_float(name: str, t: torch.Tensor) -> None:
         )
 
 
+def check_projection(input_name: str, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    """Raise unless `weight` (out_features, x.shape[-1]) and `bias` (or None) can project `x` (named
+    `input_name` in the message) in x's dtype and on its device: a fused activation + Linear's second half."""
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight must have shape (out_features, {x.shape[-1]}) to follow {input_name} of shape "
+                         f"{tuple(x.shape)}, got {tuple(weight.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise TypeError(f"{name} must have {input_name}'s dtype {x.dtype} and device {x.device}, "
+                            f"got {t.dtype} on {t.device}")
+
+
 def check_choice(name: str, value, choices) -> None:
     """Raise ValueError unless value is one of choices, naming the valid ones."""
     if value not in choices:

@@ -29,7 +29,8 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
+from fused_kernels._utils import (check_choice, check_float, check_projection, count_launch, interpreter_on, new_output,
+                                  require_triton)
 
 __all__ = ["gelu", "gelu_linear", "plan", "APPROXIMATE"]
 
@@ -176,12 +177,7 @@ def gelu_linear(h: torch.Tensor, weight: torch.Tensor, bias=None, approximate: s
     of h's dtype and device. Under torch.compile: F.linear of the gelu custom op."""
     act = _act_id(approximate)
     check_float("h", h)
-    if weight.dim() != 2 or weight.shape[1] != h.shape[-1]:
-        raise ValueError(f"weight must have shape (out_features, {h.shape[-1]}) to follow h of shape "
-                         f"{tuple(h.shape)}, got {tuple(weight.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != h.dtype or t.device != h.device):
-            raise TypeError(f"{name} must have h's dtype {h.dtype} and device {h.device}, got {t.dtype} on {t.device}")
+    check_projection("h", h, weight, bias)
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not (
             h.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
         return torch.nn.functional.linear(torch.ops.fused_kernels.gelu_fwd(h, act), weight, bias)

@@ -49,7 +49,7 @@ from fused_kernels._activations import GELU_APPROXIMATE, GELU_ERF, GELU_TANH, SI
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_choice, check_float, count_launch, require_triton
+from fused_kernels._utils import check_choice, check_float, check_projection, count_launch, require_triton
 
 __all__ = ["swiglu", "geglu", "glu_linear"]
 
@@ -464,13 +464,7 @@ def glu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias=
     check_choice("activation", activation, tuple(GLU_ACTIVATIONS))
     _check_pair(gate, up)
     check_float("weight", weight)
-    if weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
-        raise ValueError(f"weight must have shape (out_features, {gate.shape[-1]}) to follow gate of shape "
-                         f"{tuple(gate.shape)}, got {tuple(weight.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.dtype != gate.dtype or t.device != gate.device):
-            raise TypeError(f"{name} must have gate's dtype {gate.dtype} and device {gate.device}, "
-                            f"got {t.dtype} on {t.device}")
+    check_projection("gate", gate, weight, bias)
     op, act = GLU_ACTIVATIONS[activation]
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not (
             gate.requires_grad or up.requires_grad or weight.requires_grad
