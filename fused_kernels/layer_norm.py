@@ -18,7 +18,7 @@ Backward (g = dy · w, the gradient with respect to xhat):
 Saved for the backward: x (the input itself, no copy), mean and rstd (fp32, one each per row); xhat is
 recomputed from them.
 
-Rows of up to WHOLE_ROW_MAX[direction] columns are held whole in registers (x read once per kernel). Longer
+Rows of up to WHOLE_ROW_MAX columns are held whole in registers (x read once per kernel). Longer
 rows are swept twice in column chunks, the second sweep reading from L2: the forward's first sweep merges
 each chunk's mean and centred sum of squares into the row's (Chan et al.'s pairwise update, as stable as
 the whole-row formula), the backward's first sweep sums g and g·xhat.
@@ -89,7 +89,7 @@ class LayerNormConfig:
 #   forward:  one row per tile (at least 1024 columns a tile), warps = tile / 512, up to 8 programs per SM
 #             (64 warps an SM at most), persistent;
 #   backward: at least 2048 columns a tile (2 rows of 1024), warps = tile / 512, 16 warps an SM.
-WHOLE_ROW_MAX = {"forward": 8192, "backward": 8192}
+WHOLE_ROW_MAX = 8192  # both kernels
 _PER_THREAD = 16
 _FWD_MIN_TILE, _FWD_WARPS_PER_SM, _FWD_MAX_PER_SM = 1024, 64, 8
 _BWD_MIN_TILE, _BWD_WARPS_PER_SM = 2048, 16
@@ -128,9 +128,9 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
         raise ValueError(f"n_cols must be >= 1; got {n_cols}")
     bytes_x = torch.empty(0, dtype=dtype).element_size()
     whole = max(16, _next_pow2(n_cols))
-    chunked = whole > WHOLE_ROW_MAX["backward"]
+    chunked = whole > WHOLE_ROW_MAX
     if chunked:
-        fwd_rows = bwd_rows = _CHUNK_ROWS if whole <= 2 * WHOLE_ROW_MAX["backward"] else 1  # as measured; beyond,
+        fwd_rows = bwd_rows = _CHUNK_ROWS if whole <= 2 * WHOLE_ROW_MAX else 1  # as measured; beyond,
         # two rows a tile would halve the programs the L2 budget allows
         fwd_block = bwd_block = _CHUNK
         fwd_warps = bwd_warps = _CHUNK_WARPS
@@ -166,7 +166,7 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
                   f"{fwd_programs} programs; {backward})")
     else:
         path = "chunked"
-        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX['backward']} columns: both kernels sweep each row twice "
+        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX} columns: both kernels sweep each row twice "
                   f"in {_CHUNK}-column chunks, {_CHUNK_ROWS} rows a tile, the second sweep from L2; {backward}")
     if interpreted:
         reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
