@@ -233,13 +233,8 @@ def peer_model(spec, peer: str, device, torch, compile_mode: str = "model"):
     info = {}
     if peer == "liger":
         info["liger_applied"] = _apply_liger(spec)  # class-level patch, before the model exists
-    if peer == "ours_env":  # FUSED_KERNELS=all set by the driver; the installed .pth registered the hooks
-        started = "autopatch._startup" in sys.modules
-        if not started:  # run from a checkout without installing: the same hooks, started by hand
-            import autopatch
-
-            autopatch.enable()
-        info["started_by"] = ".pth (FUSED_KERNELS=all)" if started else "autopatch.enable() (no .pth: not installed)"
+    if peer == "ours_env":  # FUSED_KERNELS=all set by the driver
+        info["started_by"] = start_hooks_from_environment()
     model = _build_model(spec, device, torch)
     info["params_m"] = sum(p.numel() for p in model.parameters()) / 1e6
     if peer == "ours_env":
@@ -373,18 +368,28 @@ def plan(tiny: bool, models=None, peers=None) -> list[tuple[str, str]]:
     return order
 
 
-def _run_worker(model_key, peer, args, timeout_s) -> dict:
-    fd, path = tempfile.mkstemp(prefix=f"e2e_{model_key}_{peer}_", suffix=".json")
+def start_hooks_from_environment() -> str:
+    """In a worker whose driver set FUSED_KERNELS: how our import hooks started. Installed, the .pth
+    started them at interpreter start; run from a checkout, autopatch.enable() starts the same hooks."""
+    if "autopatch._startup" in sys.modules:
+        return ".pth (FUSED_KERNELS=all)"
+    import autopatch
+
+    autopatch.enable()
+    return "autopatch.enable() (no .pth: not installed)"
+
+
+def run_json_worker(cmd: list, labels: dict, timeout_s: float, fused_kernels: str | None = None) -> dict:
+    """Run `cmd` + ["--result", PATH] in a fresh process (its own process group, killed whole at the
+    timeout) and return the JSON it wrote to PATH, or `labels` with the status and the log's tail. The
+    worker sees none of our variables, except FUSED_KERNELS=`fused_kernels` when given."""
+    fd, path = tempfile.mkstemp(prefix="bench_worker_", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--worker", "--model", model_key, "--peer", peer,
-           "--steps", str(args.e2e_steps), "--warmup", str(args.e2e_warmup), "--device", args.device,
-           "--compile-mode", args.compile_mode, "--result", path]
     t0 = time.perf_counter()
-    # Only ours_env sees a FUSED_KERNELS setting: the other peers run with none of our variables.
     env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
-    if peer == "ours_env":
-        env["FUSED_KERNELS"] = "all"
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    if fused_kernels is not None:
+        env["FUSED_KERNELS"] = fused_kernels
+    proc = subprocess.Popen([*cmd, "--result", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     try:
         log, _ = proc.communicate(timeout=timeout_s)
@@ -408,7 +413,7 @@ def _run_worker(model_key, peer, args, timeout_s) -> dict:
             pass
     tail = "\n".join((log or "").strip().splitlines()[-15:])
     if res is None:
-        res = {"model": model_key, "peer": peer,
+        res = {**labels,
                "status": "timeout" if timed_out else "crashed",
                "error": (f"no result within {timeout_s:.0f} s" if timed_out else f"exit code {proc.returncode}"),
                "log_tail": tail[-2000:]}
@@ -416,6 +421,15 @@ def _run_worker(model_key, peer, args, timeout_s) -> dict:
         res["log_tail"] = tail[-2000:]
     res["process_wall_s"] = wall
     return res
+
+
+def _run_worker(model_key, peer, args, timeout_s) -> dict:
+    cmd = [sys.executable, os.path.join(HERE, "bench_e2e.py"), "--worker", "--model", model_key, "--peer", peer,
+           "--steps", str(args.e2e_steps), "--warmup", str(args.e2e_warmup), "--device", args.device,
+           "--compile-mode", args.compile_mode]
+    # Only ours_env sees a FUSED_KERNELS setting: the other peers run with none of our variables.
+    return run_json_worker(cmd, {"model": model_key, "peer": peer}, timeout_s,
+                           fused_kernels="all" if peer == "ours_env" else None)
 
 
 def run_e2e(args, deadline, on_done=None) -> list[dict]:

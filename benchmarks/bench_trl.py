@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ if ROOT not in sys.path:
 if HERE not in sys.path:
     sys.path.insert(1, HERE)
 
-import bench_e2e  # noqa: E402  (the model configs, how a model is built, how patches are recorded)
+import bench_e2e  # noqa: E402  (model configs, model building, patch records, the worker runner)
 
 PEERS = ("trl", "trl_liger", "trl_ours")
 TRAINERS = ("sft", "dpo", "grpo")
@@ -185,12 +184,7 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
     res = {"trainer": kind, "model": model_key, "peer": peer, "batch": batch, "seq": seq, "tokens_per_step": tokens,
            "status": "ok"}
     if peer == "trl_ours":
-        started = "autopatch._startup" in sys.modules
-        if not started:
-            import autopatch
-
-            autopatch.enable()
-        res["started_by"] = ".pth (FUSED_KERNELS=all)" if started else "autopatch.enable() (no .pth: not installed)"
+        res["started_by"] = bench_e2e.start_hooks_from_environment()
     import trl
 
     res["trl"] = trl.__version__
@@ -233,31 +227,10 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
 
 
 def _run(kind: str, model_key: str, peer: str, args, timeout_s: float) -> dict:
-    fd, path = tempfile.mkstemp(prefix=f"trl_{kind}_{model_key}_{peer}_", suffix=".json")
-    os.close(fd)
-    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
-    if peer == "trl_ours":
-        env["FUSED_KERNELS"] = "all"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--trainer", kind, "--model", model_key, "--peer", peer,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--result", path]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        log, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        log, code = f"{exc.stdout or ''}{exc.stderr or ''}", "timeout"
-    try:
-        with open(path) as f:
-            text = f.read()
-        res = json.loads(text) if text.strip() else None
-    finally:
-        os.remove(path)
-    if res is None:
-        tail = "\n".join(str(log).strip().splitlines()[-15:])
-        res = {"trainer": kind, "model": model_key, "peer": peer, "status": "timeout" if code == "timeout" else "crashed",
-               "error": f"exit {code}", "log_tail": tail[-2000:]}
-    res["process_wall_s"] = time.perf_counter() - t0
-    return res
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+    return bench_e2e.run_json_worker(cmd, {"trainer": kind, "model": model_key, "peer": peer}, timeout_s,
+                                     fused_kernels="all" if peer == "trl_ours" else None)
 
 
 def main(argv=None) -> int:
