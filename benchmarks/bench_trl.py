@@ -12,7 +12,7 @@ batch × seq policy tokens a step:
        token): a prompt of seq / 2 words, chosen and rejected completions of seq / 2 words each, so each
        step runs 2 × (batch // 2) sequences of seq tokens through the policy (and the reference model,
        TRL's copy of it, without gradients);
-  grpo one prompt of seq − seq/16 words a step, batch completions of seq/16 tokens generated for it by
+  grpo one prompt of seq − seq/64 words a step, batch completions of seq/64 tokens generated for it by
        transformers' generate (no vLLM), a reward from its words: batch × seq tokens through
        the loss. Generation is timed apart (`generation_ms`) and left out of tokens/s, which counts the
        scoring, the loss's forward and backward and AdamW (`train_ms` = step − generation).
@@ -121,7 +121,8 @@ def _trainer(kind: str, model, spec: dict, rows: int, common: dict, timer, torch
         "rejected": [" " + _words(gen, half - 1, vocab, torch) + " <eos>" for _ in range(n)],
     })
     if kind == "grpo":
-        completion = max(2, seq // 16)
+        # short completions: decoding them token by token is outside the timed part, yet sets the wall clock
+        completion = max(2, seq // 64)
         data = Dataset.from_dict({"prompt": [_words(gen, seq - completion, vocab, torch) for _ in range(rows)]})
         config = trl.GRPOConfig(**common, per_device_train_batch_size=batch, num_generations=batch,
                                 steps_per_generation=1, max_completion_length=completion, use_vllm=False)

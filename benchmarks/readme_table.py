@@ -2,7 +2,8 @@
 
     python benchmarks/readme_table.py benchmarks/results/h200-torch2.11-triton3.6.json \
         benchmarks/results/h200-torch2.11-triton3.6-moe.json \
-        benchmarks/results/h200-torch2.11-triton3.6-vlm.json                  # print
+        benchmarks/results/h200-torch2.11-triton3.6-vlm.json \
+        benchmarks/results/h200-torch2.11-triton3.6-trl.json                  # print
     ... --update README.md                                                     # into the README
 
 With --update the text between the README's `<!-- perf-table:begin -->` and `<!-- perf-table:end -->`
@@ -14,7 +15,8 @@ fastest peer's GPU time, their ratio, our fraction of the ceiling measured in th
 bandwidth for memory-bound ops, bf16 matmul for the fused linear cross entropy), then the do_bench wall
 time and our peak memory beyond inputs and gradients. Training-step rows: tokens/s and peak GiB per peer.
 Further files, each row with the commit of its run, add their tables: the MoE one (bench_moe.py's experts
-block, bench_e2e.py's MoE models) and the vision-language one (bench_e2e.py's image-text models).
+block, bench_e2e.py's MoE models), the vision-language one (bench_e2e.py's image-text models) and the
+TRL one (bench_trl.py's SFT, DPO and GRPO steps).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ E2E_MODELS = {"qwen3_0.6b": "Qwen3-0.6B", "llama3_8b_4layers": "Llama-3-8B, 4 la
 MOE_MODELS = {"qwen3_moe_30b_a3b_6layers": "Qwen3-30B-A3B, 6 layers",
               "deepseek_v3_6layers": "DeepSeek-V3 style, 6 layers"}
 VLM_MODELS = {"qwen2_5_vl_3b": "Qwen2.5-VL-3B", "gemma3_4b": "Gemma-3-4B"}
+TRL_MODELS = {"qwen3_0.6b": "Qwen3-0.6B", "llama3_2_3b": "Llama-3.2-3B"}
+TRL_TRAINERS = {"sft": "SFT", "dpo": "DPO", "grpo": "GRPO"}
 MOE_BLOCKS = {"qwen3_moe": "Qwen3-30B-A3B experts", "deepseek_v3": "DeepSeek-V3-style experts"}
 
 
@@ -125,10 +129,36 @@ def experts_table(results: dict) -> list[str]:
     return lines
 
 
+def trl_table(results: dict) -> list[str]:
+    """TRL trainer steps: tokens/s and peak GiB per peer, and ours over TRL + Liger (the best peer there)."""
+    lines = ["| TRL 1.16 trainer step | TRL | TRL + Liger (`use_liger_kernel`) | autopatch (FUSED_KERNELS=all) | "
+             "autopatch / TRL + Liger |", "|---|---|---|---|---|"]
+    runs = {(r["trainer"], r["model"], r["peer"]): r for r in results.get("trl", []) if r.get("status") == "ok"}
+    for trainer, trainer_label in TRL_TRAINERS.items():
+        for model, model_label in TRL_MODELS.items():
+            row = [runs.get((trainer, model, p)) for p in ("trl", "trl_liger", "trl_ours")]
+            if not any(row):
+                continue
+            cells = [f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, {r['peak_gib']:.1f} GiB" if r else "–" for r in row]
+            ratio = f"{row[2]['tokens_per_s'] / row[1]['tokens_per_s']:.2f}×" if row[1] and row[2] else "–"
+            r0 = next(r for r in row if r)
+            lines.append(f"| {trainer_label}, {model_label} ({r0['batch']}×{r0['seq']} tokens) | "
+                         + " | ".join(cells) + f" | {ratio} |")
+    return lines
+
+
 def render_further(results: dict, path: str) -> str:
-    """A further file's tables: the MoE training steps and experts block, or the image-text training steps."""
+    """A further file's tables: the MoE training steps and experts block, the image-text training steps, or
+    the TRL trainers' steps."""
     meta = results["meta"]
-    commits = sorted({r.get("git_commit", "?") for r in [*results.get("e2e", []), *results.get("experts_block", [])]})
+    commits = sorted({r.get("git_commit", "?") for r in
+                      [*results.get("e2e", []), *results.get("experts_block", []), *results.get("trl", [])]})
+    if "trl" in results:
+        head = (f"TRL {results['trl'][0]['trl']}'s trainers (gradient checkpointing, AdamW fused, bf16; GRPO's "
+                f"generation left out of tokens/s), same machine and stack ({meta['gpu']}, torch {meta['torch']}, "
+                f"transformers {meta['transformers']}, Liger-Kernel {meta.get('liger_kernel', '–')}); runs on "
+                f"commits {', '.join(commits)}. From [{path}]({path}).")
+        return "\n".join([head, "", *trl_table(results)])
     models = {r["model"] for r in results.get("e2e", [])}
     what = "Vision-language models" if models & set(VLM_MODELS) else "Mixtures of experts"
     head = (f"{what}, same machine and stack ({meta['gpu']}, torch {meta['torch']}, transformers "
@@ -157,7 +187,7 @@ def update(readme: str, table: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="The README's performance tables from the results files.")
     ap.add_argument("results", help="the results JSON written by benchmarks/bench.py")
-    ap.add_argument("more", nargs="*", help="further results files: the MoE and the vision-language ones")
+    ap.add_argument("more", nargs="*", help="further results files: the MoE, vision-language and TRL ones")
     ap.add_argument("--update", metavar="README", help="replace the table block of this file")
     args = ap.parse_args(argv)
     files = []

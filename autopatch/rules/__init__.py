@@ -29,6 +29,7 @@ RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.moe_experts",
     "autopatch.rules.loss",
     "autopatch.rules.causal_mask",
+    "autopatch.rules.vision_attention",
 )
 
 

@@ -394,6 +394,12 @@ def build_mlp(cls, module):
     return try_build(cls, attempts)
 
 
+def tracing_for_export() -> bool:
+    """torch.export / torch.jit tracing: a choice made from this call's values would be baked in for
+    every later shape, so the rules that choose at run time leave those calls to the original code."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False)) or torch.jit.is_tracing()
+
+
 def source_text(*functions) -> str:
     """The sources of `functions`, joined; None and functions without a readable source (built-ins,
     code made at run time) are skipped. What the rules' structural detection reads."""

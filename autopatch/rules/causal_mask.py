@@ -63,14 +63,9 @@ def _masking_utils():
     return masking_utils
 
 
-def _tracing_for_export() -> bool:
-    """torch.export / torch.jit tracing: there the skip would be baked in for every later shape."""
-    return bool(getattr(torch.compiler, "_is_exporting_flag", False)) or torch.jit.is_tracing()
-
-
 def _make_find_packed(original: Callable) -> Callable:
     def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if _MODEL_MADE_POSITIONS[0] and not _tracing_for_export():
+        if _MODEL_MADE_POSITIONS[0] and not _probe.tracing_for_export():
             return None  # the model's own arange: one sequence per row
         return original(position_ids, *args, **kwargs)
 
@@ -83,7 +78,7 @@ def _make_ignore_causal(original: Callable) -> Callable:
     window_names = [p for p in params if p in ("local_size", "local_attention_size")]
 
     def _ignore_causal_mask_sdpa(*args, **kwargs):
-        if _MODEL_MADE_POSITIONS[0] and not _tracing_for_export():
+        if _MODEL_MADE_POSITIONS[0] and not _probe.tracing_for_export():
             bound = dict(zip(params, args), **kwargs)
             padding_mask, q_length, kv_length = (bound.get(p) for p in params[:3])
             window = bound.get(window_names[0]) if window_names else None

@@ -1,0 +1,275 @@
+"""Vision towers' windowed attention under SDPA (toggle "vision_attention"): the windows of one length in
+one SDPA call, instead of one call per window.
+
+Why. Qwen2-VL-style vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, their Omni and MoE variants, GLM-4V,
+and the others transformers generates from them) attend within windows or within images, given as
+`cu_seqlens`. Under a flash-attention implementation the attention module hands cu_seqlens to a varlen
+kernel; under "sdpa", transformers' default, it splits q, k and v at `lengths.tolist()` and calls SDPA
+once per window. Qwen2.5-VL-3B's tower (32 blocks, 28 of them windowed) on four 448 × 448 images makes
+about 1800 calls of 64 tokens a forward, as many again in the backward: each too small to fill the GPU,
+each paying the host's dispatch cost.
+
+What. For an attention class whose forward has both branches —
+    if is_flash_attention_requested(self.config):
+        OUT, _ = attention_interface(self, q, k, v, <args>, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                     max_length_q=m, max_length_k=m, <args>, **kwargs)
+    else:
+        lengths = cu[1:] - cu[:-1]
+        splits = [torch.split(tensor, lengths.tolist(), dim=2) for tensor in (q, k, v)]
+        attn_outputs = [attention_interface(self, q, k, v, <args>, **kwargs)[0] for q, k, v in zip(*splits)]
+        OUT = torch.cat(attn_outputs, dim=1)
+with the same q, k, v, cu, OUT and the same other arguments in both (checked on the syntax tree) — the
+flash branch runs while that forward runs under "sdpa", with `window_attention` as the interface: each
+run of consecutive windows of one length becomes one batch [windows, heads, length, head_dim] for
+transformers' own sdpa_attention_forward, whose output [windows, length, heads, head_dim] is the loop's
+concatenation in the same order. Each window still attends to itself alone: the loop's numbers. With
+dropout in training the windows go one at a time, in order, as in the loop (the same random draws).
+
+Scope. The module's `is_flash_attention_requested` and `ALL_ATTENTION_FUNCTIONS` are replaced by
+versions that answer differently only for the config of a patched attention forward while it runs; every
+other attention (the text decoder's), every other implementation (eager, flash, flex) and torch.export /
+jit tracing get transformers' answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from types import ModuleType
+from typing import Callable
+
+import torch
+
+from autopatch import patching, report
+from autopatch.report import Record
+from autopatch.rules import _probe
+
+KERNEL = "vision_attention"
+VARIANT = "windows of one length batched into one SDPA call (the cu_seqlens branch under sdpa)"
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+# The config of the patched attention forward running now (the innermost), else None. A one-element
+# list: torch.compile traces reads and writes of it.
+_ACTIVE = [None]
+
+
+# --------------------------------------------------------------------------- the attention
+def window_runs(cu_seqlens: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(first token, windows, length) of each run of consecutive windows of one length; one host sync,
+    as the loop's `lengths.tolist()`."""
+    runs: list[list[int]] = []
+    start = 0
+    for length in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist():
+        if runs and runs[-1][2] == length:
+            runs[-1][1] += 1
+        else:
+            runs.append([start, 1, length])
+        start += length
+    return [tuple(r) for r in runs]
+
+
+def _as_windows(t: torch.Tensor, start: int, windows: int, length: int) -> torch.Tensor:
+    """[1, heads, tokens, head_dim] -> the run's windows as a batch, [windows, heads, length, head_dim]."""
+    return t[0, :, start:start + windows * length].unflatten(1, (windows, length)).transpose(0, 1)
+
+
+def window_attention(sdpa: Callable, count: bool = True) -> Callable:
+    """An attention interface over cu_seqlens windows, built on `sdpa` (transformers' sdpa_attention_forward):
+    query, key, value [1, heads, tokens, head_dim] -> ([1, tokens, heads, head_dim], None). Each call is
+    counted as a run of the toggle unless `count` is False (the rule's own probe)."""
+
+    def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None,
+                  cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+        if (attention_mask is not None or query.shape[0] != 1 or cu_seq_lens_q is None
+                or (cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q))):
+            raise ValueError("vision_attention: expected one sequence of windows (batch 1, no mask, the same "
+                             f"cu_seqlens for queries and keys); got query {tuple(query.shape)}, mask "
+                             f"{attention_mask is not None}; turn it off with AUTOPATCH_VISION_ATTENTION=false")
+        runs = window_runs(cu_seq_lens_q)
+        if dropout:  # one window at a time, in order: the loop's random draws
+            runs = [(start + i * length, 1, length) for start, n, length in runs for i in range(n)]
+        outs = []
+        for start, windows, length in runs:
+            q, k, v = (_as_windows(t, start, windows, length) for t in (query, key, value))
+            out, _ = sdpa(module, q, k, v, attention_mask=None, dropout=dropout, scaling=scaling,
+                          is_causal=is_causal, **kwargs)
+            outs.append(out.reshape(1, windows * length, *out.shape[2:]))
+        if count:
+            report.count_call(KERNEL)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+    attention.__wrapped__ = sdpa
+    return attention
+
+
+# --------------------------------------------------------------------------- the module's look-ups
+class _Interfaces:
+    """The modeling module's ALL_ATTENTION_FUNCTIONS as transformers has it, except that "sdpa" is the
+    window attention while a patched attention forward runs."""
+
+    def __init__(self, registry):
+        self._registry = registry
+
+    def _window_attention(self):
+        return window_attention(self._registry["sdpa"])
+
+    def get_interface(self, name, default=None, *args, **kwargs):
+        if name == "sdpa" and _ACTIVE[0] is not None:
+            return self._window_attention()
+        return self._registry.get_interface(name, default, *args, **kwargs)
+
+    def __getitem__(self, name):
+        if name == "sdpa" and _ACTIVE[0] is not None:
+            return self._window_attention()
+        return self._registry[name]
+
+    def __contains__(self, name):
+        return name in self._registry
+
+    def __iter__(self):
+        return iter(self._registry)
+
+    def __len__(self):
+        return len(self._registry)
+
+    def __getattr__(self, name):
+        return getattr(self._registry, name)
+
+
+def _make_is_flash(original: Callable) -> Callable:
+    def is_flash_attention_requested(config=None, *args, **kwargs):
+        if config is not None and config is _ACTIVE[0] and not args and not kwargs:
+            return True  # the patched forward's cu_seqlens branch, run by window_attention
+        return original(config, *args, **kwargs)
+
+    is_flash_attention_requested.__wrapped__ = original
+    return is_flash_attention_requested
+
+
+def _make_forward(original: Callable) -> Callable:
+    def forward(self, *args, **kwargs):
+        config = getattr(self, "config", None)
+        if getattr(config, "_attn_implementation", None) != "sdpa" or _probe.tracing_for_export():
+            return original(self, *args, **kwargs)
+        outer = _ACTIVE[0]
+        _ACTIVE[0] = config
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _ACTIVE[0] = outer
+
+    forward.__name__ = forward.__qualname__ = "forward"
+    forward.__doc__ = getattr(original, "__doc__", None)
+    forward.__wrapped__ = original
+    forward.__signature__ = inspect.signature(original)
+    forward._autopatch_variant = VARIANT
+    return forward
+
+
+# --------------------------------------------------------------------------- the structural proof
+def _canon(source: str) -> str:
+    return ast.unparse(ast.parse(source))
+
+
+def _call_args(call: ast.Call) -> tuple[list[str], list[tuple[str | None, str]]]:
+    return [ast.unparse(a) for a in call.args], [(kw.arg, ast.unparse(kw.value)) for kw in call.keywords]
+
+
+def branches_agree(fn: Callable) -> str | None:
+    """None when `fn` (an attention forward) has the two branches of the module docstring over the same
+    tensors and arguments; else why not."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+    except (OSError, TypeError, SyntaxError):
+        return "no readable source"
+    branches = [node for node in ast.walk(tree) if isinstance(node, ast.If)
+                and ast.unparse(node.test) == "is_flash_attention_requested(self.config)"]
+    if len(branches) != 1:
+        return f"{len(branches)} `if is_flash_attention_requested(self.config):` branches, not one"
+    branch = branches[0]
+    flash = [s for s in branch.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
+             and ast.unparse(s.value.func) == "attention_interface"]
+    if len(flash) != 1 or not isinstance(flash[0].targets[0], ast.Tuple) or len(flash[0].targets[0].elts) != 2:
+        return "the flash branch is not one `OUT, _ = attention_interface(...)` call"
+    out = ast.unparse(flash[0].targets[0].elts[0])
+    args, keywords = _call_args(flash[0].value)
+    varlen = dict(kw for kw in keywords if kw[0] in _VARLEN_KWARGS)
+    if (len(args) != 4 or args[0] != "self" or set(varlen) != set(_VARLEN_KWARGS)
+            or varlen["cu_seq_lens_q"] != varlen["cu_seq_lens_k"]):
+        return "the flash call does not take (self, q, k, v) with one cu_seqlens for queries and keys"
+    cu = varlen["cu_seq_lens_q"]
+    rest = ", ".join(f"{name}={value}" if name else f"**{value}" for name, value in keywords
+                     if name not in _VARLEN_KWARGS)
+    expected = [
+        f"lengths = {cu}[1:] - {cu}[:-1]",
+        f"splits = [torch.split(tensor, lengths.tolist(), dim=2) for tensor in ({', '.join(args[1:])})]",
+        f"attn_outputs = [attention_interface(self, q, k, v, {rest})[0] for q, k, v in zip(*splits)]",
+        f"{out} = torch.cat(attn_outputs, dim=1)",
+    ]
+    got = [ast.unparse(s) for s in branch.orelse]
+    if got != [_canon(e) for e in expected]:
+        return "the other branch is not the split loop over the flash call's tensors and arguments"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _numbers_agree() -> str | None:
+    """window_attention against the loop on one tiny fp32 case (windows of lengths 3, 3, 5, 2, 2, 1 and
+    two heads, transformers' sdpa_attention_forward under both); None when equal within 1e-6."""
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except Exception as exc:  # noqa: BLE001
+        return f"transformers' sdpa_attention_forward is not importable: {_probe.describe_exc(exc)}"
+    gen = _probe.generator(7)
+    q, k, v = (_probe.randn((1, 2, 16, 8), gen) for _ in range(3))
+    cu = torch.tensor([0, 3, 6, 11, 13, 15, 16], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 1, False
+    loop = torch.cat([sdpa_attention_forward(module, a, b, c, None, dropout=0.0, scaling=0.3, is_causal=False)[0]
+                      for a, b, c in zip(*(t.split((cu[1:] - cu[:-1]).tolist(), dim=2) for t in (q, k, v)))], dim=1)
+    got, _ = window_attention(sdpa_attention_forward, count=False)(module, q, k, v, None, dropout=0.0, scaling=0.3,
+                                                      is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    err = _probe.rel_err(got, loop)
+    return None if err <= 1e-6 else f"window attention differs from the loop by {err:.1e} on the probe"
+
+
+class _Rule:
+    name = "vision_attention"
+    kernels = (KERNEL,)
+
+    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        try:
+            classes = [c for c in _probe.defined_classes(module)
+                       if "is_flash_attention_requested(self.config)" in _probe.source_text(vars(c).get("forward"))
+                       and "lengths.tolist()" in _probe.source_text(vars(c).get("forward"))]
+        except Exception as exc:  # noqa: BLE001 - never raise into an import
+            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        records = []
+        for cls in classes:
+            target = f"{cls.__name__}.forward"
+            forward = patching.original(cls, "forward") if patching.is_patched(cls, "forward") else vars(cls)["forward"]
+            why = self._why_not(module, forward, enabled)
+            if why:
+                records.append(Record(KERNEL, module.__name__, target, False, VARIANT, why))
+                continue
+            for name, make in (("is_flash_attention_requested", _make_is_flash), ("ALL_ATTENTION_FUNCTIONS", _Interfaces)):
+                if not patching.is_patched(module, name):
+                    patching.replace(module, name, make(getattr(module, name)))
+            if not patching.is_patched(cls, "forward"):
+                patching.replace(cls, "forward", _make_forward(forward))
+            records.append(Record(KERNEL, module.__name__, target, True, VARIANT))
+        return records
+
+    @staticmethod
+    def _why_not(module: ModuleType, forward: Callable, enabled: Callable[[str], bool]) -> str | None:
+        if not enabled(KERNEL):
+            return "vision_attention disabled"
+        missing = [n for n in ("is_flash_attention_requested", "ALL_ATTENTION_FUNCTIONS") if not hasattr(module, n)]
+        if missing:
+            return f"the module has no {', '.join(missing)} of its own to answer for the forward"
+        return branches_agree(forward) or _numbers_agree()
+
+
+RULE = _Rule()
