@@ -352,6 +352,9 @@ def main(argv=None) -> int:
     parser.add_argument("--vlm", action="store_true",
                         help="the image-text-to-text table (the loss rule) instead of the causal-LM one; "
                              "--markdown then appends it to the file")
+    parser.add_argument("--vision-attention", action="store_true",
+                        help="the vision towers' windowed attention table (the vision_attention rule); "
+                             "--markdown then replaces or appends its section")
     args = parser.parse_args(argv)
     try:
         import resource
@@ -368,6 +371,8 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     if args.vlm:
         return main_vlm(args)
+    if args.vision_attention:
+        return main_vision_attention(args)
     archs = select(causal_lm_architectures(), args.names)
     if not archs:
         print(f"no architecture matches {args.names}", file=sys.stderr)
@@ -531,12 +536,12 @@ TINY_VLMS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3
              "paligemma": _paligemma, "idefics3": _idefics3}
 
 
-def build_tiny_vlm(model_dir):
-    """(model, inputs) of a TINY_VLMS entry, fp32, eager attention, O(1)-sized logits."""
+def build_tiny_vlm(model_dir, attn: str = "eager"):
+    """(model, inputs) of a TINY_VLMS entry, fp32, eager attention (or `attn`), O(1)-sized logits."""
     import importlib
 
     _, class_name, cfg, inputs = TINY_VLMS[model_dir]()
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn  # the setter sets the sub-configs too
     torch.manual_seed(0)
     module = importlib.import_module(f"transformers.models.{model_dir}.modeling_{model_dir}")
     model = getattr(module, class_name)(cfg).float()
@@ -840,10 +845,10 @@ def _generic_inputs(model, form: str, ids_cfg: dict[str, int], per_image: int | 
     return dict(inputs, labels=labels)
 
 
-def build_generic_vlm(arch):
-    """(model, inputs) of any head from its config class: the first pixel form whose forward and
-    backward run, with the placeholder count the model's image path gives. Raises RuntimeError with
-    every form's error when none does."""
+def build_generic_vlm(arch, attn: str = "eager"):
+    """(model, inputs) of any head from its config class, eager attention (or `attn`): the first pixel
+    form whose forward and backward run, with the placeholder count the model's image path gives. Raises
+    RuntimeError with every form's error when none does."""
     import importlib
     import inspect
 
@@ -862,10 +867,10 @@ def build_generic_vlm(arch):
     config_cls = model_cls.config_class
     config = config_cls(**_generic_kwargs(config_cls))
     ids_cfg = _remap_ids(config)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attn
     for sub in _vision_subconfigs(config) + ["text_config"]:
         with contextlib.suppress(Exception):
-            getattr(config, sub)._attn_implementation = "eager"
+            getattr(config, sub)._attn_implementation = attn
     torch.manual_seed(0)
     model = model_cls(config).float()
     with torch.no_grad():
@@ -1186,6 +1191,144 @@ def _with_deadline(fn, *args):
         signal.signal(signal.SIGALRM, previous)
 
 
+# --- vision towers' windowed attention (autopatch.rules.vision_attention) ---------------------------
+# Every modeling module whose attention class has the cu_seqlens split loop under SDPA: the rule's
+# verdict per class; for each image-text-to-text head defined in such a module that builds tiny (SDPA
+# attention), the vision_attention rule alone patched vs unpatched: loss, every gradient and eval
+# logits within 1e-5 relative (fp32), and whether the batched window attention ran.
+VISION_HEADING = "## Vision towers' windowed attention (vision_attention)"
+
+
+def _modeling_modules() -> list[str]:
+    import transformers
+
+    root = os.path.dirname(transformers.models.__file__)
+    return sorted(f"transformers.models.{d}.{f[:-3]}" for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))
+                  for f in os.listdir(os.path.join(root, d)) if f.startswith("modeling_") and f.endswith(".py"))
+
+
+def check_vision_attention(names) -> list[dict]:
+    import importlib
+
+    from autopatch import patching, report
+    from autopatch.rules import vision_attention
+
+    heads = {}
+    for arch in image_text_to_text_architectures():
+        heads.setdefault(arch.module_name, []).append(arch)
+    rows = []
+    for module_name in _modeling_modules():
+        if names and module_name.split(".")[2] not in names:
+            continue
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - an optional dependency missing: not a model we can build
+            continue
+        records = vision_attention.RULE.patch_module(module, lambda kernel: True)
+        patching.restore_all()
+        if not records:
+            continue
+        row = {"module": module_name, "classes": [{"target": r.target, "patched": r.patched, "reason": r.reason}
+                                                  for r in records], "heads": []}
+        for arch in heads.get(module_name, []) if any(r.patched for r in records) else []:
+            head = {"arch": arch.class_name}
+            try:
+                with torch.random.fork_rng(devices=[]), contextlib.redirect_stderr(io.StringIO()):
+                    if arch.model_dir in TINY_VLMS:
+                        model, inputs = build_tiny_vlm(arch.model_dir, attn="sdpa")
+                    else:
+                        model, inputs = build_generic_vlm(arch, attn="sdpa")
+            except (Exception, _TooSlow) as exc:  # noqa: BLE001
+                head["numbers"] = f"could not build: {type(exc).__name__}: {str(exc)[:160]}"
+                row["heads"].append(head)
+                continue
+            try:
+                ref = _with_deadline(_run_vlm, model, inputs)
+                report.reset_runs()
+                report.add(vision_attention.RULE.patch_module(module, lambda kernel: True))
+                got = _with_deadline(_run_vlm, model, inputs)
+                ok, detail = _compare(ref, got)
+                ran = report.runs().get(vision_attention.KERNEL, {}).get("calls") or 0
+                head["numbers"] = ("verified" if ran else "not used") if ok else "MISMATCH"
+                head["detail"] = f"{detail}; {ran} batched window calls"
+            except (Exception, _TooSlow) as exc:  # noqa: BLE001
+                head["numbers"] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
+            finally:
+                patching.restore_all()
+                report.clear()
+            row["heads"].append(head)
+        rows.append(row)
+    return rows
+
+
+def vision_summary(rows) -> dict:
+    classes = [c for r in rows for c in r["classes"]]
+    heads = [h for r in rows for h in r["heads"]]
+    return {"modules": len(rows), "classes": len(classes), "patched": sum(c["patched"] for c in classes),
+            "heads": len(heads), "verified": sum(h["numbers"] == "verified" for h in heads),
+            "mismatch": sum(h["numbers"] == "MISMATCH" for h in heads),
+            "could_not_build": sum(h["numbers"].startswith("could not build") for h in heads)}
+
+
+def vision_markdown(rows, summary) -> str:
+    lines = [
+        VISION_HEADING,
+        "",
+        "Every modeling module with an attention class that splits q, k and v at `cu_seqlens` and calls the "
+        "attention once per window under SDPA. *Structure*: the rule's verdict on each class (both branches "
+        "over the same tensors and arguments, from the syntax tree). *Numbers*: each image-text-to-text head "
+        "of a patched module built tiny with SDPA attention, the vision_attention rule alone patched vs "
+        "unpatched: loss, every gradient and eval logits within 1e-5 relative (fp32), and how many batched "
+        "window calls ran.",
+        "",
+        f"**Summary:** {summary['modules']} modules, {summary['classes']} attention classes, {summary['patched']} "
+        f"patched; {summary['heads']} heads of patched modules, {summary['verified']} verified, MISMATCH "
+        f"{summary['mismatch']}, could not build {summary['could_not_build']}.",
+        "",
+        "| module | attention class | structure | heads: numbers |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        heads = "; ".join(f"{h['arch']}: {_cell(h['numbers'], 90)}" + (f" ({_cell(h['detail'], 90)})" if "detail" in h else "")
+                          for h in row["heads"]) or "–"
+        for c in row["classes"]:
+            verdict = "✅ patched" if c["patched"] else f"➖ left alone: {_cell(c['reason'])}"
+            lines.append(f"| {row['module'].split('.')[2]} | {c['target']} | {verdict} | {heads} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_section(path: str, heading: str, text: str) -> None:
+    """Replace the section `heading` of the Markdown file (to the end: it is written last), or add it at
+    the end."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = ""
+    head = old.partition(heading)[0]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write((head.rstrip("\n") + "\n\n" if head.strip() else "") + text)
+
+
+def main_vision_attention(args) -> int:
+    rows = check_vision_attention({n.lower() for n in args.names})
+    summary = vision_summary(rows)
+    if not args.quiet:
+        for row in rows:
+            for c in row["classes"]:
+                print(f"{row['module']:<60} {c['target']:<40} {'patched' if c['patched'] else c['reason'][:60]}")
+            for h in row["heads"]:
+                print(f"    {h['arch']:<50} {h['numbers'][:80]}")
+    print(json.dumps(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    if args.markdown:
+        _write_section(args.markdown, VISION_HEADING, vision_markdown(rows, summary))
+    return 1 if summary["mismatch"] else 0
+
+
 def main_vlm(args) -> int:
     rows = []
     for arch in select(image_text_to_text_architectures(), args.names):
@@ -1209,9 +1352,11 @@ def main_vlm(args) -> int:
                 kept = f.read()
         except FileNotFoundError:
             kept = ""
+        vision = kept.split(VISION_HEADING, 1)[1] if VISION_HEADING in kept else None
         kept = kept.split(VLM_HEADING)[0].rstrip("\n")
         with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write((kept + "\n\n" if kept else "") + vlm_markdown(rows, summary))
+            f.write((kept + "\n\n" if kept else "") + vlm_markdown(rows, summary)
+                    + (f"\n{VISION_HEADING}{vision}" if vision is not None else ""))
     return 1 if summary["mismatch"] else 0
 
 

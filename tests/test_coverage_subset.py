@@ -136,3 +136,17 @@ def test_generic_tiny_vlm_verified(class_name):
     assert row["numbers"] == "verified", f"{class_name} ({quirk}): {row}"
     assert row["vision_grads"] > 0, f"{class_name} ({quirk}): the vision tower got no gradient: {row}"
     assert row["rope"]["kind"] == rope_kind, row["rope"]
+
+
+def test_vision_attention_section_verifies_a_qwen_vl_and_a_glm_head():
+    """The coverage matrix's vision_attention section on two families: the rule patches their vision
+    attention, the tiny SDPA heads match the unpatched ones, and the batched window attention ran."""
+    rows = {r["module"].split(".")[2]: r for r in coverage_matrix.check_vision_attention({"qwen2_5_vl", "glm4v"})}
+    assert set(rows) == {"qwen2_5_vl", "glm4v"}, rows
+    for row in rows.values():
+        assert [c["patched"] for c in row["classes"]] == [True], row
+        assert row["heads"] and all(h["numbers"] == "verified" for h in row["heads"]), row
+    summary = coverage_matrix.vision_summary(list(rows.values()))
+    assert summary["mismatch"] == 0 and summary["verified"] == 2
+    assert "| qwen2_5_vl | Qwen2_5_VLVisionAttention.forward | ✅ patched |" in coverage_matrix.vision_markdown(
+        list(rows.values()), summary)

@@ -152,6 +152,15 @@ def test_eager_and_the_text_decoder_are_untouched(monkeypatch):
     assert module.is_flash_attention_requested(model.config.vision_config) is False
 
 
+def test_patches_while_a_model_is_built_under_another_default_device():
+    """The hooks patch while the user's code builds the model, e.g. under `with torch.device("cuda"):`;
+    the rule's probe runs on the CPU whatever the default device (here meta, which computes nothing)."""
+    rule._numbers_agree.cache_clear()
+    with torch.device("meta"):
+        records = rule.RULE.patch_module(modeling("qwen2_5_vl"), lambda kernel: True)
+    assert verdict_of(records, "Qwen2_5_VLVisionAttention.forward").patched, records
+
+
 def test_disabled_and_idempotent():
     module = modeling("qwen2_5_vl")
     off = verdict_of(rule.RULE.patch_module(module, lambda kernel: False), "Qwen2_5_VLVisionAttention.forward")

@@ -222,16 +222,18 @@ def _numbers_agree() -> str | None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
     except Exception as exc:  # noqa: BLE001
         return f"transformers' sdpa_attention_forward is not importable: {_probe.describe_exc(exc)}"
-    gen = _probe.generator(7)
-    q, k, v = (_probe.randn((1, 2, 16, 8), gen) for _ in range(3))
-    cu = torch.tensor([0, 3, 6, 11, 13, 15, 16], dtype=torch.int32)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 1, False
-    loop = torch.cat([sdpa_attention_forward(module, a, b, c, None, dropout=0.0, scaling=0.3, is_causal=False)[0]
-                      for a, b, c in zip(*(t.split((cu[1:] - cu[:-1]).tolist(), dim=2) for t in (q, k, v)))], dim=1)
-    got, _ = window_attention(sdpa_attention_forward, count=False)(module, q, k, v, None, dropout=0.0, scaling=0.3,
-                                                      is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    err = _probe.rel_err(got, loop)
+    with _probe.probing():  # on the CPU, whatever default device the model is being built under
+        gen = _probe.generator(7)
+        q, k, v = (_probe.randn((1, 2, 16, 8), gen) for _ in range(3))
+        cu = torch.tensor([0, 3, 6, 11, 13, 15, 16], dtype=torch.int32)
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.is_causal = 1, False
+        windows = zip(*(t.split((cu[1:] - cu[:-1]).tolist(), dim=2) for t in (q, k, v)))
+        loop = torch.cat([sdpa_attention_forward(module, a, b, c, None, dropout=0.0, scaling=0.3, is_causal=False)[0]
+                          for a, b, c in windows], dim=1)
+        got, _ = window_attention(sdpa_attention_forward, count=False)(
+            module, q, k, v, None, dropout=0.0, scaling=0.3, is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        err = _probe.rel_err(got, loop)
     return None if err <= 1e-6 else f"window attention differs from the loop by {err:.1e} on the probe"
 
 
