@@ -28,6 +28,7 @@ def test_readme_table_is_regenerated_from_the_committed_results_file():
     assert "| RMSNorm 16384×4096 |" in block and "Qwen3-0.6B" in block
     assert "Qwen3-30B-A3B" in block and "grouped-GEMM floor" in block
     assert "Qwen2.5-VL-3B" in block and "FUSED_KERNELS=all" in block
+    assert "| SFT, Qwen3-0.6B (4×4096 tokens) |" in block and "TRL + Liger" in block
 
 
 def test_update_replaces_only_the_block():
