@@ -400,6 +400,28 @@ def tracing_for_export() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False)) or torch.jit.is_tracing()
 
 
+def forward_with_flag(original: Callable, flag: list, value: Callable, variant: str) -> Callable:
+    """A forward that runs original(self, ...) with flag[0] = value(self, args, kwargs) (the innermost
+    call decides) and restores it afterwards, for rules whose module-level replacements answer differently
+    while such a call runs. `flag` is a one-element list: torch.compile traces its reads and writes. The
+    wrapper keeps the original's name, doc and signature."""
+
+    def forward(self, *args, **kwargs):
+        outer = flag[0]
+        flag[0] = value(self, args, kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            flag[0] = outer
+
+    forward.__name__ = forward.__qualname__ = "forward"
+    forward.__doc__ = getattr(original, "__doc__", None)
+    forward.__wrapped__ = original
+    forward.__signature__ = inspect.signature(original)
+    forward._autopatch_variant = variant
+    return forward
+
+
 def source_text(*functions) -> str:
     """The sources of `functions`, joined; None and functions without a readable source (built-ins,
     code made at run time) are skipped. What the rules' structural detection reads."""

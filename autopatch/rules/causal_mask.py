@@ -101,22 +101,11 @@ def _make_forward(original: Callable, index: dict[str, int]) -> Callable:
         i = index.get(name)
         return i is not None and i < len(args) and args[i] is not None
 
-    def forward(self, *args, **kwargs):
-        made = not (getattr(self, "_is_replica", False)  # DataParallel runs replicas in threads
+    def made_positions(self, args: tuple, kwargs: dict) -> bool:
+        return not (getattr(self, "_is_replica", False)  # DataParallel runs replicas in threads
                     or any(given(n, args, kwargs) for n in ("position_ids", "attention_mask", *_CACHE_PARAMS)))
-        outer = _MODEL_MADE_POSITIONS[0]
-        _MODEL_MADE_POSITIONS[0] = made
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _MODEL_MADE_POSITIONS[0] = outer
 
-    forward.__name__ = forward.__qualname__ = "forward"
-    forward.__doc__ = getattr(original, "__doc__", None)
-    forward.__wrapped__ = original
-    forward.__signature__ = inspect.signature(original)
-    forward._autopatch_variant = VARIANT
-    return forward
+    return _probe.forward_with_flag(original, _MODEL_MADE_POSITIONS, made_positions, VARIANT)
 
 
 def candidate(cls: type) -> dict[str, int] | None:

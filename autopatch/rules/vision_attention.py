@@ -148,24 +148,17 @@ def _make_is_flash(original: Callable) -> Callable:
     return is_flash_attention_requested
 
 
-def _make_forward(original: Callable) -> Callable:
-    def forward(self, *args, **kwargs):
-        config = getattr(self, "config", None)
-        if getattr(config, "_attn_implementation", None) != "sdpa" or _probe.tracing_for_export():
-            return original(self, *args, **kwargs)
-        outer = _ACTIVE[0]
-        _ACTIVE[0] = config
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            _ACTIVE[0] = outer
+def _sdpa_config(self, args: tuple, kwargs: dict):
+    """The config a patched attention forward answers for: its own under "sdpa", else None (eager,
+    flash, flex; torch.export / jit tracing): transformers' answers."""
+    config = getattr(self, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or _probe.tracing_for_export():
+        return None
+    return config
 
-    forward.__name__ = forward.__qualname__ = "forward"
-    forward.__doc__ = getattr(original, "__doc__", None)
-    forward.__wrapped__ = original
-    forward.__signature__ = inspect.signature(original)
-    forward._autopatch_variant = VARIANT
-    return forward
+
+def _make_forward(original: Callable) -> Callable:
+    return _probe.forward_with_flag(original, _ACTIVE, _sdpa_config, VARIANT)
 
 
 # --------------------------------------------------------------------------- the structural proof
