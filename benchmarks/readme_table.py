@@ -129,21 +129,37 @@ def experts_table(results: dict) -> list[str]:
     return lines
 
 
+UNSTEADY = 1.15  # slowest / fastest timed step above this: the peer had not reached a steady state
+
+
+def _steady(run: dict) -> bool:
+    steps = run.get("train_ms") or run["step_ms"]
+    return max(steps) <= UNSTEADY * min(steps)
+
+
 def trl_table(results: dict) -> list[str]:
-    """TRL trainer steps: tokens/s and peak GiB per peer, and ours over TRL + Liger (the best peer there)."""
+    """TRL trainer steps: tokens/s and peak GiB per peer, and ours over TRL + Liger (the best peer there).
+    A run whose timed steps spread more than UNSTEADY is marked †, its ratio not given."""
     lines = ["| TRL 1.16 trainer step | TRL | TRL + Liger (`use_liger_kernel`) | autopatch (FUSED_KERNELS=all) | "
              "autopatch / TRL + Liger |", "|---|---|---|---|---|"]
     runs = {(r["trainer"], r["model"], r["peer"]): r for r in results.get("trl", []) if r.get("status") == "ok"}
+    unsteady = False
     for trainer, trainer_label in TRL_TRAINERS.items():
         for model, model_label in TRL_MODELS.items():
             row = [runs.get((trainer, model, p)) for p in ("trl", "trl_liger", "trl_ours")]
             if not any(row):
                 continue
-            cells = [f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, {r['peak_gib']:.1f} GiB" if r else "–" for r in row]
-            ratio = f"{row[2]['tokens_per_s'] / row[1]['tokens_per_s']:.2f}×" if row[1] and row[2] else "–"
+            cells = [f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, {r['peak_gib']:.1f} GiB" + ("" if _steady(r) else " †")
+                     if r else "–" for r in row]
+            unsteady |= any(r and not _steady(r) for r in row)
+            steady = row[1] and row[2] and _steady(row[1]) and _steady(row[2])
+            ratio = f"{row[2]['tokens_per_s'] / row[1]['tokens_per_s']:.2f}×" if steady else "–"
             r0 = next(r for r in row if r)
             lines.append(f"| {trainer_label}, {model_label} ({r0['batch']}×{r0['seq']} tokens) | "
                          + " | ".join(cells) + f" | {ratio} |")
+    if unsteady:
+        lines += ["", f"† the timed steps of that run spread more than {UNSTEADY:.2f}× (slowest over fastest; GRPO: "
+                      "step minus generation): not a steady state, no ratio."]
     return lines
 
 

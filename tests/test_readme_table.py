@@ -35,3 +35,17 @@ def test_update_replaces_only_the_block():
     mod = _script()
     text = f"head\n{mod.BEGIN}\nold\n{mod.END}\ntail\n"
     assert mod.update(text, "new") == f"head\n{mod.BEGIN}\nnew\n{mod.END}\ntail\n"
+
+
+def test_trl_rows_that_never_settled_get_no_ratio():
+    mod = _script()
+
+    def run(peer, steps):
+        return {"trainer": "sft", "model": "qwen3_0.6b", "peer": peer, "status": "ok", "batch": 4, "seq": 4096,
+                "tokens_per_s": 16384 / (sorted(steps)[len(steps) // 2] * 1e-3), "peak_gib": 5.5, "step_ms": steps}
+
+    steady = {"trl": [run("trl", [430, 432]), run("trl_liger", [290, 291]), run("trl_ours", [240, 242])]}
+    assert "| 1.2" in mod.trl_table(steady)[2] and "†" not in "".join(mod.trl_table(steady))
+    falling = {"trl": [run("trl", [430, 432]), run("trl_liger", [420, 450, 288]), run("trl_ours", [240, 242])]}
+    table = mod.trl_table(falling)
+    assert table[2].endswith("| – |") and "5.5 GiB †" in table[2] and table[-1].startswith("† ")
