@@ -22,6 +22,9 @@ Run on the CPU with TRITON_INTERPRET=1 (set here before triton is imported):
 The last one is the image-text-to-text table (the loss rule over MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 each head built tiny by TINY_VLMS or the generic builder, plus a multimodal RoPE column), written after
 the causal-LM table of the same file; `--vlm qwen3_vl llava_next` checks a few heads.
+    python dev/coverage_matrix.py --vision-attention --markdown docs/coverage.md
+The vision towers' windowed attention (the vision_attention rule over every modeling module with the
+cu_seqlens split loop, and its heads built tiny with SDPA attention), written as the file's last section.
 """
 
 from __future__ import annotations
