@@ -2,7 +2,7 @@
 # On a GPU machine: the gpu-marked tests at real sizes, then the benchmark, each time-boxed, in one command.
 #
 #   bash dev/gpu_check.sh                     tests, then kernels and training steps (as the budget allows)
-#   PART=tests   bash dev/gpu_check.sh        every gpu test                                (~450 s on an H200)
+#   PART=tests   bash dev/gpu_check.sh        every gpu test                      (~490 s on an H200; box 560 s)
 #   PART=kernels bash dev/gpu_check.sh        the kernel table, forward+backward only        (~270 s)
 #   PART=e2e     bash dev/gpu_check.sh        the training steps, each peer in a fresh process (~470 s)
 #   PART=trl_head bash dev/gpu_check.sh       TRL's chunked LM head vs ours vs torch (benchmarks/bench_trl_head.py;
@@ -19,7 +19,7 @@
 #
 # What it does: (a) installs carried wheels from .whl/ (pydantic-settings & co., liger-kernel,
 # cut-cross-entropy: dev/device_env.sh) and uses the repository from PYTHONPATH; (b) prints the GPU and
-# the stack; (c) `pytest -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log); (d)
+# the stack; (c) `pytest -v -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log, one line a test and the slowest 15: a time box shows where it stopped); (d)
 # benchmarks/bench.py (JSON: $OUT/bench.json, log: $OUT/bench.log); (e) the table of what was measured.
 # A failing test run does not stop the benchmark. Exit status: 1 if the tests failed or timed out, else
 # 2 if the benchmark failed, else 0.
@@ -33,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${PART:-all}" in
   all) ;;
-  tests) : "${TOTAL_BUDGET_S:=570}" "${TEST_BUDGET_S:=520}"; BENCH_PARTS=${BENCH_PARTS-} ;;
+  tests) : "${TOTAL_BUDGET_S:=595}" "${TEST_BUDGET_S:=560}"; BENCH_PARTS=${BENCH_PARTS-} ;;
   kernels) : "${TOTAL_BUDGET_S:=560}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=kernels; BENCH_MODES=${BENCH_MODES:-fwdbwd} ;;
   e2e) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=e2e ;;
   trl_head) : "${TOTAL_BUDGET_S:=540}"; GPU_TESTS=${GPU_TESTS:-0}; BENCH_PARTS=trl_head ;;
@@ -79,7 +79,8 @@ TEST_NOTE="not run (GPU_TESTS=0)"
 if [ "${GPU_TESTS:-1}" = "1" ]; then
   echo "== (c) gpu tests (time box ${TEST_BUDGET_S} s)"
   timeout --kill-after=10 "$TEST_BUDGET_S" env HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-gpu}" \
-    python3 -m pytest -q -m gpu tests -p no:cacheprovider ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -v -m gpu tests -p no:cacheprovider --durations=15 ${GPU_TEST_K:+-k "$GPU_TEST_K"} 2>&1 \
+    | tee "$OUT/gpu_tests.log"
   TEST_RC=${PIPESTATUS[0]}
   case $TEST_RC in
     0) TEST_NOTE="passed" ;;
