@@ -20,7 +20,8 @@
 # What it does: (a) installs carried wheels from .whl/ (pydantic-settings & co., liger-kernel,
 # cut-cross-entropy: dev/device_env.sh) and uses the repository from PYTHONPATH; (b) prints the GPU and
 # the stack; (c) `pytest -v -m gpu tests` with TRITON_INTERPRET=0 (log: $OUT/gpu_tests.log, a line a
-# test, so a time box shows where it stopped, then the 15 slowest); (d) benchmarks/bench.py (JSON: $OUT/bench.json, log: $OUT/bench.log); (e) the table of what was measured.
+# test, so a time box shows where it stopped, then the 15 slowest); (d) benchmarks/bench.py (JSON:
+# $OUT/bench.json, log: $OUT/bench.log); (e) the table of what was measured.
 # A failing test run does not stop the benchmark. Exit status: 1 if the tests failed or timed out, else
 # 2 if the benchmark failed, else 0.
 #
