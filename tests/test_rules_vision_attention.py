@@ -138,6 +138,31 @@ def test_dropout_keeps_the_loops_random_draws():
     torch.testing.assert_close(got, loop, rtol=0, atol=0)
 
 
+def test_a_call_without_cu_seqlens_gets_plain_sdpa():
+    """Should another attention look the interface up while a patched forward runs (a thread), it gets
+    transformers' SDPA: the same output as the registered function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 1, True
+    want, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.3)
+    got, _ = rule.window_attention(sdpa_attention_forward, count=False)(module, q, k, v, None, dropout=0.0,
+                                                                        scaling=0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_data_parallel_replica_runs_the_loop():
+    module, model, inputs = _build("qwen2_5_vl")
+    report.reset_runs()
+    report.add(rule.RULE.patch_module(module, lambda kernel: True))
+    for block in model.model.visual.blocks:
+        block.attn._is_replica = True
+    _step(model, inputs)
+    assert report.runs()[KERNEL]["calls"] == 0
+
+
 def test_eager_and_the_text_decoder_are_untouched(monkeypatch):
     module, model, inputs = _build("qwen2_5_vl", attn="eager")
     loss0, grads0 = _step(model, inputs)

@@ -82,6 +82,9 @@ def window_attention(sdpa: Callable, count: bool = True) -> Callable:
 
     def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None,
                   cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
+        if cu_seq_lens_q is None and cu_seq_lens_k is None:  # not a cu_seqlens call: plain SDPA, as registered
+            return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
         if (attention_mask is not None or query.shape[0] != 1 or cu_seq_lens_q is None
                 or (cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_k, cu_seq_lens_q))):
             raise ValueError("vision_attention: expected one sequence of windows (batch 1, no mask, the same "
@@ -150,9 +153,11 @@ def _make_is_flash(original: Callable) -> Callable:
 
 def _sdpa_config(self, args: tuple, kwargs: dict):
     """The config a patched attention forward answers for: its own under "sdpa", else None (eager,
-    flash, flex; torch.export / jit tracing): transformers' answers."""
+    flash, flex; torch.export / jit tracing; a DataParallel replica, which runs in a thread while others
+    read the flag): transformers' answers."""
     config = getattr(self, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or _probe.tracing_for_export():
+    if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(self, "_is_replica", False)
+            or _probe.tracing_for_export()):
         return None
     return config
 
