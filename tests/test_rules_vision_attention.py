@@ -2,7 +2,8 @@
 SDPA batch. Tiny Qwen2-VL and Qwen2.5-VL heads (dev/coverage_matrix.py's builders, SDPA attention),
 patched vs unpatched in fp32: the loss and every gradient, vision tower included, within 1e-6; windows
 of several lengths (Qwen2.5-VL's windows cut by the image border, two image sizes); fewer SDPA calls;
-the loop's random draws under dropout; what is left alone and why."""
+the loop's random draws under dropout; what is left alone and why; FUSED_KERNELS=all alone in a fresh
+process."""
 
 from __future__ import annotations
 
@@ -274,3 +275,43 @@ def test_compiled_tower_same_numbers():
         torch.testing.assert_close(grads1[n.replace("visual.", "visual._orig_mod.")], grads0[n], rtol=1e-5,
                                    atol=1e-7, msg=n)
     assert report.runs()[KERNEL]["calls"] >= _tower_block_count(model)
+
+
+_ENV_SCRIPT = '''
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("t", sys.argv[1])
+t = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t)
+module, model, inputs = t._build("qwen2_5_vl uneven windows")
+loss, grads = t._step(model, inputs)
+import autopatch
+from autopatch import report
+rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "vision_attention"]
+print(json.dumps({"loss": loss.item(), "records": rows, "runs": report.runs().get("vision_attention")}))
+'''
+
+
+@pytest.mark.slow
+def test_from_the_environment_alone(tmp_path):
+    """FUSED_KERNELS=all in a fresh process that imports nothing from autopatch before the model: the hooks
+    patch the tower's attention, it runs, and the loss is the one with vision_attention turned off."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def run(kernels):
+        env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+        env.update(FUSED_KERNELS=kernels, TRITON_INTERPRET="1",
+                   PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests")]))
+        proc = subprocess.run([sys.executable, "-c", _ENV_SCRIPT, str(Path(__file__).resolve())], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    on, off = run("all"), run("all,-vision_attention")
+    assert [r["patched"] for r in on["records"]] == [True] and on["runs"]["calls"] > 0, on
+    assert not any(r["patched"] for r in off["records"]), off
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-6) and on["loss"] > 0
