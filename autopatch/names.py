@@ -22,7 +22,7 @@ KERNELS: dict[str, str] = {
                    "GQA kept) when a model forward gets no position_ids, attention_mask or cache -> "
                    "transformers' mask functions answer as in eager",
     "vision_attention": "not a kernel: vision towers' windowed attention under SDPA (Qwen2-VL-style cu_seqlens "
-                        "windows: Qwen2/2.5/3-VL, Omni, GLM-4V) -> the windows of one length in one SDPA call "
+                        "windows: Qwen2/2.5/3-VL, Omni, GLM-4V, PaddleOCR-VL) -> the windows of one length in one SDPA call "
                         "instead of one call per window",
 }
 

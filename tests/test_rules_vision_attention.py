@@ -239,6 +239,66 @@ def test_structure_decides(change, why, tmp_path, monkeypatch):
         assert got is not None and why in got
 
 
+_WEIGHTS_LOOP = _LOOP.replace(
+    "attn_output, _ = attention_interface(self, q, k, v, attention_mask=None",
+    "attn_output, attn_weights = attention_interface(self, q, k, v, attention_mask=None").replace(
+    """        attn_outputs = [attention_interface(self, q, k, v, attention_mask=None, scaling=self.scaling, is_causal=False, **kwargs)[0]
+                        for q, k, v in zip(*splits)]
+""", """        attn_outputs, attn_weights = [], []
+        for q, k, v in zip(*splits):
+            attn_output, attn_weight = attention_interface(self, q, k, v, attention_mask=None, scaling=self.scaling, is_causal=False, **kwargs)
+            attn_outputs.append(attn_output)
+            attn_weights.append(attn_weight)
+""")
+
+
+@pytest.mark.parametrize("source, form", [(_LOOP, "comprehension"), (_WEIGHTS_LOOP, "weights"),
+                                          (_WEIGHTS_LOOP.replace("attn_output, attn_weights = attention_interface",
+                                                                 "attn_output, other = attention_interface"), None)])
+def test_the_loop_forms(source, form, tmp_path):
+    assert source.count("attn_weights") == {"comprehension": 0, "weights": 3, None: 2}[form]  # the edits took
+    path = tmp_path / "fake_forms.py"
+    path.write_text(textwrap.dedent(source))
+    spec = importlib.util.spec_from_file_location("fake_forms", path)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    got, why = rule.branch_form(fake.forward)
+    assert got == form, why
+
+
+def test_weights_per_window_are_listed():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 8, 10, 12], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 1
+    out, weights = rule.window_attention(sdpa_attention_forward, count=False, weights_per_window=True)(
+        module, q, k, v, None, dropout=0.0, scaling=0.3, is_causal=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert weights == [None] * 4 and out.shape == (1, 12, 2, 8)
+
+
+def test_paddleocr_vl_keeps_its_attention_weights_list():
+    """PaddleOCR-VL's loop also collects each image's attention weights: patched, its attention still
+    returns a list of one entry per image (None each under SDPA), and the step's numbers are the loop's."""
+    archs = coverage_matrix.select(coverage_matrix.image_text_to_text_architectures(), ["PaddleOCRVLForConditionalGeneration"])
+    model, inputs = coverage_matrix.build_generic_vlm(archs[0], attn="sdpa")
+    module = modeling("paddleocr_vl")
+    attention = next(m for m in model.modules() if type(m).__name__ == "PaddleOCRVisionAttention")
+    seen = []
+    attention.register_forward_hook(lambda mod, args, out: seen.append(out[1]))
+    loss0, grads0 = _step(model, inputs)
+    verdict = verdict_of(rule.RULE.patch_module(module, lambda kernel: True), "PaddleOCRVisionAttention.forward")
+    assert verdict.patched and "weights listed" in verdict.variant, verdict
+    loss1, grads1 = _step(model, inputs)
+    plain, patched = seen[0], seen[-1]
+    assert isinstance(plain, list) and plain and patched == plain
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_qwen2_5_vl_tower():
     """On the GPU in bf16 (flash / cuDNN SDPA): the patched step's loss and vision gradients within 1e-2 of

@@ -18,7 +18,9 @@ What. For an attention class whose forward has both branches —
         splits = [torch.split(tensor, lengths.tolist(), dim=2) for tensor in (q, k, v)]
         attn_outputs = [attention_interface(self, q, k, v, <args>, **kwargs)[0] for q, k, v in zip(*splits)]
         OUT = torch.cat(attn_outputs, dim=1)
-with the same q, k, v, cu, OUT and the same other arguments in both (checked on the syntax tree) — the
+with the same q, k, v, cu, OUT and the same other arguments in both (checked on the syntax tree; or
+the loop as a `for` that also collects each window's attention weights into the list W the flash branch
+binds in `OUT, W = ...`, which then gets a list of the same length, None each under SDPA) — the
 flash branch runs while that forward runs under "sdpa", with `window_attention` as the interface: each
 run of consecutive windows of one length becomes one batch [windows, heads, length, head_dim] for
 transformers' own sdpa_attention_forward, whose output [windows, length, heads, head_dim] is the loop's
@@ -50,8 +52,8 @@ KERNEL = "vision_attention"
 VARIANT = "windows of one length batched into one SDPA call (the cu_seqlens branch under sdpa)"
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
-# The config of the patched attention forward running now (the innermost), else None. A one-element
-# list: torch.compile traces reads and writes of it.
+# (config, weights per window) of the patched attention forward running now (the innermost), else None.
+# A one-element list: torch.compile traces reads and writes of it.
 _ACTIVE = [None]
 
 
@@ -75,10 +77,12 @@ def _as_windows(t: torch.Tensor, start: int, windows: int, length: int) -> torch
     return t[0, :, start:start + windows * length].unflatten(1, (windows, length)).transpose(0, 1)
 
 
-def window_attention(sdpa: Callable, count: bool = True) -> Callable:
+def window_attention(sdpa: Callable, count: bool = True, weights_per_window: bool = False) -> Callable:
     """An attention interface over cu_seqlens windows, built on `sdpa` (transformers' sdpa_attention_forward):
-    query, key, value [1, heads, tokens, head_dim] -> ([1, tokens, heads, head_dim], None). Each call is
-    counted as a run of the toggle unless `count` is False (the rule's own probe)."""
+    query, key, value [1, heads, tokens, head_dim] -> ([1, tokens, heads, head_dim], None), or with
+    `weights_per_window` a list of each window's attention weights second (what a loop that collects them
+    holds: None each under SDPA). Each call is counted as a run of the toggle unless `count` is False (the
+    rule's own probe)."""
 
     def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None,
                   cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
@@ -93,15 +97,16 @@ def window_attention(sdpa: Callable, count: bool = True) -> Callable:
         runs = window_runs(cu_seq_lens_q)
         if dropout:  # one window at a time, in order: the loop's random draws
             runs = [(start + i * length, 1, length) for start, n, length in runs for i in range(n)]
-        outs = []
+        outs, weights = [], []
         for start, windows, length in runs:
             q, k, v = (_as_windows(t, start, windows, length) for t in (query, key, value))
-            out, _ = sdpa(module, q, k, v, attention_mask=None, dropout=dropout, scaling=scaling,
+            out, w = sdpa(module, q, k, v, attention_mask=None, dropout=dropout, scaling=scaling,
                           is_causal=is_causal, **kwargs)
             outs.append(out.reshape(1, windows * length, *out.shape[2:]))
+            weights += [None] * windows if w is None else list(w.split(1))
         if count:
             report.count_call(KERNEL)
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), (weights if weights_per_window else None)
 
     attention.__wrapped__ = sdpa
     return attention
@@ -116,7 +121,7 @@ class _Interfaces:
         self._registry = registry
 
     def _window_attention(self):
-        return window_attention(self._registry["sdpa"])
+        return window_attention(self._registry["sdpa"], weights_per_window=_ACTIVE[0][1])
 
     def get_interface(self, name, default=None, *args, **kwargs):
         if name == "sdpa" and _ACTIVE[0] is not None:
@@ -143,7 +148,8 @@ class _Interfaces:
 
 def _make_is_flash(original: Callable) -> Callable:
     def is_flash_attention_requested(config=None, *args, **kwargs):
-        if config is not None and config is _ACTIVE[0] and not args and not kwargs:
+        active = _ACTIVE[0]
+        if config is not None and active is not None and config is active[0] and not args and not kwargs:
             return True  # the patched forward's cu_seqlens branch, run by window_attention
         return original(config, *args, **kwargs)
 
@@ -151,19 +157,18 @@ def _make_is_flash(original: Callable) -> Callable:
     return is_flash_attention_requested
 
 
-def _sdpa_config(self, args: tuple, kwargs: dict):
-    """The config a patched attention forward answers for: its own under "sdpa", else None (eager,
-    flash, flex; torch.export / jit tracing; a DataParallel replica, which runs in a thread while others
-    read the flag): transformers' answers."""
-    config = getattr(self, "config", None)
-    if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(self, "_is_replica", False)
-            or _probe.tracing_for_export()):
-        return None
-    return config
+def _make_forward(original: Callable, weights_per_window: bool) -> Callable:
+    def active(self, args: tuple, kwargs: dict):
+        """What a patched attention forward answers for: its config under "sdpa", else None (eager,
+        flash, flex; torch.export / jit tracing; a DataParallel replica, which runs in a thread while
+        others read the flag): transformers' answers."""
+        config = getattr(self, "config", None)
+        if (getattr(config, "_attn_implementation", None) != "sdpa" or getattr(self, "_is_replica", False)
+                or _probe.tracing_for_export()):
+            return None
+        return config, weights_per_window
 
-
-def _make_forward(original: Callable) -> Callable:
-    return _probe.forward_with_flag(original, _ACTIVE, _sdpa_config, VARIANT)
+    return _probe.forward_with_flag(original, _ACTIVE, active, VARIANT)
 
 
 # --------------------------------------------------------------------------- the structural proof
@@ -175,41 +180,53 @@ def _call_args(call: ast.Call) -> tuple[list[str], list[tuple[str | None, str]]]
     return [ast.unparse(a) for a in call.args], [(kw.arg, ast.unparse(kw.value)) for kw in call.keywords]
 
 
-def branches_agree(fn: Callable) -> str | None:
-    """None when `fn` (an attention forward) has the two branches of the module docstring over the same
-    tensors and arguments; else why not."""
+def branch_form(fn: Callable) -> tuple[str | None, str]:
+    """(form, "") when `fn` (an attention forward) has the two branches of the module docstring over the
+    same tensors and arguments; the form is "comprehension" (the loop keeps the outputs) or "weights" (a
+    for loop that also collects each window's attention weights into the list the flash branch binds).
+    Else (None, why not)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
     except (OSError, TypeError, SyntaxError):
-        return "no readable source"
+        return None, "no readable source"
     branches = [node for node in ast.walk(tree) if isinstance(node, ast.If)
                 and ast.unparse(node.test) == "is_flash_attention_requested(self.config)"]
     if len(branches) != 1:
-        return f"{len(branches)} `if is_flash_attention_requested(self.config):` branches, not one"
+        return None, f"{len(branches)} `if is_flash_attention_requested(self.config):` branches, not one"
     branch = branches[0]
     flash = [s for s in branch.body if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call)
              and ast.unparse(s.value.func) == "attention_interface"]
     if len(flash) != 1 or not isinstance(flash[0].targets[0], ast.Tuple) or len(flash[0].targets[0].elts) != 2:
-        return "the flash branch is not one `OUT, _ = attention_interface(...)` call"
-    out = ast.unparse(flash[0].targets[0].elts[0])
+        return None, "the flash branch is not one `OUT, _ = attention_interface(...)` call"
+    out, weights = (ast.unparse(e) for e in flash[0].targets[0].elts)
     args, keywords = _call_args(flash[0].value)
     varlen = dict(kw for kw in keywords if kw[0] in _VARLEN_KWARGS)
     if (len(args) != 4 or args[0] != "self" or set(varlen) != set(_VARLEN_KWARGS)
             or varlen["cu_seq_lens_q"] != varlen["cu_seq_lens_k"]):
-        return "the flash call does not take (self, q, k, v) with one cu_seqlens for queries and keys"
+        return None, "the flash call does not take (self, q, k, v) with one cu_seqlens for queries and keys"
     cu = varlen["cu_seq_lens_q"]
     rest = ", ".join(f"{name}={value}" if name else f"**{value}" for name, value in keywords
                      if name not in _VARLEN_KWARGS)
-    expected = [
-        f"lengths = {cu}[1:] - {cu}[:-1]",
-        f"splits = [torch.split(tensor, lengths.tolist(), dim=2) for tensor in ({', '.join(args[1:])})]",
-        f"attn_outputs = [attention_interface(self, q, k, v, {rest})[0] for q, k, v in zip(*splits)]",
-        f"{out} = torch.cat(attn_outputs, dim=1)",
-    ]
+    split = [f"lengths = {cu}[1:] - {cu}[:-1]",
+             f"splits = [torch.split(tensor, lengths.tolist(), dim=2) for tensor in ({', '.join(args[1:])})]"]
+    forms = {
+        "comprehension": [
+            f"attn_outputs = [attention_interface(self, q, k, v, {rest})[0] for q, k, v in zip(*splits)]"],
+        "weights": [
+            f"attn_outputs, {weights} = ([], [])",
+            f"for q, k, v in zip(*splits):\n    attn_output, attn_weight = attention_interface(self, q, k, v, {rest})\n"
+            f"    attn_outputs.append(attn_output)\n    {weights}.append(attn_weight)"],
+    }
     got = [ast.unparse(s) for s in branch.orelse]
-    if got != [_canon(e) for e in expected]:
-        return "the other branch is not the split loop over the flash call's tensors and arguments"
-    return None
+    for form, loop in forms.items():
+        if got == [_canon(e) for e in (*split, *loop, f"{out} = torch.cat(attn_outputs, dim=1)")]:
+            return form, ""
+    return None, "the other branch is not the split loop over the flash call's tensors and arguments"
+
+
+def branches_agree(fn: Callable) -> str | None:
+    """None when `fn` has the two branches (branch_form), else why not."""
+    return branch_form(fn)[1] or None
 
 
 @functools.lru_cache(maxsize=1)
@@ -250,7 +267,7 @@ class _Rule:
         for cls in classes:
             target = f"{cls.__name__}.forward"
             forward = patching.original(cls, "forward") if patching.is_patched(cls, "forward") else vars(cls)["forward"]
-            why = self._why_not(module, forward, enabled)
+            form, why = self._form(module, forward, enabled)
             if why:
                 records.append(Record(KERNEL, module.__name__, target, False, VARIANT, why))
                 continue
@@ -258,18 +275,22 @@ class _Rule:
                 if not patching.is_patched(module, name):
                     patching.replace(module, name, make(getattr(module, name)))
             if not patching.is_patched(cls, "forward"):
-                patching.replace(cls, "forward", _make_forward(forward))
-            records.append(Record(KERNEL, module.__name__, target, True, VARIANT))
+                patching.replace(cls, "forward", _make_forward(forward, weights_per_window=form == "weights"))
+            records.append(Record(KERNEL, module.__name__, target, True,
+                                  VARIANT + ("; each window's attention weights listed" if form == "weights" else "")))
         return records
 
     @staticmethod
-    def _why_not(module: ModuleType, forward: Callable, enabled: Callable[[str], bool]) -> str | None:
+    def _form(module: ModuleType, forward: Callable, enabled: Callable[[str], bool]) -> tuple[str | None, str]:
+        """(the loop's form, "") when the class can be patched, else (None, why not)."""
         if not enabled(KERNEL):
-            return "vision_attention disabled"
+            return None, "vision_attention disabled"
         missing = [n for n in ("is_flash_attention_requested", "ALL_ATTENTION_FUNCTIONS") if not hasattr(module, n)]
         if missing:
-            return f"the module has no {', '.join(missing)} of its own to answer for the forward"
-        return branches_agree(forward) or _numbers_agree()
+            return None, f"the module has no {', '.join(missing)} of its own to answer for the forward"
+        form, why = branch_form(forward)
+        why = why or _numbers_agree()
+        return (None, why) if why else (form, "")
 
 
 RULE = _Rule()
