@@ -232,11 +232,11 @@ def test_structure_decides(change, why, tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("fake_vision_attention", path)
     fake = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fake)
-    got = rule.branches_agree(fake.forward)
+    form, got = rule.branch_form(fake.forward)
     if why is None:
-        assert got is None
+        assert form == "comprehension" and got == ""
     else:
-        assert got is not None and why in got
+        assert form is None and why in got
 
 
 _WEIGHTS_LOOP = _LOOP.replace(

@@ -224,11 +224,6 @@ def branch_form(fn: Callable) -> tuple[str | None, str]:
     return None, "the other branch is not the split loop over the flash call's tensors and arguments"
 
 
-def branches_agree(fn: Callable) -> str | None:
-    """None when `fn` has the two branches (branch_form), else why not."""
-    return branch_form(fn)[1] or None
-
-
 @functools.lru_cache(maxsize=1)
 def _numbers_agree() -> str | None:
     """window_attention against the loop on one tiny fp32 case (windows of lengths 3, 3, 5, 2, 2, 1 and
@@ -252,15 +247,23 @@ def _numbers_agree() -> str | None:
     return None if err <= 1e-6 else f"window attention differs from the loop by {err:.1e} on the probe"
 
 
+def _has_split_loop(forward) -> bool:
+    """Whether a forward's source names both branches of the module docstring (the candidates)."""
+    text = _probe.source_text(forward)
+    return "is_flash_attention_requested(self.config)" in text and "lengths.tolist()" in text
+
+
 class _Rule:
     name = "vision_attention"
     kernels = (KERNEL,)
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+        # Every modeling module passes through here as it is imported: one look at the module's source
+        # rules out the ones with no split loop before any class's source is read.
+        if "lengths.tolist()" not in _probe.source_text(module):
+            return []
         try:
-            classes = [c for c in _probe.defined_classes(module)
-                       if "is_flash_attention_requested(self.config)" in _probe.source_text(vars(c).get("forward"))
-                       and "lengths.tolist()" in _probe.source_text(vars(c).get("forward"))]
+            classes = [c for c in _probe.defined_classes(module) if _has_split_loop(vars(c).get("forward"))]
         except Exception as exc:  # noqa: BLE001 - never raise into an import
             return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
         records = []
