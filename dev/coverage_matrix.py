@@ -912,6 +912,16 @@ def _run_vlm(model, inputs):
     return loss, logits, grads
 
 
+def build_vlm(arch, attn: str = "eager"):
+    """(model, inputs, which builder) of any image-text-to-text head: TINY_VLMS where it has an entry,
+    else the generic builder."""
+    if arch.model_dir in TINY_VLMS:
+        return (*build_tiny_vlm(arch.model_dir, attn), "TINY_VLMS")
+    model, inputs = build_generic_vlm(arch, attn)
+    text_only = not set(inputs) - {"input_ids", "labels", "use_cache"}
+    return model, inputs, "generic, text only (the head takes no pixel_values)" if text_only else "generic"
+
+
 def image_text_to_text_architectures() -> list:
     """Every class AutoModelForImageTextToText can build, with the modeling module that defines it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -935,13 +945,7 @@ def check_vlm_loss(arch) -> dict:
         model = inputs = ref = None
         try:
             with torch.random.fork_rng(devices=[]):
-                if arch.model_dir in TINY_VLMS:
-                    model, inputs = build_tiny_vlm(arch.model_dir)
-                    row["builder"] = "TINY_VLMS"
-                else:
-                    model, inputs = build_generic_vlm(arch)
-                    row["builder"] = "generic" if set(inputs) - {"input_ids", "labels", "use_cache"} else \
-                        "generic, text only (the head takes no pixel_values)"
+                model, inputs, row["builder"] = build_vlm(arch)
         except (Exception, _TooSlow) as exc:  # noqa: BLE001
             row["build_error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         if model is not None:
@@ -1238,10 +1242,7 @@ def check_vision_attention(names) -> list[dict]:
             head = {"arch": arch.class_name}
             try:
                 with torch.random.fork_rng(devices=[]), contextlib.redirect_stderr(io.StringIO()):
-                    if arch.model_dir in TINY_VLMS:
-                        model, inputs = build_tiny_vlm(arch.model_dir, attn="sdpa")
-                    else:
-                        model, inputs = build_generic_vlm(arch, attn="sdpa")
+                    model, inputs, _ = build_vlm(arch, attn="sdpa")
             except (Exception, _TooSlow) as exc:  # noqa: BLE001
                 head["numbers"] = f"could not build: {type(exc).__name__}: {str(exc)[:160]}"
                 row["heads"].append(head)
@@ -1301,17 +1302,21 @@ def vision_markdown(rows, summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_section(path: str, heading: str, text: str) -> None:
-    """Replace the section `heading` of the Markdown file (to the end: it is written last), or add it at
-    the end."""
+def _write_section(path: str, heading: str, text: str, then: str | None = None) -> None:
+    """Replace the section `heading` of the Markdown file, from it to the section `then` (kept) or to the
+    end, or add it at the end (before `then` where that exists)."""
     try:
         with open(path, encoding="utf-8") as f:
             old = f.read()
     except FileNotFoundError:
         old = ""
-    head = old.partition(heading)[0]
+    later = old.split(then, 1)[1] if then and then in old else None
+    head = old.split(heading)[0]
+    if then:
+        head = head.split(then)[0]
     with open(path, "w", encoding="utf-8") as f:
-        f.write((head.rstrip("\n") + "\n\n" if head.strip() else "") + text)
+        f.write((head.rstrip("\n") + "\n\n" if head.strip() else "") + text
+                + (f"\n{then}{later}" if later is not None else ""))
 
 
 def main_vision_attention(args) -> int:
@@ -1349,17 +1354,9 @@ def main_vlm(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=1)
     if args.markdown:
-        # the table goes after the causal-LM one, replacing an earlier image-text-to-text table
-        try:
-            with open(args.markdown, encoding="utf-8") as f:
-                kept = f.read()
-        except FileNotFoundError:
-            kept = ""
-        vision = kept.split(VISION_HEADING, 1)[1] if VISION_HEADING in kept else None
-        kept = kept.split(VLM_HEADING)[0].rstrip("\n")
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write((kept + "\n\n" if kept else "") + vlm_markdown(rows, summary)
-                    + (f"\n{VISION_HEADING}{vision}" if vision is not None else ""))
+        # the table goes after the causal-LM one, replacing an earlier image-text-to-text table; the
+        # vision-attention section stays last
+        _write_section(args.markdown, VLM_HEADING, vlm_markdown(rows, summary), then=VISION_HEADING)
     return 1 if summary["mismatch"] else 0
 
 
