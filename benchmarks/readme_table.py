@@ -88,6 +88,11 @@ def kernel_table(results: dict) -> list[str]:
     return lines
 
 
+def _step_cell(run: dict) -> str:
+    """A training step's cell: tokens/s and peak memory."""
+    return f"{run['tokens_per_s'] / 1000:.1f}k tok/s, {run['peak_gib']:.1f} GiB"
+
+
 def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
     runs = {(r["model"], r["peer"]): r for r in results.get("e2e", []) if r.get("status") in ("ok", "oom")}
     peers = [p for p in E2E_PEERS if any(key[1] == p for key in runs)]
@@ -97,8 +102,7 @@ def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
         cells = []
         for p in peers:
             r = runs.get((model, p))
-            cells.append("–" if r is None else "out of memory" if r["status"] == "oom" else
-                         f"{r['tokens_per_s'] / 1000:.1f}k tok/s, {r['peak_gib']:.1f} GiB")
+            cells.append("–" if r is None else "out of memory" if r["status"] == "oom" else _step_cell(r))
         if any(c not in ("–", "out of memory") for c in cells):
             r0 = next(runs[(model, p)] for p in peers if (model, p) in runs and runs[(model, p)]["status"] == "ok")
             lines.append(f"| {label} ({r0['batch']}×{r0['seq']} tokens) | " + " | ".join(cells) + " |")
@@ -149,8 +153,7 @@ def trl_table(results: dict) -> list[str]:
             row = [runs.get((trainer, model, p)) for p in ("trl", "trl_liger", "trl_ours")]
             if not any(row):
                 continue
-            cells = [f"{r['tokens_per_s'] / 1e3:.1f}k tok/s, {r['peak_gib']:.1f} GiB" + ("" if _steady(r) else " †")
-                     if r else "–" for r in row]
+            cells = [_step_cell(r) + ("" if _steady(r) else " †") if r else "–" for r in row]
             unsteady |= any(r and not _steady(r) for r in row)
             steady = row[1] and row[2] and _steady(row[1]) and _steady(row[2])
             ratio = f"{row[2]['tokens_per_s'] / row[1]['tokens_per_s']:.2f}×" if steady else "–"
