@@ -6,7 +6,7 @@ The keywords are the kernel names (autopatch.names), the same keys as Hugging Fa
 kernel for (autopatch.names.NOT_PROVIDED: relu_squared) are accepted and recorded as not provided here.
 A kernel not named takes the default HF/Liger use when `use_liger_kernel=True` gives no config:
 rope, rms_norm, layer_norm, swiglu, geglu and fused_linear_cross_entropy on, cross_entropy off; and our
-gelu_mlp, causal_mask and vision_attention on. The
+gelu_mlp, causal_mask, vision_attention and masked_attention on. The
 environment's kernel set (FUSED_KERNELS, toggles, per-model overrides) plays no part: the call says
 what it wants. AUTOPATCH_STRICT does apply.
 
@@ -36,6 +36,7 @@ APPLY_DEFAULTS: dict[str, bool] = {
     "fused_linear_cross_entropy": True,
     "causal_mask": True,  # ours, not Liger's: exact, and only changes what a compiled SDPA model runs
     "vision_attention": True,  # ours, not Liger's: exact, fewer and larger SDPA calls in vision towers
+    "masked_attention": True,  # ours, not Liger's: exact, masked-out key blocks not computed
 }
 
 

@@ -42,6 +42,23 @@ def replace(owner, name: str, new) -> bool:
         return True
 
 
+def replace_item(mapping: dict, key, new) -> bool:
+    """Set mapping[key] = new (a registry dict shared by many objects, e.g. transformers' attention
+    functions), remembering the first original. Returns False when already patched."""
+    with _lock:
+        entry_key = (id(mapping), ("item", key))
+        if entry_key in _originals:
+            return False
+        _originals[entry_key] = (mapping, ("item", key), mapping.get(key, _MISSING))
+        mapping[key] = new
+        return True
+
+
+def is_item_patched(mapping: dict, key) -> bool:
+    with _lock:
+        return (id(mapping), ("item", key)) in _originals
+
+
 def restore_all() -> None:
     """Undo every patch (tests; never called in normal use)."""
     with _lock:
@@ -63,7 +80,12 @@ def restore(keys) -> None:
             if entry is None:
                 continue
             owner, name, value = entry
-            if value is _MISSING:
+            if isinstance(name, tuple):  # replace_item: a mapping's entry
+                if value is _MISSING:
+                    owner.pop(name[1], None)
+                else:
+                    owner[name[1]] = value
+            elif value is _MISSING:
                 try:
                     delattr(owner, name)
                 except AttributeError:

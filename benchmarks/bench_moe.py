@@ -141,6 +141,8 @@ def bench_shape(name, shape, device, torch, do_bench, dtype, wanted, row=None, s
     row["flops_fwd_bwd"] = 18 * rows * shape["hidden"] * shape["width"]
     leaves, idx = _inputs(shape, device, torch, dtype)
     ref_out, ref_grads = _reference(shape, leaves, idx, device, torch)
+    row["ref_norms"] = {"out": float(ref_out.norm()), **{n: float(g.norm()) for n, g in
+                        zip(("hidden", "top_k_weights", "gate_up_proj", "down_proj"), ref_grads)}}
     if device.type == "cuda":
         try:
             row["grouped_floor_ms"] = _grouped_floor(shape, leaves, idx, device, torch, do_bench)

@@ -1,6 +1,7 @@
 """Where a training step's GPU time and memory go (GPU only; a diagnosis, not a benchmark).
 
     python dev/step_diagnosis.py [--model llama3_8b_4layers] [--peers hf_eager,ours] [--out d.json]
+    python dev/step_diagnosis.py --model gemma3_4b --peers liger,ours_env    (image-text: the benchmark's batches)
 
 For each peer (one subprocess each; the models and peers of benchmarks/bench_e2e.py), after three warm-up
 steps:
@@ -45,13 +46,15 @@ def worker(model_key: str, peer: str) -> dict:
     torch.manual_seed(0)
     model, _info = bench_e2e.peer_model(spec, peer, device, torch)  # compiled peers: the whole model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    ids = torch.randint(0, spec["config"]["vocab_size"], (spec["batch"], spec["seq"]), device=device)
+    # the benchmark's own batches: token ids, and for image-text models the pixels and image placeholders
+    batch = bench_e2e.make_batches(spec, device, torch, torch.Generator(device=device).manual_seed(1), count=1)[0]
     for _ in range(3):
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    known = bench_e2e.param_and_state_addresses(model, opt) | {ids.untyped_storage().data_ptr()}
+    known = bench_e2e.param_and_state_addresses(model, opt) | {
+        t.untyped_storage().data_ptr() for t in batch.values() if isinstance(t, torch.Tensor)}
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     blocks = []
@@ -62,8 +65,9 @@ def worker(model_key: str, peer: str) -> dict:
             blocks.append({"bytes": b["size"], "frames": _our_frames(b.get("frames", []))})
     blocks.sort(key=lambda b: -b["bytes"])
     res = {"model": model_key, "peer": peer, "allocated_gib": torch.cuda.memory_allocated() / 2**30,
-           "unknown_bytes": sum(b["bytes"] for b in blocks), "unknown_blocks": len(blocks), "largest": blocks[:12]}
-    res.update(_profile_steps(model, opt, ids, torch))
+           "unknown_bytes": sum(b["bytes"] for b in blocks), "unknown_blocks": len(blocks), "largest": blocks[:12],
+           **{k: _info[k] for k in ("patched", "not_patched", "liger_applied", "started_by") if k in _info}}
+    res.update(_profile_steps(model, opt, batch, torch))
     return res
 
 
@@ -88,7 +92,8 @@ def _graph_tensors_after_a_step(step, torch) -> int:
 KINDS = (
     ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitkreduce")),
     ("attention", ("flash", "fmha", "attention", "cudnn")),
-    ("fused", ("_rms_norm", "rope", "glu", "_ce_", "cross_entropy", "_scale_kernel")),
+    ("fused", ("_rms_norm", "rope", "glu", "_ce_", "cross_entropy", "_scale_kernel", "layer_norm", "gelu",
+               "_combine_kernel", "_act_bwd", "_side_stats", "_partial_sum", "_dw_sum", "_loss_")),
     ("optimizer", ("adam", "multi_tensor")),
 )
 
@@ -101,11 +106,11 @@ def kind_of(kernel_name: str) -> str:
     return "other"
 
 
-def _profile_steps(model, opt, ids, torch, steps: int = 2) -> dict:
+def _profile_steps(model, opt, batch, torch, steps: int = 2) -> dict:
     from bench_kernels import kernel_times
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        model(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -115,11 +120,11 @@ def _profile_steps(model, opt, ids, torch, steps: int = 2) -> dict:
         step()
     end.record()
     torch.cuda.synchronize()
-    kernels = kernel_times(step, ids.device, [], calls=steps)  # name -> [µs per step, launches per step]
+    kernels = kernel_times(step, batch["input_ids"].device, [], calls=steps)  # name -> [µs per step, launches per step]
     by_kind: dict[str, float] = {}
     for name, (us, _n) in kernels.items():
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
     return {"graph_tensors_after_step": _graph_tensors_after_a_step(step, torch),
             "step_ms": start.elapsed_time(end) / steps,
             "kernel_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
@@ -140,8 +145,11 @@ def main() -> int:
         return 0
     results = []
     for peer in a.peers.split(","):
+        env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+        if peer == "ours_env":  # every kernel from the environment, as bench_e2e runs this peer
+            env["FUSED_KERNELS"] = "all"
         proc = subprocess.run([sys.executable, __file__, "--model", a.model, "--worker", peer],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=300, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
             results.append({"peer": peer, "error": proc.stderr[-1500:]})

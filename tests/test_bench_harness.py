@@ -178,11 +178,14 @@ def test_bench_moe_tiny_checks_every_peer_against_eager(tmp_path):
     proc = _run(["benchmarks/bench_moe.py", "--tiny", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
+    assert all(n > 0 for n in row["ref_norms"].values()), row["ref_norms"]  # never compared on zeros
     for peer in ("hf_grouped_mm", "ours"):
         res = row["peers"][peer]
         assert res["status"] == "ok" and res["finite"], (peer, res)
-        assert 0 < res["rel_err_out"] < 1e-5, (peer, res)
-        assert all(0 < e < 1e-5 for e in res["rel_err_grads"].values()), (peer, res)
+        # transformers' grouped_mm on the CPU can run eager's very matmuls: 0 is then its exact answer
+        assert 0 <= res["rel_err_out"] < 1e-5, (peer, res)
+        assert all(0 <= e < 1e-5 for e in res["rel_err_grads"].values()), (peer, res)
+    assert row["peers"]["ours"]["rel_err_out"] > 0  # our kernels' own sums, not a copy of eager's
 
 
 def test_bench_e2e_image_text_worker_on_the_cpu(tmp_path):

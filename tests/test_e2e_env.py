@@ -123,7 +123,8 @@ def test_apply_matches_plain(plain_and_applied):
         assert ran(launches, kernel), f"apply: {kernel} {launches}"
     assert not ran(launches, "cross_entropy"), "apply() leaves cross_entropy off by default, as HF/Liger do"
     records = plain_and_applied["records"]
-    # causal_mask: ours, on by default in apply(); it wraps LlamaModel.forward (eager numbers unchanged)
+    # causal_mask and masked_attention: ours, on by default in apply(); the one wraps LlamaModel.forward,
+    # the other marks the module for the SDPA registry's wrapper (eager numbers unchanged)
     assert patched_kernels(records, "llama") == {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy",
-                                                 "causal_mask"}
+                                                 "causal_mask", "masked_attention"}
     assert not [r for r in records if not r["module"].endswith(".modeling_llama")], "apply() touches llama only"

@@ -30,6 +30,7 @@ RULE_MODULES: tuple[str, ...] = (
     "autopatch.rules.loss",
     "autopatch.rules.causal_mask",
     "autopatch.rules.vision_attention",
+    "autopatch.rules.masked_attention",
 )
 
 
