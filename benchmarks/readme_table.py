@@ -82,6 +82,8 @@ def kernel_table(results: dict) -> list[str]:
             mine = f"**{mine}**"
         else:
             theirs = f"**{theirs}**"
+        if case.get("git_commit", results["meta"].get("git_commit")) != results["meta"].get("git_commit"):
+            label += " ‡"  # a whole row of an earlier run (render's footnote names its commit)
         lines.append(f"| {label} | {mine} | {theirs} ({PEER_NAMES.get(best, best)}) | "
                      f"{ours['gpu_ms'] / best_ms:.2f} | {100 * ceiling:.0f} % | "
                      f"{ours['ms']:.3f} / {ours['peak_mib']:.0f} |")
@@ -116,7 +118,11 @@ def render(results: dict, path: str) -> str:
             f"commit {meta.get('git_commit', '?')}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
             f"{ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s. "
             f"From [{path}]({path}).")
-    return "\n".join([head, "", *kernel_table(results), "", *e2e_table(results)])
+    earlier = sorted({c["git_commit"] for c in results["kernels"]
+                      if c.get("git_commit", meta.get("git_commit")) != meta.get("git_commit")})
+    foot = (["", f"‡ the whole row from the run on commit {', '.join(earlier)}: this run's time budget ended before it."]
+            if earlier else [])
+    return "\n".join([head, "", *kernel_table(results), *foot, "", *e2e_table(results)])
 
 
 def experts_table(results: dict) -> list[str]:
