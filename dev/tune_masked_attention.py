@@ -80,7 +80,8 @@ def main() -> int:
             rows.append(row)
             print(f"{kind:16s} {name:16s} {ms:8.2f} ms  {peak:8.0f} MiB", flush=True)
     if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
+        with open(a.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -59,6 +59,20 @@ def defined_classes(module: ModuleType) -> list[type]:
     return found
 
 
+def candidate_classes(module: ModuleType, kernel: str, text: str, keep: Callable[[type], bool]):
+    """(classes, records): the classes defined in `module` for which keep(cls) holds, after one look at
+    the module's source for `text` (a module without it has none: most modules are ruled out before any
+    class's source is read); or ([], [a record of the error]) when reading the sources fails."""
+    from autopatch.report import Record
+
+    if text not in source_text(module):
+        return [], []
+    try:
+        return [c for c in defined_classes(module) if keep(c)], []
+    except Exception as exc:  # noqa: BLE001 - never raise into an import
+        return [], [Record(kernel, module.__name__, "*", False, reason=describe_exc(exc))]
+
+
 def module_functions(module: ModuleType, name: str):
     """The function `module.name` if the module defines it itself, else None."""
     value = vars(module).get(name)

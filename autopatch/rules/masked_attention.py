@@ -219,14 +219,9 @@ class _Rule:
     kernels = (KERNEL,)
 
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        if "ALL_ATTENTION_FUNCTIONS" not in _probe.source_text(module):
-            return []
-        try:
-            classes = [c for c in _probe.defined_classes(module) if _uses_registry(c)]
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        classes, failed = _probe.candidate_classes(module, KERNEL, "ALL_ATTENTION_FUNCTIONS", _uses_registry)
         if not classes:
-            return []
+            return failed
         why = self._why_not(module, enabled)
         if not why:
             (mapping, sdpa), _ = _registry()

@@ -260,12 +260,10 @@ class _Rule:
     def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
         # Every modeling module passes through here as it is imported: one look at the module's source
         # rules out the ones with no split loop before any class's source is read.
-        if "lengths.tolist()" not in _probe.source_text(module):
-            return []
-        try:
-            classes = [c for c in _probe.defined_classes(module) if _has_split_loop(vars(c).get("forward"))]
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        classes, failed = _probe.candidate_classes(module, KERNEL, "lengths.tolist()",
+                                                   lambda c: _has_split_loop(vars(c).get("forward")))
+        if failed:
+            return failed
         records = []
         for cls in classes:
             target = f"{cls.__name__}.forward"
