@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import everything, modeling, train_and_eval, verdict_of
+from helpers import everything, modeling, rel_err, train_and_eval, verdict_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,6 +144,34 @@ def test_same_loss_logits_and_gradients_with_fewer_keys(name, monkeypatch):
         torch.testing.assert_close(grads1[n], grads0[n], rtol=1e-5, atol=1e-7, msg=n)
     keys1, area1 = training_forward_area()
     assert min(keys0) == 48 and min(keys1) < 48 and area1 < 0.75 * area0
+
+
+def test_gemma3_image_text_head_same_numbers(monkeypatch):
+    """Gemma3ForConditionalGeneration (the coverage matrix's tiny head: a window of 4, an image of 4
+    tokens at 3-6 attending both ways, across the first block boundary) in blocks of 4 queries: loss,
+    logits and every gradient, vision tower included, as transformers' one call gives them."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "coverage_matrix", Path(__file__).resolve().parents[1] / "dev" / "coverage_matrix.py")
+    coverage_matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(coverage_matrix)
+    model, inputs = coverage_matrix.build_tiny_vlm("gemma3", attn="sdpa")
+    monkeypatch.setattr(rule, "QUERY_BLOCK", 4)
+    seen = _KeysSeen(monkeypatch)
+    loss0, logits0, grads0 = train_and_eval(model, inputs)
+    assert min(seen.keys) == 12
+    records = rule.RULE.patch_module(modeling("gemma3"), everything)
+    assert verdict_of(records, "Gemma3Attention.forward").patched, records
+    seen.keys = []
+    loss1, logits1, grads1 = train_and_eval(model, inputs)
+    assert min(seen.keys) < 12  # the blocks ran
+    assert torch.isfinite(loss1) and loss1.item() == pytest.approx(loss0.item(), rel=1e-6, abs=0)
+    torch.testing.assert_close(logits1, logits0, rtol=1e-6, atol=1e-6)
+    assert grads1.keys() == grads0.keys() and any("vision" in n for n in grads0)
+    for n in grads0:  # relative to each gradient's norm, as the coverage matrix compares
+        assert rel_err(grads1[n], grads0[n]) < 1e-5, n
 
 
 def test_the_probe_catches_a_plan_that_drops_a_key(monkeypatch):
