@@ -172,6 +172,14 @@ def trl_table(results: dict) -> list[str]:
     return lines
 
 
+def step_times(results: dict, models: dict) -> str:
+    """One line: each run's median step as the GPU's CUDA events time it and as the host's CPU time."""
+    parts = [f"{models[r['model']]} {PEER_NAMES[r['peer']]} {r['step_ms_median']:.0f} / {r['host_cpu_ms_median']:.0f}"
+             for r in results.get("e2e", []) if r.get("status") == "ok" and r["model"] in models
+             and r.get("host_cpu_ms_median") is not None]
+    return "Median step, GPU (CUDA events) / host CPU ms: " + "; ".join(parts) + "."
+
+
 def render_further(results: dict, path: str) -> str:
     """A further file's tables: the MoE training steps and experts block, the image-text training steps, or
     the TRL trainers' steps."""
@@ -190,7 +198,7 @@ def render_further(results: dict, path: str) -> str:
             f"{meta['transformers']}, Liger-Kernel {meta.get('liger_kernel', '–')}); runs on commits "
             f"{', '.join(commits)}, each row's in the file. From [{path}]({path}).")
     if what == "Vision-language models":
-        return "\n".join([head, "", *e2e_table(results, VLM_MODELS)])
+        return "\n".join([head, "", *e2e_table(results, VLM_MODELS), "", step_times(results, VLM_MODELS)])
     return "\n".join([head, "", *e2e_table(results, MOE_MODELS), "", *experts_table(results)])
 
 
