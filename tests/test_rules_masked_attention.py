@@ -264,3 +264,71 @@ def test_gpu_bf16_gemma3_sliding_attention_at_4096_tokens():
         err_blocked = ((b.float() - r).norm() / r.norm()).item()
         assert err_blocked < 1e-2 and err_blocked < 2 * err_plain + 1e-3, (name, err_blocked, err_plain)
     assert blocked_peak <= plain_peak, (blocked_peak, plain_peak)
+
+
+def test_compiling_gets_one_call(monkeypatch):
+    """While torch.compile traces, the block plan (a host sync) is never made: transformers' one call."""
+    module, model = _llama()
+    monkeypatch.setattr(rule, "QUERY_BLOCK", 8)
+    rule.RULE.patch_module(module, everything)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    seen = _KeysSeen(monkeypatch)
+    model.train()
+    with torch.no_grad():
+        model(**_inputs("llama"))
+    assert min(seen.keys) == 48
+
+
+_ENV_SCRIPT = '''
+import json, torch, transformers
+cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(cfg).float().train()
+g = torch.Generator().manual_seed(4)
+ids = torch.randint(0, 96, (2, 2560), generator=g)
+mask = torch.ones_like(ids)
+mask[1, 2000:] = 0
+seen = []
+sdpa = torch.nn.functional.scaled_dot_product_attention
+def counted(q, k, *args, **kwargs):
+    seen.append(k.shape[-2])
+    return sdpa(q, k, *args, **kwargs)
+torch.nn.functional.scaled_dot_product_attention = counted
+loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+loss.backward()
+grad = sum(p.grad.double().norm() ** 2 for p in model.parameters()).sqrt().item()
+import autopatch
+from autopatch import report
+rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "masked_attention"]
+print(json.dumps({"loss": loss.item(), "grad": grad, "keys": min(seen), "records": rows,
+                  "runs": report.runs().get("masked_attention")}))
+'''
+
+
+def test_from_the_environment_alone(tmp_path):
+    """FUSED_KERNELS=masked_attention in a fresh process that imports nothing from autopatch: the hooks mark
+    modeling_llama, a padded 2 x 2560 batch runs in blocks of 1024 queries, and the loss and the gradient's
+    norm are the unpatched process's."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+
+    def run(kernels):
+        env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+        env.update(FUSED_KERNELS=kernels, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+        proc = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    on, off = run("masked_attention"), run("none")
+    assert [r["patched"] for r in on["records"]] == [True] and on["runs"]["calls"] > 0, on
+    assert on["keys"] < 2560 == off["keys"] and not off["records"], (on, off)
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-6) and on["loss"] > 0
+    assert on["grad"] == pytest.approx(off["grad"], rel=1e-6) and on["grad"] > 0
