@@ -1446,7 +1446,8 @@ def masked_markdown(rows, summary) -> str:
         "|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['model_dir']} | {r['arch']} | {_cell(r['verdict'], 120)} | {_cell(r.get('detail', ''), 170)} |")
+        lines.append(f"| {r['model_dir']} | {r['arch']} | {_cell(r['verdict'], 120)} | "
+                     f"{_cell(r.get('detail', ''), 170)} |")
     return "\n".join(lines) + "\n"
 
 

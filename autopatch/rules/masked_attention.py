@@ -52,7 +52,8 @@ _CACHE = "_autopatch_key_blocks"  # attribute of a mask tensor: (query block, it
 
 
 # --------------------------------------------------------------------------- the plan
-def plan(mask: torch.Tensor, q_len: int, k_len: int, block: int | None = None) -> list[tuple[int, int, int, int]] | None:
+def plan(mask: torch.Tensor, q_len: int, k_len: int,
+         block: int | None = None) -> list[tuple[int, int, int, int]] | None:
     """[(q0, q1, k0, k1)]: query rows q0:q1 attend over keys k0:k1 only (every key outside is masked in
     every row of the block), or None when one full call stays (see the module docstring). One host sync."""
     block = block or QUERY_BLOCK
@@ -60,7 +61,7 @@ def plan(mask: torch.Tensor, q_len: int, k_len: int, block: int | None = None) -
     if (mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (q_len, k_len)
             or q_len < 2 * block):
         return None
-    allowed = mask.reshape(-1, q_len, k_len).any(0)  # [queries, keys]: some batch row or head sees it
+    allowed = mask.any(0).any(0)  # [queries, keys]: some batch row or head sees it (no copy of a broadcast mask)
     n_blocks = math.ceil(q_len / block)
     if n_blocks * block != q_len:
         allowed = torch.cat([allowed, allowed.new_zeros(n_blocks * block - q_len, k_len)])
@@ -128,7 +129,8 @@ def _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner
     return _cached_plan(attention_mask, query.shape[2], key.shape[2], block)
 
 
-def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = True, block: int | None = None) -> Callable:
+def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = True,
+                     block: int | None = None) -> Callable:
     """An attention interface with sdpa_attention_forward's signature and results, built on `sdpa`
     (transformers' own): the query blocks of plan() one SDPA call each, else `sdpa` unchanged. With
     `check_owner` (the registry's wrapper) only for attention modules of patched modeling modules; each
