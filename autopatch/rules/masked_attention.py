@@ -144,7 +144,9 @@ def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = Tru
                         is_causal=is_causal, **kwargs)
         groups = getattr(module, "num_key_value_groups", 1)
         if groups > 1:  # as sdpa_attention_forward does under a mask; the blocks then slice views of these
-            key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+            from transformers.integrations.sdpa_attention import repeat_kv
+
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
         ungrouped = _Ungrouped(module)
         outs = [sdpa(ungrouped, query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1],
                      attention_mask[:, :, q0:q1, k0:k1], dropout=0.0, scaling=scaling, is_causal=is_causal,
@@ -157,11 +159,6 @@ def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = Tru
     attention.__wrapped__ = sdpa
     attention._autopatch_variant = VARIANT
     return attention
-
-
-def _repeat_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    b, heads, length, dim = t.shape
-    return t[:, :, None].expand(b, heads, groups, length, dim).reshape(b, heads * groups, length, dim)
 
 
 # --------------------------------------------------------------------------- the registry and the proof
