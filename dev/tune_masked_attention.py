@@ -6,7 +6,8 @@ sdpa_attention_forward under a boolean mask, one call against one call per query
 Masks (Gemma-3-4B's text attention at the benchmark's 4 x 4096 tokens: 8 query heads, 4 key heads,
 head_dim 256): a causal sliding window of 1024 (its local layers) and causal with a 256-token
 bidirectional image block (its global layers); and a Llama-3.2-3B-shaped causal mask with right padding
-(24 / 8 heads of 128, a padded DPO batch). Reports do_bench medians (ms) and the peak memory of the
+(24 / 8 heads of 128, a padded DPO batch) and the same shape with four packed documents a row (what
+transformers builds from restarting position_ids, no cache). Reports do_bench medians (ms) and the peak memory of the
 call beyond its inputs (MiB).
 """
 
@@ -28,6 +29,10 @@ def _mask(kind: str, batch: int, n: int) -> torch.Tensor:
     causal = i[:, None] >= i[None, :]
     if kind == "sliding 1024":
         return (causal & (i[:, None] - i[None, :] < 1024)).expand(batch, 1, n, n)
+    if kind == "packed":  # documents of 1024, 1536, 512 and 1024 tokens a row, each attending to itself
+        doc = torch.repeat_interleave(torch.arange(4, device="cuda"),
+                                      torch.tensor([1024, 1536, 512, 1024], device="cuda"))
+        return (causal & (doc[:, None] == doc[None, :])).expand(batch, 1, n, n)
     mask = causal.expand(batch, 1, n, n).clone()
     if kind == "causal + image":
         mask[:, :, 16:272, 16:272] = True
@@ -49,7 +54,7 @@ def main() -> int:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     cases = [("sliding 1024", 4, 4096, 8, 4, 256), ("causal + image", 4, 4096, 8, 4, 256),
-             ("causal, padded", 4, 4096, 24, 8, 128)]
+             ("causal, padded", 4, 4096, 24, 8, 128), ("packed", 4, 4096, 24, 8, 128)]
     rows = []
     for kind, batch, n, heads, kv_heads, dim in cases:
         g = torch.Generator(device="cuda").manual_seed(0)

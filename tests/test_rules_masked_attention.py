@@ -105,17 +105,21 @@ def _inputs(name):
     ids = torch.randint(0, 96, (2, 48), generator=g)
     if name == "gemma3":  # a sliding window of 8 over 48 tokens: the mask is materialised
         return dict(input_ids=ids, labels=ids)
+    if name == "llama packed":  # three documents a row (positions restart): a block-diagonal causal mask
+        positions = torch.cat([torch.arange(20), torch.arange(12), torch.arange(16)]).expand(2, 48)
+        return dict(input_ids=ids, position_ids=positions, labels=ids, use_cache=False)  # no cache: packing read
     mask = torch.ones(2, 48, dtype=torch.long)
     mask[1, 40:] = 0  # right padding: transformers builds the [2, 1, 48, 48] mask
     labels = ids.masked_fill(mask == 0, -100)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llama"])
+@pytest.mark.parametrize("name", ["gemma3", "llama", "llama packed"])
 def test_same_loss_logits_and_gradients_with_fewer_keys(name, monkeypatch):
     """Blocks of 8 queries: Gemma 3's sliding layers see 16 keys a block, its global layer and the padded
-    Llama the causal part; loss, eval logits and every gradient as transformers' one call gives them."""
-    module, model = _gemma3_text() if name == "gemma3" else _llama()
+    Llama the causal part, packed documents their own document's keys; loss, eval logits and every
+    gradient as transformers' one call gives them."""
+    module, model = _gemma3_text() if name == "gemma3" else _llama()  # llama, llama packed
     inputs = _inputs(name)
     monkeypatch.setattr(rule, "QUERY_BLOCK", 8)
     seen = _KeysSeen(monkeypatch)
