@@ -24,9 +24,9 @@ KERNELS: dict[str, str] = {
     "vision_attention": "not a kernel: vision towers' windowed attention under SDPA (Qwen2-VL-style cu_seqlens "
                         "windows: Qwen2/2.5/3-VL, Omni, GLM-4V, PaddleOCR-VL) -> the windows of one length in one SDPA call "
                         "instead of one call per window",
-    "masked_attention": "not a kernel: SDPA under a boolean mask (sliding windows, image blocks, padding) -> one "
-                        "SDPA call per 1024-query block over only the keys its mask allows, instead of the whole "
-                        "[queries, keys] square",
+    "masked_attention": "not a kernel: SDPA under a boolean mask (sliding windows, image blocks, padding, packed "
+                        "documents) -> one SDPA call per 1024-query block over only the keys its mask allows, "
+                        "instead of the whole [queries, keys] square",
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)

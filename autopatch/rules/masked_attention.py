@@ -2,7 +2,8 @@
 
 Why. When transformers hands SDPA a mask tensor — sliding windows longer than the window (Gemma 2/3,
 Mistral, Qwen2 with sliding layers), bidirectional image blocks (Gemma 3, PaliGemma), padding (DPO's
-padded pairs, any collator that pads) — `sdpa_attention_forward` calls SDPA with `is_causal=False` and
+padded pairs, any collator that pads), packed documents (restarting position_ids, no cache: the
+block-diagonal mask) — `sdpa_attention_forward` calls SDPA with `is_causal=False` and
 the [batch, 1, queries, keys] mask. cuDNN / memory-efficient attention then compute every query-key
 tile, masked or not: a 1024-token window over 4096 tokens costs the whole 4096 × 4096 square, a causal
 mask with padding costs twice the causal half. Measured on the H200 (Gemma-3-4B shape, 4 × 4096 tokens,
