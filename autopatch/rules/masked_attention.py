@@ -21,8 +21,8 @@ When. `plan()` decides, from the mask alone (one host sync per mask tensor, cach
 a forward and a checkpointed recompute share it): a 4-D boolean mask of [queries, keys] with at least
 2 × QUERY_BLOCK queries, every row seeing some key (a row that sees none keeps the backend's own answer),
 and the blocks covering at most MAX_COVERED of the square. Everything else — no mask (is_causal), float
-masks, dropout, position_bias, softcap, torch.compile / export / jit tracing, devices other than CUDA and
-CPU — goes to transformers' function unchanged.
+masks, dropout, position_bias, softcap, torch.compile / export / jit tracing, a CUDA graph capture, devices
+other than CUDA and CPU — goes to transformers' function unchanged.
 
 Scope. The wrapper sits in transformers' attention registry ("sdpa") and acts for the attention classes
 of the modeling modules this rule patched (a marker on the module: per-model toggles and apply(...,
@@ -124,6 +124,8 @@ def _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner
     if query.device.type not in ("cuda", "cpu") or query.dim() != 4 or key.dim() != 4:
         return None
     if torch.compiler.is_compiling() or _probe.tracing_for_export():
+        return None
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():  # a CUDA graph capture: no host sync
         return None
     if check_owner and not _patched_for(module):
         return None
