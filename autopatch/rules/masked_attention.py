@@ -32,6 +32,7 @@ masked_attention=False) take it back); every other caller gets transformers' fun
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 from types import ModuleType
@@ -213,7 +214,12 @@ def _numbers_agree() -> str | None:
 
 
 def _uses_registry(cls: type) -> bool:
-    return "ALL_ATTENTION_FUNCTIONS" in _probe.source_text(vars(cls).get("forward"))
+    """Whether cls's own forward looks up transformers' attention registry: the name among its code's
+    globals (read from the bytecode of the undecorated function, not its source: ~0.03 ms a module
+    against 3-7 ms, and a comment naming the registry does not count)."""
+    forward = vars(cls).get("forward")
+    code = getattr(inspect.unwrap(forward), "__code__", None) if callable(forward) else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
 class _Rule:
@@ -224,9 +230,9 @@ class _Rule:
         classes, failed = _probe.candidate_classes(module, KERNEL, "ALL_ATTENTION_FUNCTIONS", _uses_registry)
         if not classes:
             return failed
-        why = self._why_not(module, enabled)
-        if not why:
-            (mapping, sdpa), _ = _registry()
+        found, why = self._registry_for(module, enabled)
+        if found:
+            mapping, sdpa = found
             if not patching.is_item_patched(mapping, "sdpa"):
                 patching.replace_item(mapping, "sdpa", masked_attention(sdpa))
             if not patching.is_patched(module, _MARK):
@@ -234,14 +240,17 @@ class _Rule:
         return [Record(KERNEL, module.__name__, f"{c.__name__}.forward", not why, VARIANT, why) for c in classes]
 
     @staticmethod
-    def _why_not(module: ModuleType, enabled: Callable[[str], bool]) -> str:
+    def _registry_for(module: ModuleType, enabled: Callable[[str], bool]) -> tuple[tuple | None, str]:
+        """(the registry and transformers' sdpa, "") when the module's attention can be patched, else
+        (None, why not)."""
         if not enabled(KERNEL):
-            return "masked_attention disabled"
+            return None, "masked_attention disabled"
         local = getattr(getattr(module, "ALL_ATTENTION_FUNCTIONS", None), "_local_mapping", None) or {}
         if "sdpa" in local:
-            return "the module registers an 'sdpa' of its own"
+            return None, "the module registers an 'sdpa' of its own"
         found, why = _registry()
-        return why or _numbers_agree() or ""
+        why = why or _numbers_agree() or ""
+        return (None, why) if why else (found, "")
 
 
 RULE = _Rule()
