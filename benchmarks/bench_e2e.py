@@ -379,6 +379,14 @@ def start_hooks_from_environment() -> str:
     return "autopatch.enable() (no .pth: not installed)"
 
 
+def worker_env(fused_kernels: str | None = None) -> dict:
+    """The environment of a peer's worker: none of our variables, except FUSED_KERNELS=`fused_kernels`."""
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    if fused_kernels is not None:
+        env["FUSED_KERNELS"] = fused_kernels
+    return env
+
+
 def run_json_worker(cmd: list, labels: dict, timeout_s: float, fused_kernels: str | None = None) -> dict:
     """Run `cmd` + ["--result", PATH] in a fresh process (its own process group, killed whole at the
     timeout) and return the JSON it wrote to PATH, or `labels` with the status and the log's tail. The
@@ -386,9 +394,7 @@ def run_json_worker(cmd: list, labels: dict, timeout_s: float, fused_kernels: st
     fd, path = tempfile.mkstemp(prefix="bench_worker_", suffix=".json")
     os.close(fd)
     t0 = time.perf_counter()
-    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
-    if fused_kernels is not None:
-        env["FUSED_KERNELS"] = fused_kernels
+    env = worker_env(fused_kernels)
     proc = subprocess.Popen([*cmd, "--result", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=env)
     try:

@@ -64,6 +64,11 @@ def _mode(case: dict, peer: str):
     return entry.get("modes", {}).get(MODE) if entry.get("status") == "ok" else None
 
 
+def _from_earlier_run(case: dict, meta: dict) -> bool:
+    """A kernel row kept whole from another commit's run than the file's (it carries its own git_commit)."""
+    return case.get("git_commit", meta.get("git_commit")) != meta.get("git_commit")
+
+
 def kernel_table(results: dict) -> list[str]:
     cases = {c["case"]: c for c in results["kernels"]}
     lines = ["| case | autopatch GPU ms | best peer GPU ms | ratio | % of ceiling | autopatch wall ms / peak MiB |",
@@ -82,8 +87,8 @@ def kernel_table(results: dict) -> list[str]:
             mine = f"**{mine}**"
         else:
             theirs = f"**{theirs}**"
-        if case.get("git_commit", results["meta"].get("git_commit")) != results["meta"].get("git_commit"):
-            label += " ‡"  # a whole row of an earlier run (render's footnote names its commit)
+        if _from_earlier_run(case, results["meta"]):
+            label += " ‡"  # render's footnote names its commit
         lines.append(f"| {label} | {mine} | {theirs} ({PEER_NAMES.get(best, best)}) | "
                      f"{ours['gpu_ms'] / best_ms:.2f} | {100 * ceiling:.0f} % | "
                      f"{ours['ms']:.3f} / {ours['peak_mib']:.0f} |")
@@ -118,8 +123,7 @@ def render(results: dict, path: str) -> str:
             f"commit {meta.get('git_commit', '?')}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
             f"{ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s. "
             f"From [{path}]({path}).")
-    earlier = sorted({c["git_commit"] for c in results["kernels"]
-                      if c.get("git_commit", meta.get("git_commit")) != meta.get("git_commit")})
+    earlier = sorted({c["git_commit"] for c in results["kernels"] if _from_earlier_run(c, meta)})
     foot = (["", f"‡ the whole row from the run on commit {', '.join(earlier)}: this run's time budget ended before it."]
             if earlier else [])
     return "\n".join([head, "", *kernel_table(results), *foot, "", *e2e_table(results)])

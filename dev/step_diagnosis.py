@@ -143,11 +143,11 @@ def main() -> int:
     if a.worker:
         print(json.dumps(worker(a.model, a.worker)))
         return 0
+    import bench_e2e
+
     results = []
     for peer in a.peers.split(","):
-        env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
-        if peer == "ours_env":  # every kernel from the environment, as bench_e2e runs this peer
-            env["FUSED_KERNELS"] = "all"
+        env = bench_e2e.worker_env("all" if peer == "ours_env" else None)  # as bench_e2e runs each peer
         proc = subprocess.run([sys.executable, __file__, "--model", a.model, "--worker", peer],
                               capture_output=True, text=True, timeout=300, env=env)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
