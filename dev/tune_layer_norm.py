@@ -89,6 +89,16 @@ def backward_candidates(n_rows: int, n_cols: int, sms: int):
     return out
 
 
+def param_candidates(n_rows: int, n_cols: int, sms: int):
+    """(rows per load, columns per program, warps, row groups) of the column-parallel dw/db kernel."""
+    out = []
+    for m, n, warps in ((32, 256, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (64, 128, 8), (32, 256, 8)):
+        col_blocks = -(-n_cols // n)
+        for per_sm in (2, 4, 8):
+            out.append((m, n, warps, max(1, min(-(-n_rows // m), -(-per_sm * sms // col_blocks)))))
+    return out
+
+
 def with_forward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
     rows, block, chunked, warps, programs, stages = c
     return dataclasses.replace(base, fwd_rows=rows, fwd_block=block, fwd_chunked=chunked, fwd_warps=warps,
@@ -96,9 +106,9 @@ def with_forward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
 
 
 def with_backward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
-    rows, block, chunked, warps, programs, stages = c
+    rows, block, chunked, warps, programs, stages, param = c
     return dataclasses.replace(base, bwd_rows=rows, bwd_block=block, bwd_chunked=chunked, bwd_warps=warps,
-                               bwd_programs=programs, bwd_stages=stages)
+                               bwd_programs=programs, bwd_stages=stages, param_grid=param)
 
 
 def forced(cfg: ln.LayerNormConfig):
@@ -142,8 +152,19 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
             dy, x, [n_cols], t_mean, t_rstd, w, b, [True, True, True])),
     }
 
+    # backward: each tiling with dw/db summed by its own programs (param None); chunked tilings also with
+    # the column-parallel dw/db kernel, the dx kernel's programs then uncapped by partial rows
+    bwd = [c + (None,) for c in backward_candidates(n_rows, n_cols, sms)]
+    if n_cols > 4096:
+        chunked = [c for c in backward_candidates(n_rows, n_cols, sms) if c[2]]
+        for rows, block, _, warps, _, stages in chunked:
+            for per_sm in (1, 2, 4):
+                programs = min(-(-n_rows // rows), per_sm * sms)
+                bwd.append((rows, block, True, warps, programs, stages, ln._param_grid(n_rows, n_cols, sms, False)))
+        best_tiling = (2, 4096, True, 16, min(-(-n_rows // 2), 2 * sms), 1)
+        bwd += [best_tiling + (p,) for p in param_candidates(n_rows, n_cols, sms)]
     for direction, cands, build in (("forward", forward_candidates(n_rows, n_cols, sms), with_forward),
-                                    ("backward", backward_candidates(n_rows, n_cols, sms), with_backward)):
+                                    ("backward", bwd, with_backward)):
         rows_out, skipped = [], 0
         for c in cands:
             if time.time() > deadline:
@@ -161,18 +182,25 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
                         dx, dw, db = fn()
                         ok = close(dx, xr.grad) and close(dw, wr.grad) and close(db, br.grad)
                     ms = graph_ms(fn) if ok else None
+                    if ok and direction == "backward" and c[2]:  # chunked: the dx kernel alone too
+                        dx_ms = graph_ms(lambda: ln._backward_impl(dy, x, w, b, mean, rstd, False, False))
             except Exception as exc:  # a shape Triton cannot build (too many registers / shared memory)
                 rows_out.append({"config": list(c), "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
                 continue
-            rows_out.append({"config": list(c), "ok": ok, "ms": ms})
+            row = {"config": list(c), "ok": ok, "ms": ms}
+            if ok and direction == "backward" and c[2]:
+                row["dx_only_ms"] = dx_ms
+            rows_out.append(row)
         timed = sorted((r for r in rows_out if r.get("ms")), key=lambda r: r["ms"])
         res[direction] = {"candidates": rows_out, "skipped": skipped,
-                          "fields": ["rows", "block", "chunked", "warps", "programs", "stages"]}
+                          "fields": ["rows", "block", "chunked", "warps", "programs", "stages"]
+                          + (["param_grid (rows, block, warps, groups)"] if direction == "backward" else [])}
         print(f"\n{n_rows}x{n_cols} {direction}: floor {floor[direction]:.4f} ms  plan {res['plan_ms'][direction]:.4f}  "
               f"torch {res['torch_ms'][direction]:.4f}  ({len(timed)} timed, {skipped} skipped, "
               f"{sum(1 for r in rows_out if 'error' in r or not r.get('ok', True))} failed)")
         for r in timed[:6]:
-            print(f"   {r['ms']:.4f} ms  {floor[direction] / r['ms']:6.1%}  {r['config']}")
+            print(f"   {r['ms']:.4f} ms  {floor[direction] / r['ms']:6.1%}  {r['config']}"
+                  + (f"  dx alone {r['dx_only_ms']:.4f}" if r.get('dx_only_ms') else ''))
     return res
 
 

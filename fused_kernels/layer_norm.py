@@ -18,8 +18,8 @@ Backward (g = dy · w, the gradient with respect to xhat):
 Saved for the backward: x (the input itself, no copy), mean and rstd (fp32, one each per row); xhat is
 recomputed from them.
 
-Rows of up to WHOLE_ROW_MAX columns are held whole in registers (x read once per kernel). Longer
-rows are swept twice in column chunks, the second sweep reading from L2: the forward's first sweep merges
+Rows of up to FWD_WHOLE_ROW_MAX (forward) / BWD_WHOLE_ROW_MAX (backward) columns are held whole in
+registers (x read once per kernel). Longer rows are swept twice in column chunks, the second sweep reading from L2: the forward's first sweep merges
 each chunk's mean and centred sum of squares into the row's (Chan et al.'s pairwise update, as stable as
 the whole-row formula), the backward's first sweep sums g and g·xhat.
 
@@ -27,12 +27,15 @@ Bytes moved (rows × N elements of B bytes): the forward reads x and writes y (2
 row for mean and rstd); the backward reads x and dy and writes dx (3·rows·N·B), plus, per persistent
 program, one fp32 partial row each of dw and db (written once, then read by `_partial_sum_kernel`). At
 16384 × 4096 in bf16 that is 640 MiB forward + backward, 0.158 ms at the H200's ~4.25 TB/s copy rate.
+The chunked backward takes dw and db from `_param_grad_kernel` instead, which reads x and dy once more
+(5·rows·N·B in the backward) so that the dx kernel keeps no partial rows.
 
 Launch shapes: `plan(n_rows, n_cols, dtype, ...)` is the one place that decides them (block, rows per
 tile, warps, grid sizes, chunked or not), from the tables below; it returns a `fused_kernels._dispatch.Plan`
-whose `config` is a `LayerNormConfig` and whose `reason` says why. The forward runs one program per tile
-on a GPU; the backward is persistent (each program owns one partial row of dw and of db). Under the CPU
-interpreter the grids stay within a few programs (each costs about a millisecond there).
+whose `config` is a `LayerNormConfig` and whose `reason` says why. The whole-row forward is persistent
+(up to 8 programs an SM), the chunked one runs a program per row; the backward is persistent (each
+program owns one partial row of dw and of db, or, chunked, none). Under the CPU interpreter the grids
+stay within a few programs (each costs about a millisecond there).
 
 Dispatch: eager calls go through a torch.autograd.Function (a few µs of Python); torch.compile traces the
 custom ops fused_kernels::layer_norm_fwd / layer_norm_bwd. Both run `_forward_impl` / `_backward_impl`.
@@ -80,6 +83,9 @@ class LayerNormConfig:
     bwd_warps: int
     bwd_programs: int  # persistent backward programs, each writing one dw and one db partial row
     bwd_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
+    # dw / db from their own column-parallel kernel (_param_grad_kernel) instead of the backward's
+    # programs: (rows per load, columns per program, warps, row groups); None: the backward sums them
+    param_grid: Optional[tuple[int, int, int, int]] = None
 
 
 # Sizes measured on an H200 (dev/tune_layer_norm.py: every candidate forced and timed kernel-only; the
@@ -89,18 +95,26 @@ class LayerNormConfig:
 #   forward:  one row per tile (at least 1024 columns a tile), warps = tile / 512, up to 8 programs per SM
 #             (64 warps an SM at most), persistent;
 #   backward: at least 2048 columns a tile (2 rows of 1024), warps = tile / 512, 16 warps an SM.
-WHOLE_ROW_MAX = 8192  # both kernels
+FWD_WHOLE_ROW_MAX = 16384  # the forward holds one row in registers up to here: 32 warps, 2 programs an SM
+BWD_WHOLE_ROW_MAX = 8192  # the backward holds x, dy and the weight: beyond this its chunked form is faster
 _PER_THREAD = 16
 _FWD_MIN_TILE, _FWD_WARPS_PER_SM, _FWD_MAX_PER_SM = 1024, 64, 8
 _BWD_MIN_TILE, _BWD_WARPS_PER_SM = 2048, 16
 _STAGES = 3
-# Longer rows are swept twice in column chunks; two rows of 4096 columns per tile at 16 warps were the
-# fastest (forward and backward) of the chunkings timed at 16384 columns. Two rows a tile also halve the
-# backward's read-modify-writes of its partial dw / db rows (one per tile).
-_CHUNK, _CHUNK_ROWS, _CHUNK_WARPS = 4096, 2, 16
-# Chunked backward: the second sweep re-reads x and dy and read-modify-writes the program's two partial
-# rows; persistent programs are capped so that all of it stays within this much of the L2 (H200: 50 MiB).
+# Longer rows are swept twice in column chunks of _CHUNK, the second sweep from L2. Forward (beyond
+# 16384 columns): one row a tile, 16 warps, a program per tile. Backward: one row a tile, warps = chunk /
+# 512 (the whole-row rule), 4 programs an SM, fastest of the chunkings timed at 16384 columns.
+_CHUNK, _FWD_CHUNK_WARPS = 4096, 16
+_BWD_CHUNK_WARPS, _BWD_CHUNK_PER_SM = _CHUNK // (32 * _PER_THREAD), 4
+# Chunked backward: the second sweep re-reads x and dy of the program's tile; persistent programs are
+# capped so that those tiles stay within this much of the L2 (H200: 50 MiB).
 L2_BUDGET_BYTES = 32 * 2**20
+# Chunked backward: dw / db from a separate column-parallel kernel. It reads x and dy once more
+# (2·rows·N·B), but the dx kernel then keeps no partial rows: their read-modify-write once a tile, through
+# L2, and the reduction across the tile's rows held the fused chunked backward at 0.264 ms at 4096 x 16384
+# (split: 0.125 ms dx + 0.072 ms dw/db). (rows per load, columns per program, warps, programs an SM);
+# row groups fill the GPU.
+_PARAM_ROWS, _PARAM_BLOCK, _PARAM_WARPS, _PARAM_PROGRAMS_PER_SM = 32, 128, 4, 2
 # Under the interpreter every program runs one after another in Python.
 _INTERPRETER_PROGRAMS = 4
 
@@ -122,26 +136,25 @@ def _whole_row_tiling(whole: int, min_tile: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False) -> Plan:
     """The launch plan for `n_rows` rows of `n_cols` elements of `dtype` on a device with `sm_count` SMs
-    (`interpreted`: the CPU interpreter). Path "whole-row" (each row in registers, read once per kernel)
-    or "chunked" (two sweeps over column chunks, the second from L2)."""
+    (`interpreted`: the CPU interpreter). Path "whole-row" (each row in registers, read once per kernel),
+    "chunked backward" (the backward sweeps column chunks twice, the second from L2) or "chunked" (both)."""
     if n_cols < 1:
         raise ValueError(f"n_cols must be >= 1; got {n_cols}")
     bytes_x = torch.empty(0, dtype=dtype).element_size()
     whole = max(16, _next_pow2(n_cols))
-    chunked = whole > WHOLE_ROW_MAX
-    if chunked:
-        fwd_rows = bwd_rows = _CHUNK_ROWS if whole <= 2 * WHOLE_ROW_MAX else 1  # as measured; beyond,
-        # two rows a tile would halve the programs the L2 budget allows
-        fwd_block = bwd_block = _CHUNK
-        fwd_warps = bwd_warps = _CHUNK_WARPS
-        fwd_per_sm, bwd_per_sm, fwd_stages, bwd_stages = None, 1, 1, 1
+    fwd_chunked, bwd_chunked = whole > FWD_WHOLE_ROW_MAX, whole > BWD_WHOLE_ROW_MAX
+    if fwd_chunked:
+        fwd_rows, fwd_block, fwd_warps, fwd_per_sm, fwd_stages = 1, _CHUNK, _FWD_CHUNK_WARPS, None, 1
     else:
         fwd_rows, fwd_warps = _whole_row_tiling(whole, _FWD_MIN_TILE)
-        bwd_rows, bwd_warps = _whole_row_tiling(whole, _BWD_MIN_TILE)
-        fwd_block = bwd_block = whole
+        fwd_block, fwd_stages = whole, _STAGES
         fwd_per_sm = min(_FWD_MAX_PER_SM, max(1, _FWD_WARPS_PER_SM // fwd_warps))
+    if bwd_chunked:
+        bwd_rows, bwd_block, bwd_warps, bwd_per_sm, bwd_stages = 1, _CHUNK, _BWD_CHUNK_WARPS, _BWD_CHUNK_PER_SM, 1
+    else:
+        bwd_rows, bwd_warps = _whole_row_tiling(whole, _BWD_MIN_TILE)
+        bwd_block, bwd_stages = whole, _STAGES
         bwd_per_sm = max(1, _BWD_WARPS_PER_SM // bwd_warps)
-        fwd_stages = bwd_stages = _STAGES
     fwd_tiles = max(1, _cdiv(n_rows, fwd_rows))
     bwd_tiles = max(1, _cdiv(n_rows, bwd_rows))
     if interpreted:
@@ -150,27 +163,46 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
     else:
         fwd_programs = fwd_tiles if fwd_per_sm is None else min(fwd_tiles, fwd_per_sm * sm_count)
         bwd_programs = min(bwd_tiles, max(1, bwd_per_sm * sm_count))
-        if chunked:
-            per_program = bwd_rows * n_cols * 2 * bytes_x + n_cols * 8  # x and dy of a tile, two fp32 partial rows
+        if bwd_chunked:
+            per_program = bwd_rows * n_cols * 2 * bytes_x  # x and dy of a tile, held in L2 for the second sweep
             bwd_programs = min(bwd_programs, max(1, L2_BUDGET_BYTES // per_program))
     # The same number of sweeps with fewer programs where possible (fewer partial rows to sum).
     bwd_programs = _cdiv(bwd_tiles, _cdiv(bwd_tiles, bwd_programs))
     fwd_programs = _cdiv(fwd_tiles, _cdiv(fwd_tiles, fwd_programs))
-    cfg = LayerNormConfig(fwd_rows, fwd_block, chunked, fwd_warps, fwd_programs, fwd_stages,
-                          bwd_rows, bwd_block, chunked, bwd_warps, bwd_programs, bwd_stages)
-    backward = (f"backward: {bwd_programs} persistent programs of {bwd_rows}-row tiles writing dw/db partial rows"
-                + (" (capped so that their rows stay in L2)" if chunked and not interpreted else ""))
-    if not chunked:
-        path = "whole-row"
-        reason = (f"rows of {n_cols} fit in registers ({whole} columns; forward {fwd_rows} rows a tile, "
-                  f"{fwd_programs} programs; {backward})")
+    param_grid = _param_grid(n_rows, n_cols, sm_count, interpreted) if bwd_chunked else None
+    cfg = LayerNormConfig(fwd_rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs, fwd_stages,
+                          bwd_rows, bwd_block, bwd_chunked, bwd_warps, bwd_programs, bwd_stages, param_grid)
+    if fwd_chunked:
+        forward = (f"forward: rows of {n_cols} exceed {FWD_WHOLE_ROW_MAX} columns, swept twice in "
+                   f"{_CHUNK}-column chunks (the second from L2), {fwd_programs} programs")
     else:
-        path = "chunked"
-        reason = (f"rows of {n_cols} exceed {WHOLE_ROW_MAX} columns: both kernels sweep each row twice "
-                  f"in {_CHUNK}-column chunks, {_CHUNK_ROWS} rows a tile, the second sweep from L2; {backward}")
+        forward = (f"forward: rows of {n_cols} fit in registers ({whole} columns), {fwd_rows} a tile, "
+                   f"{fwd_programs} programs")
+    if param_grid is None:
+        backward = (f"backward: rows fit in registers, {bwd_programs} persistent programs of {bwd_rows}-row "
+                    "tiles writing dw/db partial rows")
+    else:
+        backward = (f"backward: rows of {n_cols} exceed {BWD_WHOLE_ROW_MAX} columns: dx from {bwd_programs} "
+                    f"persistent programs sweeping each row twice in {_CHUNK}-column chunks"
+                    + (" (capped so that their tiles stay in L2)" if not interpreted else "")
+                    + f"; dw/db from a column-parallel kernel ({param_grid[3]} row groups of "
+                    f"{param_grid[1]}-column programs)")
+    path = "chunked" if fwd_chunked else "chunked backward" if bwd_chunked else "whole-row"
+    reason = f"{forward}; {backward}"
     if interpreted:
         reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
     return Plan(path, cfg, reason)
+
+
+def _param_grid(n_rows: int, n_cols: int, sm_count: int, interpreted: bool) -> tuple[int, int, int, int]:
+    """(rows per load, columns per program, warps, row groups) of _param_grad_kernel: enough row groups
+    that the column blocks times the groups give _PARAM_PROGRAMS_PER_SM programs an SM."""
+    if interpreted:  # a few programs, each one costs about a millisecond
+        rows, block, warps = 4, min(4096, max(16, _next_pow2(n_cols))), 4
+        return rows, block, warps, min(2, _cdiv(n_rows, rows))
+    col_blocks = _cdiv(n_cols, _PARAM_BLOCK)
+    groups = max(1, min(_cdiv(n_rows, _PARAM_ROWS), _cdiv(_PARAM_PROGRAMS_PER_SM * sm_count, col_blocks)))
+    return _PARAM_ROWS, _PARAM_BLOCK, _PARAM_WARPS, groups
 
 
 # ----------------------------------------------------------------------------------------------
@@ -355,6 +387,39 @@ def _layer_norm_bwd_kernel(
 
 
 @triton.jit
+def _param_grad_kernel(DY, X, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols, stride_dy, stride_x, rows_per_group,
+                       COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    # Program (column block j, row group g): DW_PARTIAL[g, cols] = Σ_rows of g dy·xhat, DB_PARTIAL alike,
+    # accumulated in registers over BLOCK_M rows a load; _partial_sum_kernel adds the groups up.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(1)
+    col_mask = cols < n_cols
+    first = group * rows_per_group
+    last = tl.minimum(first + rows_per_group, n_rows)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in tl.range(first, last, BLOCK_M, num_stages=NUM_STAGES):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_mask = rows < last
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if COMPUTE_DW:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            dw_acc += dy * tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if COMPUTE_DB:
+            db_acc += dy
+    out = group.to(tl.int64) * n_cols + cols
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + out, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + out, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
 def _partial_sum_kernel(DW_PARTIAL, DB_PARTIAL, DW, DB, n_parts, n_cols,
                         COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK_N: tl.constexpr,
                         PARTS: tl.constexpr):
@@ -433,15 +498,25 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
                 torch.zeros_like(bias) if compute_db else empty())
     count_launch("layer_norm_bwd")
     cfg = _plan_for(n_rows, n_cols, x2).config
-    programs = cfg.bwd_programs
+    mean, rstd = mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1)
+    separate = cfg.param_grid is not None and (compute_dw or compute_db)
+    programs = cfg.param_grid[3] if separate else cfg.bwd_programs  # partial rows of dw / db
     dw_partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
     db_partial = _new_output((programs, n_cols) if compute_db else (1, 1), torch.float32, device)
-    launch(_layer_norm_bwd_kernel, (programs,),
-           (dy2, x2, x2 if weight is None else weight, mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1),
+    launch(_layer_norm_bwd_kernel, (cfg.bwd_programs,),
+           (dy2, x2, x2 if weight is None else weight, mean, rstd,
             dx, dw_partial, db_partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols),
-           dict(HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=cfg.bwd_block,
+           dict(HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw and not separate,
+                COMPUTE_DB=compute_db and not separate, BLOCK_N=cfg.bwd_block,
                 ROWS=cfg.bwd_rows, CHUNKED=cfg.bwd_chunked, EXACT_BF16=_INTERPRETED, NUM_STAGES=cfg.bwd_stages,
                 num_warps=cfg.bwd_warps))
+    if separate:
+        rows_per_load, block_n, warps, groups = cfg.param_grid
+        launch(_param_grad_kernel, (_cdiv(n_cols, block_n), groups),
+               (dy2, x2, mean, rstd, dw_partial, db_partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2),
+                _cdiv(n_rows, groups)),
+               dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_M=rows_per_load, BLOCK_N=block_n,
+                    NUM_STAGES=1 if _INTERPRETED else _STAGES, num_warps=warps))
     dw = _new_output(weight.shape, weight.dtype, device) if compute_dw else empty()
     db = _new_output(bias.shape, bias.dtype, device) if compute_db else empty()
     if compute_dw or compute_db:

@@ -124,7 +124,7 @@ def test_width_4097(dtype, affine):
     check(x, w, b)
 
 
-@pytest.mark.parametrize("width,path", [(9000, "chunked"), (20000, "chunked")])
+@pytest.mark.parametrize("width,path", [(9000, "chunked backward"), (20000, "chunked")])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_long_rows_chunked(width, path, dtype):
     """Rows longer than the whole-row limits: the chunked sweeps (mean merged across chunks), with a
@@ -296,16 +296,22 @@ def test_plan_named_shapes_h200():
 
     p = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
     c = p.config
-    assert p.path == "chunked"
-    assert (c.fwd_block, c.fwd_rows, c.fwd_chunked, c.fwd_warps) == (4096, 2, True, 16)
-    assert (c.bwd_block, c.bwd_rows, c.bwd_chunked) == (4096, 2, True)
-    assert c.fwd_programs == 2048 and c.bwd_programs == 128  # 132 wanted (L2 allows 170): 16 tiles each
-    assert "L2" in p.reason
+    assert p.path == "chunked backward"
+    # the forward holds the row: 32 warps, 2 programs an SM, pipelined
+    assert (c.fwd_block, c.fwd_rows, c.fwd_chunked, c.fwd_warps, c.fwd_stages) == (16384, 1, False, 32, 3)
+    assert c.fwd_programs == 256  # 264 wanted: 16 rows each, so 256 programs do the same
+    assert (c.bwd_block, c.bwd_rows, c.bwd_chunked, c.bwd_warps) == (4096, 1, True, 8)
+    assert c.bwd_programs == 512  # 4 per SM = 528 wanted (L2 allows 512 of 64 KiB tiles): 8 rows each
+    assert c.param_grid == (32, 128, 4, 3)  # 128 column blocks x 3 row groups = 2.9 programs an SM
+    assert "L2" in p.reason and "column-parallel" in p.reason
 
     p = ln_module.plan(1024, 65536, torch.bfloat16, 132, False)
-    assert p.path == "chunked" and p.config.fwd_chunked and p.config.bwd_chunked
-    assert p.config.bwd_rows == 1  # two rows a tile would halve the programs the L2 budget allows
-    assert p.config.bwd_programs == 41  # 32 MiB of L2 / (65536 · 12 bytes) = 42 -> 25 rows each
+    c = p.config
+    assert p.path == "chunked" and c.fwd_chunked and c.bwd_chunked and (c.fwd_rows, c.bwd_rows) == (1, 1)
+    assert c.fwd_programs == 1024  # a program per row
+    assert c.bwd_programs == 128  # 32 MiB of L2 / (65536 · 4 bytes of x and dy) = 128 -> 8 rows each
+    assert c.param_grid == (32, 128, 4, 1)  # 512 column blocks already fill the GPU
+    assert "exceed 16384" in p.reason
 
 
 def test_plan_interpreter_grids_stay_small():
