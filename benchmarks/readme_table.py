@@ -123,10 +123,15 @@ def render(results: dict, path: str) -> str:
             f"commit {meta.get('git_commit', '?')}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
             f"{ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s. "
             f"From [{path}]({path}).")
-    earlier = sorted({c["git_commit"] for c in results["kernels"] if _from_earlier_run(c, meta)})
+    shown = {name for name, _ in KERNEL_ROWS}
+    earlier = sorted({c["git_commit"] for c in results["kernels"]
+                      if c["case"] in shown and _from_earlier_run(c, meta)})
     foot = (["", f"‡ the whole row from the run on commit {', '.join(earlier)}: this run's time budget ended before it."]
             if earlier else [])
-    return "\n".join([head, "", *kernel_table(results), *foot, "", *e2e_table(results)])
+    steps = [r.get("git_commit", meta.get("git_commit")) for r in results.get("e2e", [])]
+    other = sorted({c for c in steps if c != meta.get("git_commit")})
+    steps_note = [f"Training steps from the run on commit {', '.join(other)}.", ""] if other else []
+    return "\n".join([head, "", *kernel_table(results), *foot, "", *steps_note, *e2e_table(results)])
 
 
 def experts_table(results: dict) -> list[str]:

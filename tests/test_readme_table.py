@@ -49,3 +49,25 @@ def test_trl_rows_that_never_settled_get_no_ratio():
     falling = {"trl": [run("trl", [430, 432]), run("trl_liger", [420, 450, 288]), run("trl_ours", [240, 242])]}
     table = mod.trl_table(falling)
     assert table[2].endswith("| – |") and "5.5 GiB †" in table[2] and table[-1].startswith("† ")
+
+
+def test_footnotes_name_only_what_the_table_shows():
+    """A kernel row kept from an earlier run gets its ‡ only when the table shows it; training steps from
+    another commit than the kernels' are named above their table."""
+    mod = _script()
+    name = mod.KERNEL_ROWS[0][0]
+
+    def case(case_name, **extra):
+        ok = {"status": "ok", "modes": {mod.MODE: {"gpu_ms": 1.0, "ms": 1.2, "peak_mib": 1, "gpu_frac_ceiling": 0.9}}}
+        return dict(case=case_name, peers={"ours": ok, "liger": ok}, **extra)
+
+    meta = {"gpu": "G", "torch": "t", "triton": "tr", "transformers": "tf", "git_commit": "new1", "date_utc": "2026-12-04"}
+    ceil = {"copy_gbps": 4000, "matmul_tflops": 600}
+    hidden = {"meta": meta, "ceilings": ceil, "kernels": [case(name), case("not shown", git_commit="old1")], "e2e": []}
+    text = mod.render(hidden, "r.json")
+    assert "‡" not in text and "old1" not in text
+    kept = dict(hidden, kernels=[case(name, git_commit="old1")],
+                e2e=[{"model": "m", "peer": "ours", "status": "ok", "git_commit": "old2"}])
+    text = mod.render(kept, "r.json")
+    assert " ‡ |" in text and "commit old1: this run's time budget" in text
+    assert "Training steps from the run on commit old2." in text
