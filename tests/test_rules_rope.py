@@ -342,6 +342,54 @@ def test_look_alikes_are_left_alone():
     assert not record.patched and record.reason == "uses position_ids"
 
 
+def _standard_rope(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    h = q.shape[-1] // 2
+    rot = lambda x: torch.cat((-x[..., h:], x[..., :h]), -1)  # noqa: E731
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def _hub_layer_of(fn):
+    """fn as Hugging Face's `kernels` package wraps it (transformers' @use_kernel_forward_from_hub with
+    the package installed): the real decorator where the package is there, else the same shape by hand
+    (an instance of an nn.Module class `Func` whose forward calls fn from its closure)."""
+    try:
+        from kernels import use_kernel_forward_from_hub
+    except ImportError:
+        def make(func):
+            class Func(torch.nn.Module):
+                def forward(self, *args, **kwargs):
+                    return func(*args, **kwargs)
+            return Func()
+
+        return make(fn)
+    return use_kernel_forward_from_hub("rotary_pos_emb")(fn)
+
+
+def test_function_behind_a_hub_kernel_layer_is_patched_and_restored():
+    """transformers 5.25 (which requires `kernels`) makes apply_rotary_pos_emb a Func module instance
+    taking (*args, **kwargs): the rule proves the function inside, rebinds the global to the kernel and
+    restores the instance."""
+    fake = types.ModuleType("fake_modeling_rope_hub")
+    _standard_rope.__module__ = fake.__name__
+    layer = _hub_layer_of(_standard_rope)
+    assert isinstance(layer, torch.nn.Module)
+    fake.apply_rotary_pos_emb = layer
+    (record,) = RULE.patch_module(fake, everything)
+    assert record.patched and record.variant == "half rot=full", record
+    assert fake.apply_rotary_pos_emb is not layer and patching.original(fake, TARGET) is layer
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 6, 16, generator=gen) for _ in range(2))
+    cos, sin = (torch.randn(2, 6, 16, generator=gen) for _ in range(2))
+    before = fused_kernels.launch_counts().get("rope_fwd", 0)
+    out = fake.apply_rotary_pos_emb(q, k, cos, sin)
+    assert fused_kernels.launch_counts().get("rope_fwd", 0) == before + 1
+    for got, want in zip(out, layer(q, k, cos, sin)):
+        assert_close(got, want, torch.float32, "apply_rotary_pos_emb behind a hub layer")
+    patching.restore_all()
+    assert fake.apply_rotary_pos_emb is layer
+
+
 # --- through real attention: tiny one-layer models, only the rope rule applied --------------------
 
 MODELS = [

@@ -73,12 +73,32 @@ def candidate_classes(module: ModuleType, kernel: str, text: str, keep: Callable
         return [], [Record(kernel, module.__name__, "*", False, reason=describe_exc(exc))]
 
 
-def module_functions(module: ModuleType, name: str):
-    """The function `module.name` if the module defines it itself, else None."""
-    value = vars(module).get(name)
+def module_function(module: ModuleType, name: str):
+    """The function `module.name` if the module defines it itself (behind a Hub-kernel function layer
+    or not, `hub_function`), else None."""
+    value = hub_function(vars(module).get(name))
     if inspect.isfunction(value) and value.__module__ == module.__name__:
         return value
     return None
+
+
+def hub_function(value):
+    """The plain function behind a Hugging Face `kernels` function layer, else `value` itself. With the
+    `kernels` package installed (transformers 5.25 requires it), `@use_kernel_forward_from_hub` turns a
+    module-level function such as `apply_rotary_pos_emb` into an instance of an nn.Module class `Func`
+    whose forward calls the function, which it holds in its closure as `func`; the module's callers call
+    the instance. Rebinding the module global to a plain function leaves `kernels.kernelize` nothing to
+    swap there, as without the package."""
+    if not isinstance(value, nn.Module) or type(value).__name__ != "Func":
+        return value
+    forward = vars(type(value)).get("forward")
+    cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
+                     getattr(forward, "__closure__", None) or ()))
+    try:
+        func = cells["func"].cell_contents if "func" in cells else None
+    except ValueError:  # an empty cell
+        func = None
+    return func if inspect.isfunction(func) else value
 
 
 def positional_params(fn) -> list[inspect.Parameter] | None:

@@ -1,7 +1,9 @@
 """Module-level `apply_rotary_pos_emb` (and DeepSeek's `apply_rotary_pos_emb_interleave`) ->
 fused_kernels.rope (kernel "rope").
 
-Detection. The function must be defined in the modeling module and take (q, k, cos, sin), or one
+Detection. The function must be defined in the modeling module (behind a Hub-kernel function layer or
+not: with the `kernels` package installed the global is a `Func` module instance holding it,
+`_probe.hub_function`) and take (q, k, cos, sin), or one
 tensor, (x, cos, sin) as Gemma 3n / Gemma 4 do or (tensor, sin, cos) as GPT-J / CodeGen do (called
 once for q and once for k), followed only by optional `position_ids` and `unsqueeze_dim`; without
 `unsqueeze_dim` the probe finds the one head layout the function takes. It is run in float64 on random
@@ -446,10 +448,10 @@ class _Rule:
     def _patch(self, module, target, enabled) -> list[Record]:
         name = module.__name__
         if patching.is_patched(module, target):
-            fn = patching.original(module, target)
+            fn = _probe.hub_function(patching.original(module, target))
         else:
-            fn = vars(module).get(target)
-            if fn is None or not callable(fn) or getattr(fn, "__module__", None) != name:
+            fn = _probe.module_function(module, target)
+            if fn is None:
                 return []  # nothing of ours to look at (absent, or imported from another module)
         verdict = _verdicts.get(fn)
         if verdict is None:
