@@ -1027,11 +1027,10 @@ ROTARY_FN = re.compile(r"^apply_\w*(rotary|rope)\w*$")
 def rope_column(module, config_cls=None) -> dict:
     import inspect
 
-    from autopatch.rules import rope
+    from autopatch.rules import _probe, rope
 
     name = module.__name__
-    own = {n: f for n, f in vars(module).items()
-           if ROTARY_FN.match(n) and inspect.isfunction(f) and f.__module__ == name}
+    own = {n: f for n in vars(module) if ROTARY_FN.match(n) for f in [_probe.module_function(module, n)] if f}
     sections = sorted(n for n, c in vars(module).items()
                       if inspect.isclass(c) and c.__module__ == name and "mrope_section" in _source(c))
     parts, verdicts = [], []
