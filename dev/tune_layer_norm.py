@@ -154,10 +154,10 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
 
     # backward: each tiling with dw/db summed by its own programs (param None); chunked tilings also with
     # the column-parallel dw/db kernel, the dx kernel's programs then uncapped by partial rows
-    bwd = [c + (None,) for c in backward_candidates(n_rows, n_cols, sms)]
+    tilings = backward_candidates(n_rows, n_cols, sms)
+    bwd = [c + (None,) for c in tilings]
     if n_cols > 4096:
-        chunked = [c for c in backward_candidates(n_rows, n_cols, sms) if c[2]]
-        for rows, block, _, warps, _, stages in chunked:
+        for rows, block, _, warps, _, stages in (c for c in tilings if c[2]):
             for per_sm in (1, 2, 4):
                 programs = min(-(-n_rows // rows), per_sm * sms)
                 bwd.append((rows, block, True, warps, programs, stages, ln._param_grid(n_rows, n_cols, sms, False)))
@@ -181,15 +181,12 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
                         fn = lambda: ln._backward_impl(dy, x, w, b, mean, rstd, True, True)  # noqa: E731
                         dx, dw, db = fn()
                         ok = close(dx, xr.grad) and close(dw, wr.grad) and close(db, br.grad)
-                    ms = graph_ms(fn) if ok else None
+                    row = {"config": list(c), "ok": ok, "ms": graph_ms(fn) if ok else None}
                     if ok and direction == "backward" and c[2]:  # chunked: the dx kernel alone too
-                        dx_ms = graph_ms(lambda: ln._backward_impl(dy, x, w, b, mean, rstd, False, False))
+                        row["dx_only_ms"] = graph_ms(lambda: ln._backward_impl(dy, x, w, b, mean, rstd, False, False))
             except Exception as exc:  # a shape Triton cannot build (too many registers / shared memory)
                 rows_out.append({"config": list(c), "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
                 continue
-            row = {"config": list(c), "ok": ok, "ms": ms}
-            if ok and direction == "backward" and c[2]:
-                row["dx_only_ms"] = dx_ms
             rows_out.append(row)
         timed = sorted((r for r in rows_out if r.get("ms")), key=lambda r: r["ms"])
         res[direction] = {"candidates": rows_out, "skipped": skipped,

@@ -19,9 +19,10 @@ Saved for the backward: x (the input itself, no copy), mean and rstd (fp32, one 
 recomputed from them.
 
 Rows of up to FWD_WHOLE_ROW_MAX (forward) / BWD_WHOLE_ROW_MAX (backward) columns are held whole in
-registers (x read once per kernel). Longer rows are swept twice in column chunks, the second sweep reading from L2: the forward's first sweep merges
-each chunk's mean and centred sum of squares into the row's (Chan et al.'s pairwise update, as stable as
-the whole-row formula), the backward's first sweep sums g and g·xhat.
+registers (x read once per kernel). Longer rows are swept twice in column chunks, the second sweep
+reading from L2: the forward's first sweep merges each chunk's mean and centred sum of squares into the
+row's (Chan et al.'s pairwise update, as stable as the whole-row formula), the backward's first sweep
+sums g and g·xhat.
 
 Bytes moved (rows × N elements of B bytes): the forward reads x and writes y (2·rows·N·B, plus 8 bytes per
 row for mean and rstd); the backward reads x and dy and writes dx (3·rows·N·B), plus, per persistent
@@ -81,7 +82,7 @@ class LayerNormConfig:
     bwd_block: int
     bwd_chunked: bool
     bwd_warps: int
-    bwd_programs: int  # persistent backward programs, each writing one dw and one db partial row
+    bwd_programs: int  # persistent backward programs; whole-row: each writes one dw and one db partial row
     bwd_stages: int  # software pipelining of the whole-row backward's tile loop (1: none)
     # dw / db from their own column-parallel kernel (_param_grad_kernel) instead of the backward's
     # programs: (rows per load, columns per program, warps, row groups); None: the backward sums them
