@@ -118,9 +118,11 @@ def e2e_table(results: dict, models: dict = E2E_MODELS) -> list[str]:
 
 def render(results: dict, path: str) -> str:
     meta, ceil = results["meta"], results["ceilings"]
+    # "+changes": the device copy's tree differed from its commit; the digest names the library code that ran
+    digest = f" (source digest {meta['source_digest']})" if meta.get("source_digest") else ""
     head = (f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, "
             f"Liger-Kernel {meta.get('liger_kernel', '–')}, Cut-CE {meta.get('cut_cross_entropy', '–')}; "
-            f"commit {meta.get('git_commit', '?')}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
+            f"commit {meta.get('git_commit', '?')}{digest}, {meta['date_utc'][:10]}. Ceilings measured in the run: copy "
             f"{ceil['copy_gbps']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s. "
             f"From [{path}]({path}).")
     shown = {name for name, _ in KERNEL_ROWS}
