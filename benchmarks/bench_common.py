@@ -78,6 +78,31 @@ def source_digest() -> str:
     return h.hexdigest()[:12]
 
 
+# CUDA kernel kinds by name, for the step diagnoses: cuBLAS / CUTLASS GEMMs, SDPA's flash /
+# memory-efficient / cuDNN attention, the fused Triton kernels (ours: _rms_norm_*, _rope_kernel, _glu_*,
+# _ce_kernel, _scale_kernel; Liger's have the op in their names too), TRL 1.16's chunked LM head (its two
+# Triton kernels, trl/kernels/chunked_logprob.py; the head's GEMMs count as gemm), the fused AdamW.
+KERNEL_KINDS = (
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitkreduce")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("fused", ("_rms_norm", "rope", "glu", "_ce_", "cross_entropy", "_scale_kernel", "layer_norm", "gelu",
+               "_combine_kernel", "_act_bwd", "_side_stats", "_partial_sum", "_dw_sum", "_loss_")),
+    ("optimizer", ("adam", "multi_tensor")),
+)
+TRL_HEAD_KERNELS = frozenset({"_forward_kernel", "_backward_kernel"})
+
+
+def kernel_kind(kernel_name: str) -> str:
+    """gemm, attention, fused, trl_head, optimizer or other (see KERNEL_KINDS)."""
+    if kernel_name in TRL_HEAD_KERNELS:
+        return "trl_head"
+    low = kernel_name.lower()
+    for kind, needles in KERNEL_KINDS:
+        if any(n in low for n in needles):
+            return kind
+    return "other"
+
+
 def _driver_version() -> str | None:
     try:
         out = subprocess.run(

@@ -3,6 +3,7 @@
     python benchmarks/bench_trl.py --out trl.json [--trainers sft,dpo,grpo] [--models qwen3_0.6b,llama3_2_3b]
                                    [--peers trl,trl_liger,trl_ours]
     python benchmarks/bench_trl.py --device cpu --models tiny_llama --steps 1 --warmup 1    (the CPU dry run)
+    python benchmarks/bench_trl.py ... --profile-steps 2    (then where those steps' GPU time goes)
 
 What runs (TRL 1.16's configs' defaults otherwise: gradient checkpointing on, AdamW fused, bf16 on a
 GPU): random weights from benchmarks/bench_e2e.py's model configs, built on the device; random data with
@@ -24,6 +25,11 @@ Peers:
 A callback times each optimizer step with CUDA events (forward, backward and AdamW; the data loader's
 host work between steps is outside) after `warmup` untimed steps, and resets the peak-memory counter
 there. The first logged loss must agree across peers (same seed, same weights, same batches).
+With --profile-steps N, N more steps run after the timed ones under torch.profiler (CUDA kernels only):
+per step, the kernels' summed time by kind (GEMM, attention, fused, TRL's head, optimizer, other; see
+bench_common.kernel_kind), the step's CUDA-event time, and the gap (the GPU waiting for the host).
+What a fused-kernel library can change is the fused and other kinds and the gap; GEMMs, attention and
+TRL's head stay whoever patches the model.
 """
 
 from __future__ import annotations
@@ -135,20 +141,28 @@ def _trainer(kind: str, model, spec: dict, rows: int, common: dict, timer, torch
                           processing_class=_tokenizer(vocab), callbacks=[timer])
 
 
-def _step_timer(warmup: int, torch, cuda: bool):
+def _step_timer(warmup: int, steps: int, profile_steps: int, torch, cuda: bool):
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         """CUDA-event (or wall, on the CPU) time of each optimizer step; the peak-memory counter reset
-        when the first timed step begins; every logged loss and gradient norm."""
+        when the first timed step begins; every logged loss and gradient norm; after the timed steps,
+        `profile_steps` more under torch.profiler (their times go to profiled_ms, not step_ms)."""
 
         def __init__(self):
             self.step_ms, self.losses, self.grad_norms, self._begin, self.step = [], [], [], None, 0
+            self.profiled_ms, self.profiler = [], None
 
         def on_step_begin(self, args, state, control, **kw):
             if self.step == warmup and cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            if self.step == warmup + steps and profile_steps:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+                self.profiler = profile(activities=activities)
+                self.profiler.__enter__()
             if cuda:
                 self._begin = torch.cuda.Event(enable_timing=True)
                 self._begin.record()
@@ -163,8 +177,12 @@ def _step_timer(warmup: int, torch, cuda: bool):
                 ms = self._begin.elapsed_time(end)
             else:
                 ms = (time.perf_counter() - self._begin) * 1e3
-            if self.step >= warmup:
+            if warmup + steps > self.step >= warmup:
                 self.step_ms.append(ms)
+            elif self.step >= warmup + steps:
+                self.profiled_ms.append(ms)
+                if self.step == warmup + steps + profile_steps - 1:
+                    self.profiler.__exit__(None, None, None)
             self.step += 1
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -176,7 +194,32 @@ def _step_timer(warmup: int, torch, cuda: bool):
     return StepTimer()
 
 
-def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device_name: str, out_dir: str) -> dict:
+def _kernel_breakdown(profiler, step_ms: list, torch) -> dict:
+    """The profiled steps' CUDA kernels, per step: ms by kind, the total, launches, the gap between the
+    step's CUDA-event time and its kernels' time (idle GPU: host work, syncs), the 15 longest kernels."""
+    from bench_common import kernel_kind
+
+    n = len(step_ms)
+    kernels: dict = {}
+    for ev in profiler.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(ev.name, [0.0, 0])
+            entry[0] += (getattr(ev, "device_time", None) or getattr(ev, "cuda_time", 0.0)) / 1e3 / n
+            entry[1] += 1
+    by_kind: dict = {}
+    for name, (ms, _count) in kernels.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+    total = sum(by_kind.values())
+    step = statistics.median(step_ms)
+    return {"profiled_step_ms": step, "kernel_ms": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+            "kernel_ms_total": total, "idle_ms": step - total,
+            "kernel_launches": sum(c for _ms, c in kernels.values()) / n,
+            "top_kernels_ms": [(name[:90], ms, c / n) for name, (ms, c) in
+                               sorted(kernels.items(), key=lambda kv: -kv[1][0])[:15]]}
+
+
+def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device_name: str, out_dir: str,
+           profile_steps: int = 0) -> dict:
     import torch
 
     spec = MODELS[model_key]
@@ -193,12 +236,13 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
     device = torch.device(device_name)
     torch.manual_seed(0)
     model = bench_e2e._build_model(spec, device, torch)
-    common = dict(output_dir=out_dir, max_steps=warmup + steps, learning_rate=1e-5, lr_scheduler_type="constant",
+    total_steps = warmup + steps + profile_steps
+    common = dict(output_dir=out_dir, max_steps=total_steps, learning_rate=1e-5, lr_scheduler_type="constant",
                   logging_steps=1, save_strategy="no", report_to=[], seed=0, data_seed=0, dataloader_num_workers=0,
                   disable_tqdm=True, use_cpu=not cuda, bf16=cuda, use_liger_kernel=peer == "trl_liger")
-    timer = _step_timer(warmup, torch, cuda)
+    timer = _step_timer(warmup, steps, profile_steps, torch, cuda)
     t0 = time.perf_counter()
-    trainer = _trainer(kind, model, spec, warmup + steps, common, timer, torch)
+    trainer = _trainer(kind, model, spec, total_steps, common, timer, torch)
     generation_ms = _timed_generation(trainer, cuda, torch) if kind == "grpo" else None
     trainer.train()
     res["wall_s"] = time.perf_counter() - t0
@@ -213,13 +257,18 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
     res["step_ms_median"] = statistics.median(timer.step_ms)
     timed_ms = timer.step_ms
     if generation_ms is not None:  # one generation a step (steps_per_generation=1)
-        if len(generation_ms) != warmup + steps:
-            raise RuntimeError(f"expected one generation a step, got {len(generation_ms)} in {warmup + steps} steps")
-        res["generation_ms"] = generation_ms[warmup:]
+        if len(generation_ms) != total_steps:
+            raise RuntimeError(f"expected one generation a step, got {len(generation_ms)} in {total_steps} steps")
+        res["generation_ms"] = generation_ms[warmup:warmup + steps]
         res["generation_ms_median"] = statistics.median(res["generation_ms"])
         timed_ms = res["train_ms"] = [s - g for s, g in zip(timer.step_ms, res["generation_ms"])]
         res["train_ms_median"] = statistics.median(timed_ms)
     res["tokens_per_s"] = tokens / (statistics.median(timed_ms) * 1e-3)
+    if profile_steps:
+        # GRPO: the profiled steps include their generation (its kernels count as other / gemm / attention)
+        res["profile"] = _kernel_breakdown(timer.profiler, timer.profiled_ms, torch)
+        if generation_ms is not None:
+            res["profile"]["generation_ms"] = generation_ms[warmup + steps:]
     res["losses"] = timer.losses
     res["grad_norms"] = timer.grad_norms
     res["loss_first"] = timer.losses[0] if timer.losses else None
@@ -229,7 +278,8 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
 
 def _run(kind: str, model_key: str, peer: str, args, timeout_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--trainer", kind, "--model", model_key, "--peer", peer,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+           "--profile-steps", str(args.profile_steps)]
     return bench_e2e.run_json_worker(cmd, {"trainer": kind, "model": model_key, "peer": peer}, timeout_s,
                                      fused_kernels="all" if peer == "trl_ours" else None)
 
@@ -243,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="steps after the timed ones under torch.profiler: where the GPU time goes")
     ap.add_argument("--budget-s", type=float, default=480.0, help="wall-clock budget of all runs")
     ap.add_argument("--worker", action="store_true", help="internal: one model and peer, JSON to --result")
     ap.add_argument("--trainer", choices=TRAINERS)
@@ -253,7 +305,7 @@ def main(argv=None) -> int:
     if a.worker:
         with tempfile.TemporaryDirectory() as out_dir:
             try:
-                res = worker(a.trainer, a.model, a.peer, a.steps, a.warmup, a.device, out_dir)
+                res = worker(a.trainer, a.model, a.peer, a.steps, a.warmup, a.device, out_dir, a.profile_steps)
             except Exception as exc:  # noqa: BLE001 - the driver reads the reason from the JSON
                 import traceback
 
@@ -286,6 +338,11 @@ def main(argv=None) -> int:
         if res["status"] == "ok":
             print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
                   f"step {res['step_ms_median']:.1f} ms, loss {res['loss_first']}", flush=True)
+            if "profile" in res:
+                pr = res["profile"]
+                print(f"      profiled step {pr['profiled_step_ms']:.1f} ms: kernels {pr['kernel_ms_total']:.1f} ms "
+                      f"({pr['kernel_launches']:.0f} launches), idle {pr['idle_ms']:.1f} ms; "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in pr["kernel_ms"].items()), flush=True)
         else:
             print(f"      {res['status']}: {res.get('error', '')[:300]}", flush=True)
         write_json(a.out, {"meta": environment(torch.device(a.device)), "runs": results})

@@ -86,27 +86,8 @@ def _graph_tensors_after_a_step(step, torch) -> int:
         gc.enable()
 
 
-# Kernel kinds by name: cuBLAS / CUTLASS GEMMs, SDPA's flash / memory-efficient / cuDNN attention, the
-# fused Triton kernels (ours: _rms_norm_*, _rope_kernel, _glu_*, _ce_kernel, _scale_kernel; Liger's
-# have the op in their names too), the fused AdamW.
-KINDS = (
-    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "splitkreduce")),
-    ("attention", ("flash", "fmha", "attention", "cudnn")),
-    ("fused", ("_rms_norm", "rope", "glu", "_ce_", "cross_entropy", "_scale_kernel", "layer_norm", "gelu",
-               "_combine_kernel", "_act_bwd", "_side_stats", "_partial_sum", "_dw_sum", "_loss_")),
-    ("optimizer", ("adam", "multi_tensor")),
-)
-
-
-def kind_of(kernel_name: str) -> str:
-    low = kernel_name.lower()
-    for kind, needles in KINDS:
-        if any(n in low for n in needles):
-            return kind
-    return "other"
-
-
 def _profile_steps(model, opt, batch, torch, steps: int = 2) -> dict:
+    from bench_common import kernel_kind
     from bench_kernels import kernel_times
 
     def step():
@@ -123,7 +104,7 @@ def _profile_steps(model, opt, batch, torch, steps: int = 2) -> dict:
     kernels = kernel_times(step, batch["input_ids"].device, [], calls=steps)  # name -> [µs per step, launches per step]
     by_kind: dict[str, float] = {}
     for name, (us, _n) in kernels.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + us / 1e3
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:30]
     return {"graph_tensors_after_step": _graph_tensors_after_a_step(step, torch),
             "step_ms": start.elapsed_time(end) / steps,

@@ -221,7 +221,8 @@ def test_bench_trl_dry_run_on_the_cpu(tmp_path):
     pytest.importorskip("datasets", reason="TRL's trainers take datasets.Dataset")
     out = tmp_path / "trl.json"
     proc = _run(["benchmarks/bench_trl.py", "--device", "cpu", "--trainers", "sft,dpo,grpo", "--models", "tiny_llama",
-                 "--peers", "trl,trl_ours", "--steps", "1", "--warmup", "1", "--out", str(out)], tmp_path)
+                 "--peers", "trl,trl_ours", "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--out", str(out)],
+                tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     runs = {(r["trainer"], r["peer"]): r for r in json.loads(out.read_text())["runs"]}
 
@@ -231,7 +232,9 @@ def test_bench_trl_dry_run_on_the_cpu(tmp_path):
     for kind in ("sft", "dpo", "grpo"):
         plain, ours = runs[(kind, "trl")], runs[(kind, "trl_ours")]
         assert plain["status"] == "ok" and ours["status"] == "ok", (plain, ours)
-        assert len(plain["losses"]) == 2 and len(plain["grad_norms"]) == 2
+        # warm-up, timed and profiled steps each log; only the timed one is in step_ms
+        assert len(plain["losses"]) == 3 and len(plain["grad_norms"]) == 3
+        assert len(plain["step_ms"]) == 1 and plain["profile"]["profiled_step_ms"] > 0, plain.get("profile")
         # GRPO's gradient is 0 on a step whose completions all earn the same reward; never on every step
         assert all(math.isfinite(g) for g in plain["grad_norms"]) and max(plain["grad_norms"]) > 0, plain["grad_norms"]
         # bf16 weights, as the benchmark trains
@@ -244,4 +247,23 @@ def test_bench_trl_dry_run_on_the_cpu(tmp_path):
     assert close(runs[("sft", "trl_ours")]["losses"][0], runs[("sft", "trl")]["losses"][0], 1e-4)
     assert abs(runs[("dpo", "trl")]["losses"][0] - math.log(2)) < 1e-3  # the policy starts as its reference
     grpo = runs[("grpo", "trl_ours")]
+    assert len(grpo["profile"]["generation_ms"]) == 1
     assert len(grpo["generation_ms"]) == 1 and all(0 < t < s for t, s in zip(grpo["train_ms"], grpo["step_ms"]))
+
+
+def test_kernel_kinds_of_the_step_diagnoses():
+    """bench_common.kernel_kind sorts the kernel names a training step's profile shows: Liger's norm
+    kernels are fused, not TRL's head, though their names end like TRL's two kernels."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_common
+
+    kinds = {name: bench_common.kernel_kind(name) for name in (
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "sm90_xmma_gemm_bf16bf16_bf16f32", "pytorch_flash::flash_fwd_kernel",
+        "_rms_norm_forward_kernel", "_rope_kernel", "_glu_bwd_kernel", "_forward_kernel", "_backward_kernel",
+        "multi_tensor_apply_kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>")}
+    assert kinds == {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
+        "pytorch_flash::flash_fwd_kernel": "attention", "_rms_norm_forward_kernel": "fused", "_rope_kernel": "fused",
+        "_glu_bwd_kernel": "fused", "_forward_kernel": "trl_head", "_backward_kernel": "trl_head",
+        "multi_tensor_apply_kernel": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>": "other"}, kinds
