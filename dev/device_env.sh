@@ -1,5 +1,6 @@
 # Sourced (not run) by the scripts of a device call, from the repository root: installs the carried
-# wheels (.whl/: pydantic-settings & co., liger-kernel, cut-cross-entropy) into /tmp/site and puts them
+# wheels (.whl/, filled by dev/device_wheels.sh: pydantic-settings & co., liger-kernel, cut-cross-entropy,
+# TRL, DeepSpeed) into /tmp/site and puts them
 # and the repository on PYTHONPATH (the repository is used in place, not installed); real kernels, not
 # the Triton interpreter.
 # A carried autopatch wheel (built here: pip wheel --no-deps . -w .whl/) goes into the image's own
