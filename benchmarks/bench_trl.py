@@ -24,7 +24,8 @@ Peers:
              as a wheel runs from its .pth; from a checkout, autopatch.enable() starts the same hooks).
 A callback times each optimizer step with CUDA events (forward, backward and AdamW; the data loader's
 host work between steps is outside) after `warmup` untimed steps, and resets the peak-memory counter
-there. The first logged loss must agree across peers (same seed, same weights, same batches).
+there. The first logged loss must agree across peers (same seed, same weights, same batches). Each timed
+step also records the time Python's garbage collector took in it (`gc_ms`) and its full collections.
 With --profile-steps N, N more steps run after the timed ones under torch.profiler (CUDA kernels only):
 per step, the kernels' summed time by kind (GEMM, attention, fused, TRL's head, optimizer, other; see
 bench_common.kernel_kind), the step's CUDA-event time, and the gap (the GPU waiting for the host).
@@ -35,6 +36,7 @@ TRL's head stay whoever patches the model.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -152,6 +154,17 @@ def _step_timer(warmup: int, steps: int, profile_steps: int, torch, cuda: bool):
         def __init__(self):
             self.step_ms, self.losses, self.grad_norms, self._begin, self.step = [], [], [], None, 0
             self.profiled_ms, self.profiler = [], None
+            # Python's garbage collector during each timed step: ms spent collecting and how many of the
+            # collections were full (generation 2), to tell a slow step's collection from other host work
+            self.gc_ms, self.gc_full, self._gc = [], [], {"start": 0.0, "ms": 0.0, "full": 0}
+            gc.callbacks.append(self._on_gc)
+
+        def _on_gc(self, phase, info):
+            if phase == "start":
+                self._gc["start"] = time.perf_counter()
+            else:
+                self._gc["ms"] += (time.perf_counter() - self._gc["start"]) * 1e3
+                self._gc["full"] += info.get("generation") == 2
 
         def on_step_begin(self, args, state, control, **kw):
             if self.step == warmup and cuda:
@@ -163,6 +176,7 @@ def _step_timer(warmup: int, steps: int, profile_steps: int, torch, cuda: bool):
                 activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
                 self.profiler = profile(activities=activities)
                 self.profiler.__enter__()
+            self._gc.update(ms=0.0, full=0)
             if cuda:
                 self._begin = torch.cuda.Event(enable_timing=True)
                 self._begin.record()
@@ -179,6 +193,8 @@ def _step_timer(warmup: int, steps: int, profile_steps: int, torch, cuda: bool):
                 ms = (time.perf_counter() - self._begin) * 1e3
             if warmup + steps > self.step >= warmup:
                 self.step_ms.append(ms)
+                self.gc_ms.append(self._gc["ms"])
+                self.gc_full.append(self._gc["full"])
             elif self.step >= warmup + steps:
                 self.profiled_ms.append(ms)
                 if self.step == warmup + steps + profile_steps - 1:
@@ -254,6 +270,8 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
     if cuda:
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["step_ms"] = timer.step_ms
+    res["gc_ms"], res["gc_full_collections"] = timer.gc_ms, timer.gc_full
+    gc.callbacks.remove(timer._on_gc)
     res["step_ms_median"] = statistics.median(timer.step_ms)
     timed_ms = timer.step_ms
     if generation_ms is not None:  # one generation a step (steps_per_generation=1)
@@ -338,6 +356,10 @@ def main(argv=None) -> int:
         if res["status"] == "ok":
             print(f"      {res['tokens_per_s'] / 1e3:.1f}k tok/s, peak {res.get('peak_gib', float('nan')):.1f} GiB, "
                   f"step {res['step_ms_median']:.1f} ms, loss {res['loss_first']}", flush=True)
+            slowest = max(range(len(res["step_ms"])), key=res["step_ms"].__getitem__)
+            print(f"      steps {min(res['step_ms']):.0f}..{res['step_ms'][slowest]:.0f} ms, the slowest with "
+                  f"{res['gc_ms'][slowest]:.0f} ms of garbage collection; {sum(res['gc_full_collections'])} full "
+                  f"collections in the timed steps", flush=True)
             if "profile" in res:
                 pr = res["profile"]
                 print(f"      profiled step {pr['profiled_step_ms']:.1f} ms: kernels {pr['kernel_ms_total']:.1f} ms "

@@ -228,6 +228,8 @@ def test_bench_trl_dry_run_on_the_cpu(tmp_path):
         # warm-up, timed and profiled steps each log; only the timed one is in step_ms
         assert len(plain["losses"]) == 3 and len(plain["grad_norms"]) == 3
         assert len(plain["step_ms"]) == 1 and plain["profile"]["profiled_step_ms"] > 0, plain.get("profile")
+        assert len(plain["gc_ms"]) == len(plain["gc_full_collections"]) == 1
+        assert 0 <= plain["gc_ms"][0] < plain["step_ms"][0], (plain["gc_ms"], plain["step_ms"])
         # GRPO's gradient is 0 on a step whose completions all earn the same reward; never on every step
         assert all(math.isfinite(g) for g in plain["grad_norms"]) and max(plain["grad_norms"]) > 0, plain["grad_norms"]
         # bf16 weights, as the benchmark trains
