@@ -166,6 +166,9 @@ def _step_timer(warmup: int, steps: int, profile_steps: int, torch, cuda: bool):
                 self._gc["ms"] += (time.perf_counter() - self._gc["start"]) * 1e3
                 self._gc["full"] += info.get("generation") == 2
 
+        def on_train_end(self, args, state, control, **kw):
+            gc.callbacks.remove(self._on_gc)
+
         def on_step_begin(self, args, state, control, **kw):
             if self.step == warmup and cuda:
                 torch.cuda.synchronize()
@@ -271,7 +274,6 @@ def worker(kind: str, model_key: str, peer: str, steps: int, warmup: int, device
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     res["step_ms"] = timer.step_ms
     res["gc_ms"], res["gc_full_collections"] = timer.gc_ms, timer.gc_full
-    gc.callbacks.remove(timer._on_gc)
     res["step_ms_median"] = statistics.median(timer.step_ms)
     timed_ms = timer.step_ms
     if generation_ms is not None:  # one generation a step (steps_per_generation=1)

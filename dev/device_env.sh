@@ -1,8 +1,7 @@
 # Sourced (not run) by the scripts of a device call, from the repository root: installs the carried
 # wheels (.whl/, filled by dev/device_wheels.sh: pydantic-settings & co., liger-kernel, cut-cross-entropy,
-# TRL, DeepSpeed) into /tmp/site and puts them
-# and the repository on PYTHONPATH (the repository is used in place, not installed); real kernels, not
-# the Triton interpreter.
+# TRL, DeepSpeed) into /tmp/site and puts them and the repository on PYTHONPATH (the repository is used
+# in place, not installed); real kernels, not the Triton interpreter.
 # A carried autopatch wheel (built here: pip wheel --no-deps . -w .whl/) goes into the image's own
 # site-packages, where its autopatch.pth runs at interpreter start: FUSED_KERNELS=all then patches with
 # nothing imported, as for a user. The checkout stays first on PYTHONPATH, so the code is this commit's.

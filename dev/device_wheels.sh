@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, before a GPU call: fills .whl/ (git-ignored) with what the GPU image lacks, as wheels for its
 # Python 3.12 x86-64, and an autopatch wheel of this checkout (its .pth then runs there, as for a user).
-# dev/device_env.sh installs them on the GPU machine; the call names ".whl" in carry (~25 MB).
+# dev/device_env.sh installs them on the GPU machine; the call names ".whl" in carry (~8 MB).
 #
 #   bash dev/device_wheels.sh            everything: the runtime's needs, the peers, TRL and DeepSpeed
 #

@@ -252,19 +252,17 @@ def test_kernel_kinds_of_the_step_diagnoses():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_common
 
-    kinds = {name: bench_common.kernel_kind(name) for name in (
-        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "sm90_xmma_gemm_bf16bf16_bf16f32", "pytorch_flash::flash_fwd_kernel",
-        "_rms_norm_forward_kernel", "_rope_kernel", "_glu_bwd_kernel", "_forward_kernel", "_backward_kernel",
-        "multi_tensor_apply_kernel", "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>")}
-    assert kinds == {
+    expected = {
         "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "gemm", "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm",
-        "pytorch_flash::flash_fwd_kernel": "attention", "_rms_norm_forward_kernel": "fused", "_rope_kernel": "fused",
-        "_glu_bwd_kernel": "fused", "_forward_kernel": "trl_head", "_backward_kernel": "trl_head",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "gemm",
+        "pytorch_flash::flash_fwd_kernel": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma": "attention",
+        "_rms_norm_forward_kernel": "fused", "_rms_norm_bwd_kernel": "fused", "_rope_kernel": "fused",
+        "_glu_fwd_kernel": "fused", "_glu_bwd_kernel": "fused", "_ce_kernel": "fused",
+        "_swiglu_backward_kernel": "fused", "liger_cross_entropy_kernel": "fused",
+        "_forward_kernel": "trl_head", "_backward_kernel": "trl_head",
         "multi_tensor_apply_kernel": "optimizer",
-        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>": "other"}, kinds
-    assert bench_common.kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "gemm"
-    assert bench_common.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma") == "attention"
-    for name in ("_rms_norm_bwd_kernel", "_ce_kernel", "_swiglu_backward_kernel", "liger_cross_entropy_kernel"):
-        assert bench_common.kernel_kind(name) == "fused", name
-    assert bench_common.kernel_kind(
-        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...adam...>") == "optimizer"
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...adam...>": "optimizer",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>": "other"}
+    kinds = {name: bench_common.kernel_kind(name) for name in expected}
+    assert kinds == expected, kinds
