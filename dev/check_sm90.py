@@ -198,16 +198,17 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
             yield label, smem._ce_smem_kernel, sig, flags, aligned, cfg.warps, 1, per_sm
 
 
-def rms_norm_smem_cases(cols: list[int], dtype: str):
-    """The long-row backward read once (rms_norm_smem) for each length rms_norm dispatches to it, in every
+def norm_smem_cases(cols: list[int], dtype: str):
+    """The long-row backward read once (norm_smem) for each length rms_norm dispatches to it, in every
     casting mode, with an offset and without dw, and the long-row forward likewise (with an offset and
     without a weight); their launches cap registers (maxnreg) for per_sm CTAs."""
     rms = importlib.import_module("fused_kernels.rms_norm")
-    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    ln = importlib.import_module("fused_kernels.layer_norm")
+    smem = importlib.import_module("fused_kernels.norm_smem")
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
-    sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "rstd_ptr": "*fp32", "dx_ptr": t, "dw_part_ptr": "*fp32",
-           "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32", "stride_dy": "i32", "stride_x": "i32",
-           "stride_dx": "i32"}
+    sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": t,
+           "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",
+           "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"}
     aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
         shape = rms.cluster_shape(n, backward=True)
@@ -216,8 +217,19 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
         for casting_id, offset, compute_dw in ((0, 0.0, True), (0, 1.0, False), (1, 1.0, True), (2, 0.0, True)):
             flags = smem.kernel_constexprs(n, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw)
             flags.pop("num_warps")
-            label = f"rms_norm_smem N={n} casting {casting_id} offset {offset} dw {compute_dw} {shape}"
-            yield label, smem._rms_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
+            label = f"norm_smem N={n} casting {casting_id} offset {offset} dw {compute_dw} {shape}"
+            yield label, smem._norm_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
+    for n in cols:  # LayerNorm's backward: the same kernel, centred
+        shape = ln.cluster_shape(n)
+        if shape is None:
+            continue
+        for has_weight, compute_dw, compute_db in ((True, True, True), (True, False, True), (False, False, False)):
+            flags = smem.kernel_constexprs(n, shape, offset=0.0, casting_id=smem.LAYER_NORM_CASTING,
+                                           compute_dw=compute_dw, centered=True, has_weight=has_weight,
+                                           compute_db=compute_db)
+            flags.pop("num_warps")
+            label = (f"norm_smem layer_norm N={n} weight {has_weight} dw {compute_dw} db {compute_db} {shape}")
+            yield label, smem._norm_bwd_smem_kernel, sig, flags, aligned, shape.warps, 1, 0
     fwd_sig = {"x_ptr": t, "w_ptr": t, "y_ptr": t, "rstd_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32",
                "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
     fwd_aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]
@@ -229,7 +241,7 @@ def rms_norm_smem_cases(cols: list[int], dtype: str):
                                                (0, 0.0, False)):
             flags = smem.forward_constexprs(n, shape, offset=offset, casting_id=casting_id, has_weight=has_weight)
             flags.pop("num_warps")
-            label = f"rms_norm_smem forward N={n} casting {casting_id} offset {offset} weight {has_weight} {shape}"
+            label = f"norm_smem forward N={n} casting {casting_id} offset {offset} weight {has_weight} {shape}"
             yield label, smem._rms_fwd_smem_kernel, fwd_sig, flags, fwd_aligned, shape.warps, 1, 0
 
 
@@ -242,13 +254,13 @@ CAPPED_SPILL_BYTES = 256
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "rms_norm_smem", "all"),
+    ap.add_argument("--op", choices=("rms_norm", "rope", "cross_entropy", "cross_entropy_smem", "norm_smem", "all"),
                     default="all")
     ap.add_argument("--vocab", default="32000,128256,262144", help="cross_entropy vocabulary sizes")
     ap.add_argument("--smem-vocab", default="16384,32000,50304,65536,128256,151936,262144",
                     help="cross_entropy_smem vocabulary sizes")
     ap.add_argument("--cols", default="128,1024,4096,16384,65536", help="rms_norm row lengths")
-    ap.add_argument("--smem-cols", default="16384,24576,32768,49152,65536", help="rms_norm_smem row lengths")
+    ap.add_argument("--smem-cols", default="16384,24576,32768,49152,65536", help="norm_smem row lengths")
     ap.add_argument("--rope", default="32x8x128", help="rope q_heads x k_heads x head_dim, comma separated")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     args = ap.parse_args()
@@ -263,8 +275,8 @@ def main() -> None:
         cases += list(cross_entropy_cases([int(v) for v in args.vocab.split(",")], args.dtype))
     if args.op in ("cross_entropy_smem", "all") and args.dtype != "fp32":
         cases += list(cross_entropy_smem_cases([int(v) for v in args.smem_vocab.split(",")], args.dtype))
-    if args.op in ("rms_norm_smem", "all") and args.dtype != "fp32":
-        cases += list(rms_norm_smem_cases([int(c) for c in args.smem_cols.split(",")], args.dtype))
+    if args.op in ("norm_smem", "all") and args.dtype != "fp32":
+        cases += list(norm_smem_cases([int(c) for c in args.smem_cols.split(",")], args.dtype))
     bad = 0
     capped_spills = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:

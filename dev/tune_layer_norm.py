@@ -1,10 +1,11 @@
 """Which launch shape of fused_kernels.layer_norm is fastest on this GPU, forward and backward apart.
 
     TRITON_INTERPRET=0 python dev/tune_layer_norm.py [--shapes 16384x4096,65536x1024] [--budget-s 200]
-                                                     [--out ln_sweep.json]
+                                                     [--out ln_sweep.json] [--cluster-only]
 
 Per shape (bf16 x, weight and bias): every candidate LayerNormConfig (rows per tile, warps, grid size,
-pipelining; chunked sweeps for long rows) is forced in place of plan()'s, checked against torch's fp32
+pipelining; chunked sweeps for long rows; the backward over a thread-block cluster, CLUSTER_CANDIDATES,
+where the row is whole chunks of the shape) is forced in place of plan()'s, checked against torch's fp32
 LayerNorm, and timed kernel-only (CUDA-graph replay, `tune_common.graph_ms`) against the floor from a
 copy measured in the same run (forward: read x + write y; backward: read x, dy + write dx). plan()'s own
 choice and torch's F.layer_norm are timed the same way. Candidates past the time budget are skipped (the
@@ -99,20 +100,49 @@ def param_candidates(n_rows: int, n_cols: int, sms: int):
     return out
 
 
-def with_forward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
+def with_forward(base: ln.LayerNormConfig, c, n_rows: int, sms: int) -> ln.LayerNormConfig:
     rows, block, chunked, warps, programs, stages = c
     return dataclasses.replace(base, fwd_rows=rows, fwd_block=block, fwd_chunked=chunked, fwd_warps=warps,
                                fwd_programs=programs, fwd_stages=stages)
 
 
-def with_backward(base: ln.LayerNormConfig, c) -> ln.LayerNormConfig:
+def with_backward(base: ln.LayerNormConfig, c, n_rows: int, sms: int) -> ln.LayerNormConfig:
+    if c[0] == "cluster":
+        shape = ln.ClusterShape(warps=c[1], ctas=c[2], per_sm=c[3])
+        return dataclasses.replace(base, bwd_cluster=ln.ClusterLaunch(shape, ln._gpu.clusters(n_rows, shape, sms)))
     rows, block, chunked, warps, programs, stages, param = c
     return dataclasses.replace(base, bwd_rows=rows, bwd_block=block, bwd_chunked=chunked, bwd_warps=warps,
                                bwd_programs=programs, bwd_stages=stages, param_grid=param)
 
 
 def forced(cfg: ln.LayerNormConfig):
-    return mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: Plan("forced", cfg, "tune_layer_norm"))
+    """plan()'s answer replaced by cfg for the forward and backward (path "cluster backward" where cfg has
+    a cluster launch, which the backward then runs)."""
+    path = "forced" if cfg.bwd_cluster is None else "cluster backward"
+    fixed = Plan(path, cfg, "tune_layer_norm")
+    return _both(mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: fixed),
+                 mock.patch.object(ln, "plan", lambda *args, **kwargs: fixed))
+
+
+class _both:
+    """Two context managers entered together."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __enter__(self):
+        self.a.__enter__()
+        self.b.__enter__()
+
+    def __exit__(self, *exc):
+        self.b.__exit__(*exc)
+        return self.a.__exit__(*exc)
+
+
+# The cluster backward's shapes worth timing: (warps, CTAs a cluster, CTAs an SM); a row must be 2-4
+# whole chunks of warps·32·8·CTAs columns (norm_smem.MIN_CHUNKS..MAX_CHUNKS).
+CLUSTER_CANDIDATES = ((4, 4, 4), (4, 4, 5), (4, 4, 6), (4, 8, 4), (4, 8, 6), (8, 4, 2), (8, 4, 3), (2, 8, 8),
+                      (2, 8, 6), (8, 2, 3))
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-2) -> bool:
@@ -120,7 +150,7 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-2) -> bool:
     return bool(torch.isfinite(a).all()) and (a - b).norm().item() <= tol * b.norm().item()
 
 
-def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
+def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float, cluster_only: bool = False) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(n_rows + n_cols)
     x = (torch.randn(n_rows, n_cols, device=dev, generator=g) * 2 + 0.5).to(torch.bfloat16)
@@ -137,8 +167,11 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
     xb = n_rows * n_cols * 2
     floor = {"forward": 2 * xb / (gbps * 1e6), "backward": 3 * xb / (gbps * 1e6)}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    base = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False)
-    res = {"shape": [n_rows, n_cols], "floor_ms": floor, "plan": {"path": base.path, "config": dataclasses.asdict(base.config)}}
+    base = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False)  # the Triton paths: what candidates replace
+    real = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False, device=ln.device_facts(dev), weight_dtype=torch.bfloat16,
+                   dy_dtype=torch.bfloat16, aligned=True)  # what a backward call gets
+    res = {"shape": [n_rows, n_cols], "floor_ms": floor,
+           "plan": {"path": real.path, "config": dataclasses.asdict(real.config), "reason": real.reason}}
 
     # plan()'s own and torch's, same timing
     y, mean, rstd = ln._forward_impl(x, w, b, eps)
@@ -163,14 +196,21 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
                 bwd.append((rows, block, True, warps, programs, stages, ln._param_grid(n_rows, n_cols, sms, False)))
         best_tiling = (2, 4096, True, 16, min(-(-n_rows // 2), 2 * sms), 1)
         bwd += [best_tiling + (p,) for p in param_candidates(n_rows, n_cols, sms)]
-    for direction, cands, build in (("forward", forward_candidates(n_rows, n_cols, sms), with_forward),
-                                    ("backward", bwd, with_backward)):
+    smem = importlib.import_module("fused_kernels.norm_smem")
+    if cluster_only:
+        bwd = [c + (None,) for c in tilings if c[2]][:2]  # two chunked Triton backwards to compare with
+    for warps, ctas, per_sm in CLUSTER_CANDIDATES:  # the cluster backward: ("cluster", warps, ctas, per_sm)
+        shape = ln.ClusterShape(warps=warps, ctas=ctas, per_sm=per_sm)
+        if smem._whole_chunks(n_cols, shape):
+            bwd.append(("cluster", warps, ctas, per_sm))
+    directions = (("forward", forward_candidates(n_rows, n_cols, sms), with_forward), ("backward", bwd, with_backward))
+    for direction, cands, build in directions[1:] if cluster_only else directions:
         rows_out, skipped = [], 0
         for c in cands:
             if time.time() > deadline:
                 skipped += 1
                 continue
-            cfg = build(base.config, c)
+            cfg = build(base.config, c, n_rows, sms)
             try:
                 with forced(cfg):
                     if direction == "forward":
@@ -182,7 +222,7 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float) -> dict:
                         dx, dw, db = fn()
                         ok = close(dx, xr.grad) and close(dw, wr.grad) and close(db, br.grad)
                     row = {"config": list(c), "ok": ok, "ms": graph_ms(fn) if ok else None}
-                    if ok and direction == "backward" and c[2]:  # chunked: the dx kernel alone too
+                    if ok and direction == "backward" and c[0] != "cluster" and c[2]:  # chunked: dx alone too
                         row["dx_only_ms"] = graph_ms(lambda: ln._backward_impl(dy, x, w, b, mean, rstd, False, False))
             except Exception as exc:  # a shape Triton cannot build (too many registers / shared memory)
                 rows_out.append({"config": list(c), "error": f"{type(exc).__name__}: {str(exc)[:160]}"})
@@ -206,6 +246,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="16384x4096,65536x1024,4096x16384")
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cluster-only", action="store_true",
+                    help="the backward only: the cluster shapes (CLUSTER_CANDIDATES) and two chunked Triton ones")
     args = ap.parse_args()
     start = time.time()
     gbps = header(torch.device("cuda"))
@@ -215,7 +257,7 @@ def main() -> None:
     for i, (r, c) in enumerate(shapes):
         # an equal share of what is left for each remaining shape
         deadline = time.time() + (args.budget_s - (time.time() - start)) / (len(shapes) - i)
-        results["shapes"].append(sweep_shape(r, c, gbps, deadline))
+        results["shapes"].append(sweep_shape(r, c, gbps, deadline, args.cluster_only))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -1,6 +1,6 @@
 """GPU primitives shared by more than one op: the facts of a device (SMs, compute capability, shared
 memory per SM), launching on a tensor's device, and the Gluon building blocks of the kernels that hold
-a row in shared memory, possibly split over a thread-block cluster (cross_entropy_smem, rms_norm_smem):
+a row in shared memory, possibly split over a thread-block cluster (cross_entropy_smem, norm_smem):
 16-byte cp.async copies, the [CTAS, T, 8] layouts, a cluster barrier, and claiming rows from a global
 counter.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from typing import Optional
 
 import torch
 
@@ -152,6 +153,76 @@ def layouts(warps: int, ctas: int):
     split = {} if ctas == 1 else {"cga_layout": cta_bases(ctas)}
     return (gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, warps, 1], [2, 1, 0], **split),
             gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0], **split))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterShape:
+    """A launch shape of norm_smem's kernels: a row split over a cluster of `ctas` CTAs of `warps` warps,
+    each thread 8 consecutive 16-bit columns of every chunk."""
+    warps: int  # per CTA
+    ctas: int  # CTAs per cluster (one row)
+    per_sm: int  # CTAs per SM the launch sizes its grid and register cap for
+
+    @property
+    def chunk(self) -> int:
+        """Columns per chunk: 8 per thread of the cluster (one 16-byte copy each)."""
+        return self.ctas * 32 * self.warps * VEC
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterLaunch:
+    """The "cluster" path's config: the shape and how many clusters the persistent grid has."""
+    shape: ClusterShape
+    clusters: int
+
+
+def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
+    """The cluster path's persistent grid: at most per_sm CTAs on every SM, in clusters of ctas, and no
+    more clusters than it takes to finish the rows in as many rounds (1024 rows over the 66 clusters
+    that fit take 16 rounds; 64 clusters take 16 too, evenly, and contend less for the row counter)."""
+    fit = max(1, shape.per_sm * sm_count // shape.ctas)
+    rounds = -(-n_rows // fit)
+    return max(1, -(-n_rows // rounds))
+
+
+CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters: H100/H200 and later
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # norm_smem copies 8 columns in 16 bytes
+
+
+def cluster_refusal(device: DeviceFacts, x_dtype: torch.dtype, weight_dtype) -> str:
+    """Why norm_smem's kernels cannot run a call on `device` at all ("" when they can): Gluon, thread-block
+    clusters (compute capability >= 9.0), x and the weight (None: none) of one 16-bit dtype."""
+    if not device.gluon:
+        return "no Gluon here"
+    if not device.cuda or device.capability < CLUSTER_CAPABILITY:
+        return f"no thread-block clusters (compute capability {device.capability}, not >= 9.0)"
+    if x_dtype not in SIXTEEN_BIT or weight_dtype not in (None, x_dtype):
+        return f"x ({x_dtype}) and the weight ({weight_dtype}) are not of one 16-bit dtype"
+    return ""
+
+
+def cluster_grid(n_rows: int, shape: ClusterShape, device: DeviceFacts, *, aligned: bool,
+                 min_rows_per_cluster: int) -> tuple[Optional[ClusterLaunch], str]:
+    """(the launch, "") of a call the cluster kernels can take, or (None, why not): rows 16-byte aligned at
+    a stride of a multiple of 8 elements (`aligned`), and at least min_rows_per_cluster rows per cluster
+    of the grid `clusters` gives (fewer, and the per-cluster partial rows and copies of the weight cost
+    as much as the rows)."""
+    if not aligned:
+        return None, "rows not 16-byte aligned at a stride of a multiple of 8 elements"
+    grid = clusters(n_rows, shape, device.sm_count)
+    if n_rows < min_rows_per_cluster * grid:
+        return None, f"{n_rows} rows: fewer than {min_rows_per_cluster} per cluster"
+    return ClusterLaunch(shape, grid), ""
+
+
+def aligned_rows(t2: torch.Tensor) -> bool:
+    """Whether every row of t2 may be copied 16 bytes at a time by the cluster kernels (16-bit elements)."""
+    return t2.stride(-1) == 1 and t2.stride(0) % 8 == 0 and t2.data_ptr() % 16 == 0
+
+
+def aligned_weight(weight) -> bool:
+    """Whether a weight (or None) may be copied 16 bytes at a time."""
+    return weight is None or (weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
 _CLAIM_COUNTERS: dict = {}  # (device index, stream) -> its row counter, zero between launches

@@ -53,8 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import sm_count
+from fused_kernels._gpu import ClusterLaunch, ClusterShape, DeviceFacts, device_facts, sm_count
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
@@ -87,6 +88,9 @@ class LayerNormConfig:
     # dw / db from their own column-parallel kernel (_param_grad_kernel) instead of the backward's
     # programs: (rows per load, columns per program, warps, row groups); None: the backward sums them
     param_grid: Optional[tuple[int, int, int, int]] = None
+    # the backward on a thread-block cluster (norm_smem, path "cluster backward"), each row read once;
+    # the Triton fields above stay the fallback should its first build fail
+    bwd_cluster: Optional[ClusterLaunch] = None
 
 
 # Sizes measured on an H200 (dev/tune_layer_norm.py: every candidate forced and timed kernel-only; the
@@ -118,6 +122,16 @@ L2_BUDGET_BYTES = 32 * 2**20
 _PARAM_ROWS, _PARAM_BLOCK, _PARAM_WARPS, _PARAM_PROGRAMS_PER_SM = 32, 128, 4, 2
 # Under the interpreter every program runs one after another in Python.
 _INTERPRETER_PROGRAMS = 4
+# The backward of these row lengths on an H100/H200: a row split over a thread-block cluster, x and dy
+# read from HBM once into shared memory (norm_smem._norm_bwd_smem_kernel, Gluon; the chunked backward
+# reads them three times). Every length is 2-4 whole chunks of its shape (norm_smem.MIN_CHUNKS..MAX_CHUNKS).
+CLUSTER_BACKWARD_SHAPES = {
+    16384: ClusterShape(warps=4, ctas=4, per_sm=4),  # 4 chunks of 4096; dw and db sums in 64 registers
+}
+# Fewer rows per cluster and the partial rows of dw and db (one each per cluster) and the per-CTA copies
+# of w cost as much as the rows: the Triton backward takes those calls.
+MIN_ROWS_PER_CLUSTER = 4
+_BWD_OP = "layer_norm_bwd"  # the op name _dispatch knows the backward's paths by
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -134,11 +148,62 @@ def _whole_row_tiling(whole: int, min_tile: int) -> tuple[int, int]:
     return rows, max(1, rows * whole // (32 * _PER_THREAD))
 
 
-@functools.lru_cache(maxsize=4096)
-def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False) -> Plan:
+def cluster_shape(n_cols: int) -> Optional[ClusterShape]:
+    """The cluster backward's shape for rows of n_cols (CLUSTER_BACKWARD_SHAPES), or None."""
+    return CLUSTER_BACKWARD_SHAPES.get(n_cols)
+
+
+def backward_cluster(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], *,
+                     device: DeviceFacts, dy_dtype: Optional[torch.dtype], aligned: bool,
+                     deterministic: bool) -> tuple[Optional[ClusterLaunch], str]:
+    """(the cluster backward's launch, why) for a call, or (None, why not): a length of
+    CLUSTER_BACKWARD_SHAPES, Gluon on a GPU with thread-block clusters, x, dy and the weight (None: none)
+    of one 16-bit dtype, 16-byte aligned rows, not deterministic mode (which rows a cluster's dw and db
+    partial rows sum varies between runs), MIN_ROWS_PER_CLUSTER rows per cluster; and its path not
+    turned off by a failed first build (`_dispatch.run_path`)."""
+    shape = cluster_shape(n_cols)
+    if shape is None:
+        return None, f"the cluster backward takes no rows of {n_cols}"
+    if not _dispatch.path_on(_BWD_OP, "cluster"):
+        return None, "the cluster kernel is off (its first build failed here)"
+    refusal = _gpu.cluster_refusal(device, x_dtype, weight_dtype)
+    if refusal:
+        return None, refusal
+    if dy_dtype != x_dtype:
+        return None, f"dy ({dy_dtype}) is not of x's dtype ({x_dtype})"
+    if deterministic:
+        return None, "deterministic mode (dw's and db's rounding would depend on which cluster claims a row)"
+    launch, why = _gpu.cluster_grid(n_rows, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
+    if launch is None:
+        return None, why
+    return launch, (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over {launch.clusters} "
+                    f"clusters of {shape.ctas} CTAs x {shape.warps} warps")
+
+
+def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False, *,
+         device: Optional[DeviceFacts] = None, weight_dtype: Optional[torch.dtype] = None,
+         dy_dtype: Optional[torch.dtype] = None, aligned: bool = False, deterministic: bool = False) -> Plan:
     """The launch plan for `n_rows` rows of `n_cols` elements of `dtype` on a device with `sm_count` SMs
     (`interpreted`: the CPU interpreter). Path "whole-row" (each row in registers, read once per kernel),
-    "chunked backward" (the backward sweeps column chunks twice, the second from L2) or "chunked" (both)."""
+    "chunked backward" (the backward sweeps column chunks twice, the second from L2), "chunked" (both),
+    or "cluster backward" (the forward whole-row, the backward over a thread-block cluster,
+    `backward_cluster`): that one only for a backward call, which passes its `device` facts, the
+    weight's and dy's dtypes, whether every row is 16-byte aligned and whether deterministic mode is on."""
+    p = _triton_plan(n_rows, n_cols, dtype, sm_count, interpreted)
+    if device is None or interpreted:
+        return p
+    launch, why = backward_cluster(n_rows, n_cols, dtype, weight_dtype, device=device, dy_dtype=dy_dtype,
+                                   aligned=aligned, deterministic=deterministic)
+    if launch is None:
+        return p if cluster_shape(n_cols) is None else Plan(p.path, p.config, f"{p.reason}; not cluster: {why}")
+    forward = p.reason.split("; backward")[0]
+    return Plan("cluster backward", dataclasses.replace(p.config, bwd_cluster=launch),
+                f"{forward}; backward: {why}, dw/db partial rows one per cluster")
+
+
+@functools.lru_cache(maxsize=4096)
+def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, interpreted: bool) -> Plan:
+    """plan()'s Triton paths (cached: a call's shape decides them)."""
     if n_cols < 1:
         raise ValueError(f"n_cols must be >= 1; got {n_cols}")
     bytes_x = torch.empty(0, dtype=dtype).element_size()
@@ -498,8 +563,32 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
         return (dx, torch.zeros_like(weight) if compute_dw else empty(),
                 torch.zeros_like(bias) if compute_db else empty())
     count_launch("layer_norm_bwd")
-    cfg = _plan_for(n_rows, n_cols, x2).config
     mean, rstd = mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1)
+    facts = device_facts(device)
+    # alignment only matters (and is only looked at) for the lengths the cluster backward takes
+    aligned = (cluster_shape(n_cols) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(dy2)
+               and _gpu.aligned_weight(weight))
+
+    def plan_now() -> Plan:
+        return plan(n_rows, n_cols, x2.dtype, facts.sm_count, _INTERPRETED, device=facts,
+                    weight_dtype=None if weight is None else weight.dtype, dy_dtype=dy2.dtype, aligned=aligned,
+                    deterministic=torch.are_deterministic_algorithms_enabled())
+
+    p = plan_now()
+    if p.path == "cluster backward":
+        launch_cfg = p.config.bwd_cluster
+        programs = launch_cfg.clusters
+        dw_partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
+        db_partial = _new_output((programs, n_cols) if compute_db else (1, 1), torch.float32, device)
+        key = (n_cols, x2.dtype, launch_cfg.shape, weight is not None, compute_dw, compute_db)
+        if _dispatch.run_path(_BWD_OP, "cluster", key, lambda: _cluster_kernels().launch_layer_norm_backward(
+                dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, shape=launch_cfg.shape, grid=programs,
+                compute_dw=compute_dw, compute_db=compute_db), instead="the Triton backward"):
+            return (dx,) + _sum_partial_rows(dw_partial, db_partial, programs, weight, bias, compute_dw, compute_db)
+        p = plan_now()
+        if p.path == "cluster backward":
+            raise RuntimeError(f"layer_norm: plan() chose the cluster backward again after it was turned off ({p})")
+    cfg = p.config
     separate = cfg.param_grid is not None and (compute_dw or compute_db)
     programs = cfg.param_grid[3] if separate else cfg.bwd_programs  # partial rows of dw / db
     dw_partial = _new_output((programs, n_cols) if compute_dw else (1, 1), torch.float32, device)
@@ -518,15 +607,32 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
                 _cdiv(n_rows, groups)),
                dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_M=rows_per_load, BLOCK_N=block_n,
                     NUM_STAGES=1 if _INTERPRETED else _STAGES, num_warps=warps))
-    dw = _new_output(weight.shape, weight.dtype, device) if compute_dw else empty()
-    db = _new_output(bias.shape, bias.dtype, device) if compute_db else empty()
+    return (dx,) + _sum_partial_rows(dw_partial, db_partial, programs, weight, bias, compute_dw, compute_db)
+
+
+def _sum_partial_rows(dw_partial: torch.Tensor, db_partial: torch.Tensor, programs: int,
+                      weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], compute_dw: bool,
+                      compute_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dw, db) from the backward's fp32 partial rows (`programs` of each), one _partial_sum_kernel launch;
+    an empty tensor for one not computed."""
+    n_cols, device = (dw_partial if compute_dw else db_partial).shape[1], dw_partial.device
+    dw = _new_output(weight.shape, weight.dtype, device) if compute_dw else dw_partial.new_empty(0)
+    db = _new_output(bias.shape, bias.dtype, device) if compute_db else db_partial.new_empty(0)
     if compute_dw or compute_db:
         block_n, parts, num_warps = _SUM_SHAPE
         launch(_partial_sum_kernel, (_cdiv(n_cols, block_n),),
                (dw_partial, db_partial, dw if compute_dw else dw_partial, db if compute_db else db_partial,
                 programs, n_cols),
                dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))
-    return dx, dw, db
+    return dw, db
+
+
+def _cluster_kernels():
+    """fused_kernels.norm_smem, the cluster backward's launcher: imported on its first launch (plan()
+    never picks it under the CPU interpreter, which has no Gluon)."""
+    from fused_kernels import norm_smem
+
+    return norm_smem
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ forward+backward.
 
 Which implementation runs is decided in one place, `plan()` (section "Dispatch" below, with every
 threshold it uses); it returns a `fused_kernels._dispatch.Plan` whose `path` is one of:
-  "cluster"  fused_kernels/rms_norm_smem.py (Gluon, H100/H200): each row split over a thread-block
+  "cluster"  fused_kernels/norm_smem.py (Gluon, H100/H200): each row split over a thread-block
              cluster and held in shared memory, so x and dy are read from HBM once. Backward: rows of
              16384, 24576, 32768, 49152 or 65536 16-bit columns with a weight, from the input; forward:
              rows of 65536 (where the Triton forward sweeps each row twice). A first build that fails
@@ -71,7 +71,7 @@ import triton.language as tl
 
 from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import DeviceFacts, device_facts
+from fused_kernels._gpu import ClusterLaunch, ClusterShape, DeviceFacts, clusters, device_facts
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
@@ -183,34 +183,13 @@ def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     return _FWD_LONG
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterShape:
-    """A launch shape of rms_norm_smem's kernels: a row split over a cluster of `ctas` CTAs of `warps`
-    warps, each thread 8 consecutive 16-bit columns of every chunk."""
-    warps: int  # per CTA
-    ctas: int  # CTAs per cluster (one row)
-    per_sm: int  # CTAs per SM the launch sizes its grid and register cap for
-
-    @property
-    def chunk(self) -> int:
-        """Columns per chunk: 8 per thread of the cluster (one 16-byte copy each)."""
-        return self.ctas * 32 * self.warps * _gpu.VEC
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterLaunch:
-    """The "cluster" path's config: the shape and how many clusters the persistent grid has."""
-    shape: ClusterShape
-    clusters: int
-
-
 # ----------------------------------------------------------------------------------------------
 # Dispatch: plan() decides the path and config of every call; all of its thresholds are here
 # ----------------------------------------------------------------------------------------------
 
 # Backward rows longer than this take the split kernels (no one-kernel config holds them whole).
 SPLIT_BACKWARD_FROM = 16384
-# The row lengths rms_norm_smem's kernels take, and their shape for each: every length is whole chunks
+# The row lengths norm_smem's kernels take, and their shape for each: every length is whole chunks
 # of its shape (2-4 in the backward, 8 in the forward: the kernels' dw0-dw3 and x0-x7). Shorter backward
 # rows: the one-kernel backward holds them whole in registers. The forward takes 65536 only: at 32768
 # (4 chunks) the Triton forward, which holds such a row whole, is faster.
@@ -227,8 +206,6 @@ CLUSTER_FORWARD_SHAPES = {
 # Fewer rows than this per cluster and the dw partial rows (one per cluster), or the per-CTA copies of w,
 # start to cost as much as the rows themselves: the other paths take those calls.
 MIN_ROWS_PER_CLUSTER = 4
-_CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters: H100/H200 and later
-_16BIT = (torch.bfloat16, torch.float16)  # the cluster kernels copy 8 columns in 16 bytes
 _OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
 
 
@@ -238,21 +215,12 @@ def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
     return (CLUSTER_BACKWARD_SHAPES if backward else CLUSTER_FORWARD_SHAPES).get(n_cols)
 
 
-def clusters(n_rows: int, shape: ClusterShape, sm_count: int) -> int:
-    """The cluster path's persistent grid: at most per_sm CTAs on every SM, in clusters of ctas, and no
-    more clusters than it takes to finish the rows in as many rounds (1024 rows over the 66 clusters
-    that fit take 16 rounds; 64 clusters take 16 too, evenly, and contend less for the row counter)."""
-    fit = max(1, shape.per_sm * sm_count // shape.ctas)
-    rounds = -(-n_rows // fit)
-    return max(1, -(-n_rows // rounds))
-
-
 def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype],
                    direction: str, *, device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None,
                    from_output: bool = False, aligned: bool = True,
                    deterministic: bool = False) -> tuple[Optional[ClusterLaunch], str]:
     """(the "cluster" path's config, why) for a call, or (None, why not): plan()'s conditions for
-    rms_norm_smem's kernels. Both directions: a length of its table, Gluon, an NVIDIA GPU with
+    norm_smem's kernels. Both directions: a length of its table, Gluon, an NVIDIA GPU with
     thread-block clusters (compute capability >= 9.0), x and the weight (if any) of one 16-bit dtype,
     16-byte aligned rows (`aligned`), at least MIN_ROWS_PER_CLUSTER rows per cluster. The backward also:
     a weight, dy of x's dtype, from the input (the backward from the saved output recovers xhat per
@@ -262,12 +230,9 @@ def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype:
     shape = cluster_shape(n_cols, backward)
     if shape is None:
         return None, f"the cluster kernels take no rows of {n_cols}"
-    if not device.gluon:
-        return None, "no Gluon here"
-    if not device.cuda or device.capability < _CLUSTER_CAPABILITY:
-        return None, f"no thread-block clusters (compute capability {device.capability}, not >= 9.0)"
-    if x_dtype not in _16BIT or weight_dtype not in (None, x_dtype):
-        return None, f"x ({x_dtype}) and the weight ({weight_dtype}) are not of one 16-bit dtype"
+    refusal = _gpu.cluster_refusal(device, x_dtype, weight_dtype)
+    if refusal:
+        return None, refusal
     if backward:
         if weight_dtype is None:
             return None, "no weight"
@@ -277,13 +242,11 @@ def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype:
             return None, "the backward from the saved output"
         if deterministic:
             return None, "deterministic mode (dw's rounding would depend on which cluster claims a row)"
-    if not aligned:
-        return None, "rows not 16-byte aligned at a stride of a multiple of 8 elements"
-    grid = clusters(n_rows, shape, device.sm_count)
-    if n_rows < MIN_ROWS_PER_CLUSTER * grid:
-        return None, f"{n_rows} rows: fewer than {MIN_ROWS_PER_CLUSTER} per cluster"
-    return ClusterLaunch(shape, grid), (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over "
-                                        f"{grid} clusters of {shape.ctas} CTAs x {shape.warps} warps")
+    launch, why = _gpu.cluster_grid(n_rows, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
+    if launch is None:
+        return None, why
+    return launch, (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over "
+                    f"{launch.clusters} clusters of {shape.ctas} CTAs x {shape.warps} warps")
 
 
 def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], direction: str, *,
@@ -848,8 +811,8 @@ def _forward_impl(
     facts = device_facts(device)
     y2 = y.view(n_rows, n_cols)
     # alignment only matters (and is only looked at) for the lengths the cluster kernels take
-    aligned = (cluster_shape(n_cols, False) is not None and _aligned_rows(x2) and _aligned_rows(y2)
-               and _aligned_weight(weight))
+    aligned = (cluster_shape(n_cols, False) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(y2)
+               and _gpu.aligned_weight(weight))
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward", device=facts,
@@ -913,8 +876,8 @@ def _backward_impl(
     count_launch("rms_norm_bwd")
     facts = device_facts(device)
     # alignment only matters (and is only looked at) for the lengths the cluster kernels take
-    aligned = (cluster_shape(n_cols, True) is not None and _aligned_rows(x2) and _aligned_rows(dy2)
-               and _aligned_weight(weight))
+    aligned = (cluster_shape(n_cols, True) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(dy2)
+               and _gpu.aligned_weight(weight))
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward", device=facts,
@@ -952,20 +915,11 @@ def _planned_again(p: Plan) -> Plan:
 
 
 def _cluster_kernels():
-    """fused_kernels.rms_norm_smem, the "cluster" path's launchers: imported on its first launch (plan()
+    """fused_kernels.norm_smem, the "cluster" path's launchers: imported on its first launch (plan()
     never picks it under the CPU interpreter, which has no Gluon)."""
-    from fused_kernels import rms_norm_smem
+    from fused_kernels import norm_smem
 
-    return rms_norm_smem
-
-
-def _aligned_rows(t2: torch.Tensor) -> bool:
-    """Whether every row of t2 may be copied 16 bytes at a time by the cluster kernels (16-bit elements)."""
-    return t2.stride(-1) == 1 and t2.stride(0) % 8 == 0 and t2.data_ptr() % 16 == 0
-
-
-def _aligned_weight(weight: Optional[torch.Tensor]) -> bool:
-    return weight is None or (weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+    return norm_smem
 
 
 def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool,

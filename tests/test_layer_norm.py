@@ -6,13 +6,16 @@ anywhere into an infinite error, so an element a kernel fails to write, or a NaN
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
 import torch
 
 import fused_kernels
-from fused_kernels import layer_norm
+from fused_kernels import _dispatch, layer_norm
+from fused_kernels._dispatch import Plan
+from fused_kernels._gpu import OFF_GPU, ClusterLaunch, ClusterShape, DeviceFacts
 import helpers
 from helpers import REL_TOL, assert_close, randn
 
@@ -325,6 +328,135 @@ def test_plan_rejects_empty_rows():
         ln_module.plan(4, 0, torch.float32)
 
 
+# --- the cluster backward (fused_kernels/norm_smem.py, Gluon: its kernels run on the GPU only) ----------
+
+H200 = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
+
+
+@pytest.fixture
+def fresh_dispatch():
+    """No path turned off or built before the test, and none after it."""
+    _dispatch.reset()
+    yield
+    _dispatch.reset()
+
+
+def _backward_plan(rows, cols, dtype=torch.bfloat16, weight_dtype=torch.bfloat16, *, device=H200,
+                   dy_dtype=None, aligned=True, deterministic=False):
+    return ln_module.plan(rows, cols, dtype, device.sm_count, False, device=device, weight_dtype=weight_dtype,
+                          dy_dtype=dtype if dy_dtype is None else dy_dtype, aligned=aligned,
+                          deterministic=deterministic)
+
+
+def test_plan_cluster_backward_h200(fresh_dispatch):
+    """Rows of 16384 in bf16/fp16 on an H100/H200: the backward reads each row once over a cluster of
+    CLUSTER_BACKWARD_SHAPES's shape, the forward is the Triton plan's, and the Triton backward's fields
+    stay (the fallback)."""
+    p = _backward_plan(4096, 16384)
+    shape = ln_module.CLUSTER_BACKWARD_SHAPES[16384]
+    assert p.path == "cluster backward", p
+    triton_plan = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
+    assert p.config.bwd_cluster == ClusterLaunch(shape, ln_module._gpu.clusters(4096, shape, 132))
+    assert dataclasses.replace(p.config, bwd_cluster=None) == triton_plan.config
+    assert "read once" in p.reason and p.reason.startswith("forward: rows of 16384 fit in registers")
+    assert _backward_plan(4096, 16384, torch.float16, None).path == "cluster backward"  # no weight
+    # the forward alone (no device facts) and the interpreter never plan a cluster
+    assert triton_plan.path == "chunked backward" and triton_plan.config.bwd_cluster is None
+    assert ln_module.plan(4096, 16384, torch.bfloat16, 132, True, device=H200, weight_dtype=torch.bfloat16,
+                          dy_dtype=torch.bfloat16, aligned=True).config.bwd_cluster is None
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    (dict(dtype=torch.float32, weight_dtype=torch.float32), "16-bit"),
+    (dict(weight_dtype=torch.float32), "16-bit"),  # bf16 activations, fp32 parameters
+    (dict(dy_dtype=torch.float32), "dy"),
+    (dict(deterministic=True), "deterministic mode"),
+    (dict(aligned=False), "16-byte aligned"),
+    (dict(device=OFF_GPU), "no Gluon"),
+    (dict(device=dataclasses.replace(H200, capability=(8, 0))), "no thread-block clusters"),
+    (dict(rows=200), "per cluster"),
+])
+def test_plan_cluster_backward_refusals(fresh_dispatch, kwargs, why):
+    """What keeps a backward off the cluster: the Triton plan, with the reason appended."""
+    kwargs = dict(kwargs)
+    rows = kwargs.pop("rows", 4096)
+    p = _backward_plan(rows, 16384, **kwargs)
+    assert p.path == "chunked backward" and p.config.bwd_cluster is None, p
+    assert "not cluster: " in p.reason and why in p.reason.split("not cluster: ")[1], p.reason
+    # a length outside the table is not mentioned at all
+    assert "cluster" not in _backward_plan(4096, 8192).reason
+
+
+class _FakeClusterKernels:
+    """Stands in for norm_smem on the CPU: launch_layer_norm_backward either fails (a Triton whose Gluon
+    API the kernel does not build with) or writes dx in float64 torch, and dw and db into the first of the
+    `grid` partial rows and zeros into the rest (so the dispatch's sum over the grid is what is checked)."""
+
+    def __init__(self, fail: bool):
+        self.fail = fail
+        self.calls = 0
+
+    def launch_layer_norm_backward(self, dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, *, shape, grid,
+                                   compute_dw, compute_db):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("PassManager::run failed")
+        assert grid == 3 and dw_partial.shape[0] == (3 if compute_dw else 1)
+        x64, dy64 = x2.double(), dy2.double()
+        xhat = (x64 - mean.double()[:, None]) * rstd.double()[:, None]
+        g = dy64 * (1.0 if weight is None else weight.double())
+        dx.copy_((rstd.double()[:, None] * (g - g.mean(-1, keepdim=True)
+                                            - xhat * (g * xhat).mean(-1, keepdim=True))).view_as(dx))
+        for wanted, partial, value in ((compute_dw, dw_partial, (dy64 * xhat).sum(0)),
+                                       (compute_db, db_partial, dy64.sum(0))):
+            if wanted:
+                partial.zero_()
+                partial[0] = value
+
+
+def _force_cluster_plan(monkeypatch, fake):
+    """layer_norm's backward plans the cluster (3 clusters of a made-up shape) while the dispatch has the
+    path on, the Triton plan after; norm_smem is `fake`."""
+    real_plan = ln_module.plan
+
+    def plan(n_rows, n_cols, dtype, sm_count=132, interpreted=False, **facts):
+        p = real_plan(n_rows, n_cols, dtype, sm_count, interpreted)
+        if facts and _dispatch.path_on("layer_norm_bwd", "cluster"):
+            launch = ClusterLaunch(ClusterShape(warps=1, ctas=2, per_sm=1), 3)
+            return Plan("cluster backward", dataclasses.replace(p.config, bwd_cluster=launch), "forced")
+        return p
+
+    monkeypatch.setattr(ln_module, "plan", plan)
+    monkeypatch.setattr(ln_module, "_cluster_kernels", lambda: fake)
+
+
+@pytest.mark.parametrize("affine", ("weight+bias", "weight", "none"))
+@pytest.mark.parametrize("fail", (False, True))
+def test_cluster_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fail, affine):
+    """A backward planned on the cluster returns the launcher's dx and the sums of its dw and db partial
+    rows (over the grid it was planned with). A first build that fails warns once, turns the path off,
+    and the Triton backward gives the numbers; later calls do not try again."""
+    fake = _FakeClusterKernels(fail)
+    _force_cluster_plan(monkeypatch, fake)
+    for call in range(2):
+        x = randn(12, 96, dtype=torch.bfloat16, scale=2.0) + 0.5
+        w, b = make_params(96, affine, torch.bfloat16)
+        ins = [x.clone().requires_grad_(True)] + [None if p is None else p.clone().requires_grad_(True) for p in (w, b)]
+        y = layer_norm(*ins, 1e-5)
+        dy = randn(12, 96, dtype=torch.bfloat16)
+        if fail and call == 0:
+            with pytest.warns(RuntimeWarning, match="cluster kernel did not build"):
+                y.backward(dy)
+        else:
+            y.backward(dy)
+        refs = [None if t is None else t.detach().double().requires_grad_(True) for t in ins]
+        reference(*refs, 1e-5).backward(dy.double())
+        for name, got, ref in zip(("dx", "dw", "db"), ins, refs):
+            if got is not None:
+                assert_close(got.grad, ref.grad, torch.bfloat16, f"{name} call {call}")
+    assert fake.calls == (1 if fail else 2)
+
+
 # --- the H200 at real sizes (dev/gpu_check.sh) -------------------------------------------
 
 @pytest.mark.gpu
@@ -354,3 +486,83 @@ def test_gpu_fp32_matches_torch(device):
     b = randn(2048, device=device)
     y = layer_norm(x, w, b)
     assert_close(y, reference(x.double(), w.double(), b.double(), 1e-5), torch.float32, "y fp32")
+
+
+def _cluster_backward_calls(monkeypatch):
+    """The shapes norm_smem.launch_layer_norm_backward is called with, from now on."""
+    smem = importlib.import_module("fused_kernels.norm_smem")
+    calls = []
+    real = smem.launch_layer_norm_backward
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["shape"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(smem, "launch_layer_norm_backward", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "rows,dtype,affine,row_pad,grads",
+    [
+        (4096, torch.bfloat16, "weight+bias", 0, True),
+        (4096, torch.float16, "weight+bias", 64, True),  # padded rows: strides differ from N
+        (2000, torch.bfloat16, "weight", 0, True),  # dw, no db
+        (2000, torch.bfloat16, "bias", 0, True),  # db, no weight
+        (1000, torch.bfloat16, "none", 0, True),
+        (3000, torch.bfloat16, "weight+bias", 0, False),  # frozen parameters: dx alone
+        (300, torch.float16, "weight+bias", 0, True),  # few rows: ~4 per cluster
+    ],
+)
+def test_gpu_cluster_backward_matches_reference(monkeypatch, device, rows, dtype, affine, row_pad, grads):
+    """Rows of 16384 take the cluster backward on an H100/H200 (each row read once): dx, dw and db
+    against float64, the outputs poisoned first."""
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    calls = _cluster_backward_calls(monkeypatch)
+    n = 16384
+    torch.manual_seed(0)
+    base = randn(rows, n + row_pad, dtype=dtype, device=device, scale=2.0) + 0.5
+    x = base[:, :n]
+    w, b = make_params(n, affine, dtype)
+    w, b = (None if p is None else p.to(device) for p in (w, b))
+    x_in = x.detach().clone() if not row_pad else x.detach()
+    x_in.requires_grad_(True)
+    params = [None if p is None else p.clone().requires_grad_(grads) for p in (w, b)]
+    with poisoned_outputs():
+        y = layer_norm(x_in, *params, 1e-5)
+        dy = randn(rows, n, dtype=dtype, device=device)
+        y.backward(dy)
+    assert calls == [ln_module.CLUSTER_BACKWARD_SHAPES[n]], calls
+    refs = [None if t is None else t.detach().double().requires_grad_(True) for t in (x, w, b)]
+    reference(*refs, 1e-5).backward(dy.double())
+    for name, got, ref in zip(("dx", "dw", "db"), [x_in] + params, refs):
+        if got is None:
+            continue
+        if name != "dx" and not grads:
+            assert got.grad is None
+            continue
+        assert torch.isfinite(got.grad).all(), f"{name} has NaN/inf"
+        assert_close(got.grad, ref.grad, dtype, f"{name} {rows}x{n} {affine}")
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_backward_off_in_deterministic_mode(monkeypatch, device):
+    """Clusters claim rows, so which rows a dw / db partial row sums varies between runs; deterministic
+    mode takes the Triton backward, whose dw and db are the same bit for bit."""
+    calls = _cluster_backward_calls(monkeypatch)
+    x = randn(1024, 16384, dtype=torch.bfloat16, device=device)
+    w = randn(16384, dtype=torch.bfloat16, device=device)
+    b = randn(16384, dtype=torch.bfloat16, device=device)
+    dy = randn(1024, 16384, dtype=torch.bfloat16, device=device)
+    grads = []
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for _ in range(2):
+            w_in, b_in = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+            layer_norm(x, w_in, b_in).backward(dy)
+            grads.append((w_in.grad, b_in.grad))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert calls == [] and all(torch.equal(a, c) for a, c in zip(*grads))

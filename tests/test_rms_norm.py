@@ -856,13 +856,13 @@ def test_gpu_real_sizes(device, rows, hidden, casting_mode, keep):
         assert_close(got, ref, torch.bfloat16, f"{name} {rows}x{hidden}")
 
 
-# --- the long-row backward read once (fused_kernels/rms_norm_smem.py, Gluon: GPU only) ----------
+# --- the long-row backward read once (fused_kernels/norm_smem.py, Gluon: GPU only) ----------
 
 def test_smem_backward_table_shapes_fit_an_sm():
     """Every length the cluster backward takes (CLUSTER_BACKWARD_SHAPES) is 2-4 whole chunks of its shape; per_sm CTAs' x and dy slices fit an
     H100/H200 SM's shared memory (228 KB, 1 KB reserved per CTA) and the register cap keeps >= 64 per
     thread (8 fp32 dw sums per chunk live in registers)."""
-    smem = pytest.importorskip("fused_kernels.rms_norm_smem")
+    smem = pytest.importorskip("fused_kernels.norm_smem")
     gpu = importlib.import_module("fused_kernels._gpu")
     assert rms_norm_module.cluster_shape(16384, True) == rms_norm_module.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
     assert rms_norm_module.cluster_shape(24576, True).chunk == 8192 and rms_norm_module.cluster_shape(32768, True).warps == 4  # measured at 32768
@@ -890,7 +890,7 @@ def test_smem_backward_table_shapes_fit_an_sm():
 def test_smem_forward_table_shapes_fit_an_sm():
     """The long-row forward takes 65536 only (8 chunks of 8192: where it was measured to win); per_sm
     CTAs' x and w slices fit an H100/H200 SM's shared memory."""
-    smem = pytest.importorskip("fused_kernels.rms_norm_smem")
+    smem = pytest.importorskip("fused_kernels.norm_smem")
     assert rms_norm_module.cluster_shape(65536, False) == rms_norm_module.ClusterShape(warps=4, ctas=8, per_sm=6)
     for n in (32768, 49152, 65536 + 8192, 131072, 4096):
         assert rms_norm_module.cluster_shape(n, False) is None, n
@@ -902,7 +902,8 @@ def test_smem_forward_table_shapes_fit_an_sm():
 
 def test_smem_kernels_compile_for_sm90():
     """The Gluon kernels compile for sm_90a with this Triton (the CPU suite cannot run them): every
-    length and casting mode, the backward with and without dw, the forward with and without a weight;
+    length and casting mode, the backward with and without dw, the forward with and without a weight,
+    LayerNorm's backward with and without a weight, dw and db;
     spills only within check_sm90.CAPPED_SPILL_BYTES (the launch caps registers so that per_sm CTAs share
     an SM), and shared memory within the slices of x, w and (backward) dy."""
     import os
@@ -910,25 +911,27 @@ def test_smem_kernels_compile_for_sm90():
     import sys
 
     pytest.importorskip("triton.experimental.gluon")
-    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    smem = importlib.import_module("fused_kernels.norm_smem")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
-    proc = subprocess.run([sys.executable, os.path.join(root, "dev", "check_sm90.py"), "--op", "rms_norm_smem"],
+    proc = subprocess.run([sys.executable, os.path.join(root, "dev", "check_sm90.py"), "--op", "norm_smem"],
                           capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "25 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    assert "28 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
+    ln = importlib.import_module("fused_kernels.layer_norm")
     for line in out.splitlines():
-        if "rms_norm_smem " in line and " N=" in line:
+        if "norm_smem " in line and " N=" in line:
             n = int(line.split("N=")[1].split()[0])
-            forward = "rms_norm_smem forward" in line
+            forward = "norm_smem forward" in line
+            shape = ln.cluster_shape(n) if "layer_norm" in line else rms_norm_module.cluster_shape(n, not forward)
             shared = int(line.split("shared")[1].split()[0])
             assert "capped" in line, line
-            assert shared <= smem.buffer_bytes(n, rms_norm_module.cluster_shape(n, not forward), 2, forward) + 256, line
+            assert shared <= smem.buffer_bytes(n, shape, 2, forward) + 256, line
 
 
 class _FakeSmem:
-    """Stands in for rms_norm_smem on the CPU: plan()'s cluster conditions (`cluster_launch`) hold for every
+    """Stands in for norm_smem on the CPU: plan()'s cluster conditions (`cluster_launch`) hold for every
     call with a weight (and, backward, from the input) in its `only` direction; launch_backward either
     fails (a Triton whose Gluon API the kernel does not build with) or computes dx and dw in float64
     torch, dw in the first of its partial rows and zeros in the rest (so that the dispatch's sum over
@@ -984,14 +987,14 @@ def fresh_dispatch():
 
 
 def _use_fake_smem(monkeypatch, fake) -> None:
-    """rms_norm's dispatch sees `fake` as rms_norm_smem (its conditions and its launchers)."""
+    """rms_norm's dispatch sees `fake` as norm_smem (its conditions and its launchers)."""
     monkeypatch.setattr(rms_norm_module, "cluster_launch", fake.cluster_launch)
     monkeypatch.setattr(rms_norm_module, "_cluster_kernels", lambda: fake)
 
 
 @pytest.mark.parametrize("fail", (False, True))
 def test_smem_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fail):
-    """Rows the split backward would take go to rms_norm_smem when it is eligible: its dx and its dw
+    """Rows the split backward would take go to norm_smem when it is eligible: its dx and its dw
     partial rows (summed over the grid it reports) are what the backward returns. A first build that
     fails warns once, turns the path off and the split backward gives the numbers; later calls do not
     try again."""
@@ -1015,7 +1018,7 @@ def test_smem_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, f
 
 
 def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch, fresh_dispatch):
-    """rms_norm_smem's table (cluster_launch) decides which lengths its backward takes, whether or not the
+    """norm_smem's table (cluster_launch) decides which lengths its backward takes, whether or not the
     split backward would take them: a length it has no shape for never reaches it; one it has, under the
     split backward's threshold (the one-kernel backward's lengths), does."""
     fake = _FakeSmem(False)
@@ -1029,7 +1032,7 @@ def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch, fresh_disp
 
 @pytest.mark.parametrize("fail", (False, True))
 def test_smem_forward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fail):
-    """Rows with a weight go to rms_norm_smem's forward when it applies: its y and rstd are what the
+    """Rows with a weight go to norm_smem's forward when it applies: its y and rstd are what the
     forward returns (and the backward reads). A first build that fails warns once, turns the forward
     off (not the backward) and the Triton forward gives the numbers; later calls do not try again."""
     fake = _FakeSmem(False, fail_forward=fail, only="forward")
@@ -1048,8 +1051,8 @@ def test_smem_forward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fa
 
 
 def _smem_backward_calls(monkeypatch, launcher="launch_backward"):
-    """The shapes rms_norm_smem's `launcher` is called with, from now on."""
-    smem = importlib.import_module("fused_kernels.rms_norm_smem")
+    """The shapes norm_smem's `launcher` is called with, from now on."""
+    smem = importlib.import_module("fused_kernels.norm_smem")
     calls = []
     real = getattr(smem, launcher)
 
@@ -1133,7 +1136,7 @@ def test_gpu_smem_backward_off_in_deterministic_mode(monkeypatch, device):
 )
 def test_gpu_smem_forward_matches_reference(monkeypatch, device, rows, dtype, casting_mode, offset, row_pad,
                                             with_weight):
-    """Rows of 65536 take rms_norm_smem's forward: y (poisoned first) against float64, and the backward
+    """Rows of 65536 take norm_smem's forward: y (poisoned first) against float64, and the backward
     from the rstd it saved."""
     calls = _smem_backward_calls(monkeypatch, "launch_forward")
     torch.manual_seed(0)

@@ -56,15 +56,12 @@ on the CPU (a test in tests/test_rms_norm.py runs it), the gpu tests run them.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
 from fused_kernels import _gpu
+from fused_kernels._gpu import ClusterShape  # the launch shapes (each op's plan() picks them)
 from fused_kernels._launch import launch
-
-if TYPE_CHECKING:
-    from fused_kernels.rms_norm import ClusterShape  # the launch shapes (rms_norm's plan() picks them)
 
 try:
     from triton.experimental import gluon
@@ -95,16 +92,23 @@ if gluon is not None:
         return _offset_weight(wbuf.index(k).load(REG), OFFSET, CASTING)
 
     @gluon.jit
-    def _terms(x, dy, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr):
-        """(xhat, g = dL/dxhat, dy) in fp32 for a chunk, as rms_norm._grad_terms."""
-        w_eff = w.to(gl.float32)
-        if CASTING != 0 and OFFSET != 0.0:
-            w_eff = w_eff + OFFSET
+    def _terms(x, dy, w, mean, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr, CENTERED: gl.constexpr,
+               HAS_WEIGHT: gl.constexpr):
+        """(xhat, g = dL/dxhat, dy) in fp32 for a chunk: RMSNorm's as rms_norm._grad_terms, LayerNorm's
+        (CENTERED: xhat = (x − mean)·rstd, g = dy·w in fp32, or dy without a weight) as layer_norm's."""
         dyf = dy.to(gl.float32)
-        g = dyf * w_eff
-        if CASTING == 0:
-            g = g.to(x.dtype).to(gl.float32)
-        return x.to(gl.float32) * rstd, g, dyf
+        g = dyf
+        if HAS_WEIGHT:
+            w_eff = w.to(gl.float32)
+            if CASTING != 0 and OFFSET != 0.0:
+                w_eff = w_eff + OFFSET
+            g = dyf * w_eff
+            if CASTING == 0:
+                g = g.to(x.dtype).to(gl.float32)
+        xf = x.to(gl.float32)
+        if CENTERED:
+            xf = xf - mean
+        return xf * rstd, g, dyf
 
     @gluon.jit
     def _pick(k: gl.constexpr, a0, a1, a2, a3):
@@ -160,18 +164,32 @@ if gluon is not None:
                 gl.load(claimed_ptr, cache_modifier=".cg"))
 
     @gluon.jit
-    def _rms_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, next_ptr, counter_ptr,
-                             n_rows, stride_dy, stride_x, stride_dx,
-                             OFFSET: gl.constexpr, CASTING: gl.constexpr, COMPUTE_DW: gl.constexpr, N: gl.constexpr,
-                             WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr, SMEM: gl.constexpr,
-                             PTX: gl.constexpr):
-        """dx of the rows a cluster claims, and (COMPUTE_DW) the cluster's fp32 dw partial row into
-        dw_part_ptr[cluster]. REG / SMEM: _gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS)."""
+    def _exchange_two(part_a, part_b, parity, got, counter_ptr, claimed_ptr, last_claim, PTX: gl.constexpr):
+        """_exchange of two partial sums at once (PTX: exchange_ptx(CTAS, parts=2)): (Σ part_a, Σ part_b,
+        the claimed row), the sums and row as [CTAS, 1, 1], and the claimed row again as a scalar."""
+        _gpu.claim_publish(counter_ptr, claimed_ptr, got, last_claim)
+        total_a, total_b, row = gl.inline_asm_elementwise(
+            PTX, "=r,=r,=r,r,r,r,r",
+            [part_a.to(gl.int32, bitcast=True), part_b.to(gl.int32, bitcast=True), parity, got],
+            dtype=(gl.int32, gl.int32, gl.int32), is_pure=False, pack=1)
+        return (_cta_value(total_a.to(gl.float32, bitcast=True)), _cta_value(total_b.to(gl.float32, bitcast=True)),
+                _cta_value(row), gl.load(claimed_ptr, cache_modifier=".cg"))
+
+    @gluon.jit
+    def _norm_bwd_smem_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr, next_ptr,
+                              counter_ptr, n_rows, stride_dy, stride_x, stride_dx,
+                              OFFSET: gl.constexpr, CASTING: gl.constexpr, CENTERED: gl.constexpr,
+                              HAS_WEIGHT: gl.constexpr, COMPUTE_DW: gl.constexpr, COMPUTE_DB: gl.constexpr,
+                              N: gl.constexpr, WARPS: gl.constexpr, CTAS: gl.constexpr, REG: gl.constexpr,
+                              SMEM: gl.constexpr, PTX: gl.constexpr):
+        """dx of the rows a cluster claims, and the cluster's fp32 partial rows of dw (COMPUTE_DW) into
+        dw_part_ptr[cluster] and of db = Σ dy (COMPUTE_DB) into db_part_ptr[cluster]. RMSNorm, or LayerNorm
+        with CENTERED (mean_ptr: the row means; Σ g is exchanged beside Σ g·xhat). REG / SMEM:
+        _gpu.layouts(WARPS, CTAS); PTX: exchange_ptx(CTAS, 2 if CENTERED else 1)."""
         T: gl.constexpr = 32 * WARPS
         CHUNK: gl.constexpr = CTAS * T * 8
         NCHUNK: gl.constexpr = N // CHUNK  # the host checks N % CHUNK == 0 and MIN_CHUNKS <= NCHUNK <= MAX_CHUNKS
         per_thread: gl.constexpr = gl.SliceLayout(2, REG)
-        per_cta: gl.constexpr = gl.SliceLayout(1, per_thread)
         x_t: gl.constexpr = x_ptr.dtype.element_ty
         dy_t: gl.constexpr = dy_ptr.dtype.element_ty
         x0 = gl.allocate_shared_memory(x_t, [CTAS, T, 8], SMEM)
@@ -184,7 +202,8 @@ if gluon is not None:
         dy3 = _chunk_buffer(dy_t, 3, NCHUNK, dy0, CTAS, T, SMEM)
         # w's slice, copied once with the first row: read from global memory twice per row it mostly
         # missed L1, and waiting for L2 became the kernel's largest stall
-        wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+        if HAS_WEIGHT:
+            wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
 
         pid = gl.program_id(0)  # the cluster
         offs = _gpu.slice_offsets(CTAS, T, REG)
@@ -192,6 +211,10 @@ if gluon is not None:
         dw1 = dw0
         dw2 = dw0
         dw3 = dw0
+        db0 = dw0
+        db1 = dw0
+        db2 = dw0
+        db3 = dw0
 
         # next_ptr[3·pid]: the cluster's first row; next_ptr[3·pid + 1 + parity]: the row after this one
         last_claim = n_rows + gl.num_programs(0) - 1  # _claim_row: each row once, one past the end per cluster
@@ -201,7 +224,8 @@ if gluon is not None:
         xrow = x_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_x
         dyrow = dy_ptr + gl.minimum(r, n_rows - 1).to(gl.int64) * stride_dy
         for k in gl.static_range(NCHUNK):
-            _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
+            if HAS_WEIGHT:
+                _gpu.async_load(wbuf.index(k), w_ptr + k * CHUNK + offs)
             _gpu.async_load(_pick(k, x0, x1, x2, x3), xrow + k * CHUNK + offs)
             _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), dyrow + k * CHUNK + offs)
             async_copy.commit_group()  # one group per chunk: _chunk_arrived
@@ -211,16 +235,31 @@ if gluon is not None:
             row = r.to(gl.int64)
             got = _gpu.claim_issue(counter_ptr)  # the row after this one, published at the exchange
             rstd = gl.load(rstd_ptr + row)
+            mean = 0.0
+            if CENTERED:
+                mean = gl.load(mean_ptr + row)
             acc = gl.zeros([CTAS, T], gl.float32, per_thread)
+            acc_g = acc
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK)
-                xhat, g, _dyf = _terms(_pick(k, x0, x1, x2, x3).load(REG), _pick(k, dy0, dy1, dy2, dy3).load(REG),
-                                       _w_chunk(wbuf, k, OFFSET, CASTING, REG), rstd, OFFSET, CASTING)
+                xk = _pick(k, x0, x1, x2, x3).load(REG)
+                wk = xk  # not read without a weight
+                if HAS_WEIGHT:
+                    wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
+                xhat, g, _dyf = _terms(xk, _pick(k, dy0, dy1, dy2, dy3).load(REG), wk, mean, rstd, OFFSET, CASTING,
+                                       CENTERED, HAS_WEIGHT)
                 acc = acc + gl.sum(g * xhat, 2)
-            # The CTAs' partial dots meet in every CTA's shared memory (exchange_ptx); the refills of
+                if CENTERED:
+                    acc_g = acc_g + gl.sum(g, 2)
+            # The CTAs' partial sums meet in every CTA's shared memory (exchange_ptx); the refills of
             # pass 2 address the claimed row from there too ([CTAS, 1, 1], masked past the last row).
-            dot, nxt_row, nxt = _exchange(gl.sum(acc, 1), parity, got, counter_ptr, next_ptr + 3 * pid + 1 + parity,
-                                          last_claim, PTX)
+            claimed = next_ptr + 3 * pid + 1 + parity
+            if CENTERED:
+                dot, g_sum, nxt_row, nxt = _exchange_two(gl.sum(acc, 1), gl.sum(acc_g, 1), parity, got, counter_ptr,
+                                                         claimed, last_claim, PTX)
+                g_mean = g_sum / N
+            else:
+                dot, nxt_row, nxt = _exchange(gl.sum(acc, 1), parity, got, counter_ptr, claimed, last_claim, PTX)
             c = dot / N
             dxrow = dx_ptr + row * stride_dx
             nbase = gl.minimum(nxt_row, n_rows - 1).to(gl.int64)
@@ -229,8 +268,13 @@ if gluon is not None:
             more = (offs * 0 + nxt_row) < n_rows
             for k in gl.static_range(NCHUNK):
                 x = _pick(k, x0, x1, x2, x3).load(REG)
-                xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), _w_chunk(wbuf, k, OFFSET, CASTING, REG),
-                                      rstd, OFFSET, CASTING)
+                wk = x  # not read without a weight
+                if HAS_WEIGHT:
+                    wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
+                xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), wk, mean, rstd, OFFSET, CASTING,
+                                      CENTERED, HAS_WEIGHT)
+                if CENTERED:
+                    g = g - g_mean
                 gl.store(dxrow + k * CHUNK + offs, (rstd * (g - xhat * c)).to(dx_ptr.dtype.element_ty))
                 if COMPUTE_DW:
                     if CASTING == 0:
@@ -240,6 +284,12 @@ if gluon is not None:
                     dw1 = dwk if k == 1 else dw1
                     dw2 = dwk if k == 2 else dw2
                     dw3 = dwk if k == 3 else dw3
+                if COMPUTE_DB:
+                    dbk = _pick(k, db0, db1, db2, db3) + dyf
+                    db0 = dbk if k == 0 else db0
+                    db1 = dbk if k == 1 else db1
+                    db2 = dbk if k == 2 else db2
+                    db3 = dbk if k == 3 else db3
                 # this chunk of the cluster's next row, into the buffer just read
                 _gpu.async_load(_pick(k, x0, x1, x2, x3), nxrow + k * CHUNK + offs, mask=more)
                 _gpu.async_load(_pick(k, dy0, dy1, dy2, dy3), ndyrow + k * CHUNK + offs, mask=more)
@@ -251,6 +301,10 @@ if gluon is not None:
             part = dw_part_ptr + pid.to(gl.int64) * N
             for k in gl.static_range(NCHUNK):
                 gl.store(part + k * CHUNK + offs, _pick(k, dw0, dw1, dw2, dw3))
+        if COMPUTE_DB:
+            part = db_part_ptr + pid.to(gl.int64) * N
+            for k in gl.static_range(NCHUNK):
+                gl.store(part + k * CHUNK + offs, _pick(k, db0, db1, db2, db3))
 
     @gluon.jit
     def _normalised(x, w, rstd, OFFSET: gl.constexpr, CASTING: gl.constexpr, HAS_WEIGHT: gl.constexpr):
@@ -352,51 +406,62 @@ def buffer_bytes(n_cols: int, shape: ClusterShape, element_size: int, forward: b
     return (2 if forward else 3) * (n_cols // shape.ctas) * element_size
 
 
-# Words of each CTA's exchange slots (exchange_ptx) per parity: CTAS partials, then the claimed row.
-EXCHANGE_WORDS = 16
+# The casting id LayerNorm's backward runs with: fp32 terms, nothing rounded between (rms_norm's "none").
+LAYER_NORM_CASTING = 2
+
+# Words of each CTA's exchange slots (exchange_ptx) per parity: `parts` runs of CTAS partials, then the
+# claimed row (LayerNorm's two sums over 8 CTAs: 17 words).
+EXCHANGE_WORDS = 32
 
 
 @functools.lru_cache(maxsize=None)  # every launch asks (_launch_meta): one string per cluster size
-def exchange_ptx(ctas: int) -> str:
-    """The row exchange of a cluster of `ctas` CTAs, one inline PTX block run by every thread (Gluon 3.6
-    has no address of another CTA's shared memory, so the slots are a static .shared array of the block,
-    two parities of EXCHANGE_WORDS words):
-      thread 0 of each CTA stores its part ($2, f32 bits) in word `rank` of slot $3 (the parity) of every
-      CTA of the cluster (mapa + st.shared::cluster), CTA 0's also the claimed row ($4) in word `ctas`;
+def exchange_ptx(ctas: int, parts: int = 1) -> str:
+    """The row exchange of a cluster of `ctas` CTAs for `parts` partial sums per CTA, one inline PTX block
+    run by every thread (Gluon 3.6 has no address of another CTA's shared memory, so the slots are a
+    static .shared array of the block, two parities of EXCHANGE_WORDS words). Operands: the sums
+    $0..$(parts-1) and the claimed row $parts out; then in the parts (f32 bits), the parity, the row:
+      thread 0 of each CTA stores part p in word p·ctas + rank of the parity's slot of every CTA of the
+      cluster (mapa + st.shared::cluster), CTA 0's also the claimed row in word parts·ctas;
       thread 0 fences; one cluster barrier (arrive relaxed, wait acquire); every thread then adds the
-      ctas parts of its own slot in rank order ($0: the same sum in every CTA) and reads the row ($1).
+      ctas values of each part in its own slot in rank order (the same sums in every CTA) and reads the row.
     A CTA writes a slot again two rows later, after the barrier of the row between, which every CTA
     reaches only after reading it. Against a global slot read back with .cg loads this takes an L2 round
     trip off every row's path to pass 2."""
-    if not 1 <= ctas < EXCHANGE_WORDS:
-        raise ValueError(f"rms_norm_smem: a cluster of {ctas} CTAs does not fit the exchange slots "
-                         f"(1 to {EXCHANGE_WORDS - 1} CTAs)")
+    if ctas < 1 or parts < 1 or parts * ctas + 1 > EXCHANGE_WORDS:
+        raise ValueError(f"norm_smem: {parts} partial sums from a cluster of {ctas} CTAs do not fit the exchange "
+                         f"slots ({EXCHANGE_WORDS} words: parts x CTAs + 1)")
+    part_in = [f"${parts + 1 + p}" for p in range(parts)]
+    parity, got = f"${2 * parts + 1}", f"${2 * parts + 2}"
     lines = ["{", f".shared .align 16 .b32 xch[{2 * EXCHANGE_WORDS}];", ".reg .pred lead, lead0;",
              ".reg .b32 tid, rank, base, mine, rowslot, ra;", ".reg .f32 acc, v;",
              "mov.u32 tid, %tid.x;", "setp.eq.u32 lead, tid, 0;", "mov.u32 rank, %cluster_ctarank;",
              "setp.eq.and.u32 lead0, rank, 0, lead;", "mov.u32 base, xch;",
-             f"mad.lo.u32 base, $3, {4 * EXCHANGE_WORDS}, base;", "mad.lo.u32 mine, rank, 4, base;",
-             f"add.u32 rowslot, base, {4 * ctas};"]
+             f"mad.lo.u32 base, {parity}, {4 * EXCHANGE_WORDS}, base;", "mad.lo.u32 mine, rank, 4, base;",
+             f"add.u32 rowslot, base, {4 * parts * ctas};"]
     for q in range(ctas):
-        lines += [f"@lead mapa.shared::cluster.u32 ra, mine, {q};", "@lead st.shared::cluster.b32 [ra], $2;"]
+        lines.append(f"@lead mapa.shared::cluster.u32 ra, mine, {q};")
+        lines += [f"@lead st.shared::cluster.b32 [ra+{4 * p * ctas}], {part_in[p]};" for p in range(parts)]
     for q in range(ctas):
-        lines += [f"@lead0 mapa.shared::cluster.u32 ra, rowslot, {q};", "@lead0 st.shared::cluster.b32 [ra], $4;"]
+        lines += [f"@lead0 mapa.shared::cluster.u32 ra, rowslot, {q};", f"@lead0 st.shared::cluster.b32 [ra], {got};"]
     lines += ["@lead fence.acq_rel.cluster;", "barrier.cluster.arrive.relaxed.aligned;",
-              "barrier.cluster.wait.acquire.aligned;", "ld.shared.f32 acc, [base];"]
-    for q in range(1, ctas):
-        lines += [f"ld.shared.f32 v, [base+{4 * q}];", "add.f32 acc, acc, v;"]
-    lines += ["mov.b32 $0, acc;", "ld.shared.b32 $1, [rowslot];", "}"]
+              "barrier.cluster.wait.acquire.aligned;"]
+    for p in range(parts):
+        lines.append(f"ld.shared.f32 acc, [base+{4 * p * ctas}];")
+        for q in range(1, ctas):
+            lines += [f"ld.shared.f32 v, [base+{4 * (p * ctas + q)}];", "add.f32 acc, acc, v;"]
+        lines.append(f"mov.b32 ${p}, acc;")
+    lines += [f"ld.shared.b32 ${parts}, [rowslot];", "}"]
     return "\n\t".join(lines)
 
 
-def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool) -> dict:
+def _launch_meta(n_cols: int, shape: ClusterShape, forward: bool, parts: int = 1) -> dict:
     """The constexprs and launch options both kernels share."""
     if not _whole_chunks(n_cols, shape, forward):
         lo, hi = _chunk_range(forward)
-        raise ValueError(f"rms_norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
+        raise ValueError(f"norm_smem: N = {n_cols} must be {lo}-{hi} whole chunks of {shape.chunk} columns for "
                          f"{shape} in the {'forward' if forward else 'backward'}")
     reg, smem = _gpu.layouts(shape.warps, shape.ctas)
-    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, PTX=exchange_ptx(shape.ctas),
+    return dict(N=n_cols, WARPS=shape.warps, CTAS=shape.ctas, REG=reg, SMEM=smem, PTX=exchange_ptx(shape.ctas, parts),
                 num_warps=shape.warps, num_ctas=shape.ctas, maxnreg=_gpu.register_cap(shape.warps, shape.per_sm))
 
 
@@ -406,9 +471,12 @@ def _claim_scratch(grid: int, device: torch.device):
     return torch.empty(grid * 3, dtype=torch.int32, device=device), _gpu.claim_counter(device)
 
 
-def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool) -> dict:
-    """_rms_bwd_smem_kernel's constexprs and launch options (the launch, and dev/check_sm90.py)."""
-    return dict(_launch_meta(n_cols, shape, False), OFFSET=float(offset), CASTING=casting_id, COMPUTE_DW=compute_dw)
+def kernel_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, compute_dw: bool,
+                      centered: bool = False, has_weight: bool = True, compute_db: bool = False) -> dict:
+    """_norm_bwd_smem_kernel's constexprs and launch options (the launch, and dev/check_sm90.py): RMSNorm's
+    by default, LayerNorm's with centered (casting_id 2, offset 0: fp32 terms, as layer_norm computes)."""
+    return dict(_launch_meta(n_cols, shape, False, 2 if centered else 1), OFFSET=float(offset), CASTING=casting_id,
+                CENTERED=centered, HAS_WEIGHT=has_weight, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db)
 
 
 def forward_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casting_id: int, has_weight: bool) -> dict:
@@ -418,13 +486,27 @@ def forward_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casti
 
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
                     casting_id: int, compute_dw: bool) -> None:
-    """dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into partial[:grid]."""
+    """RMSNorm: dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into
+    partial[:grid]."""
     n_rows, n_cols = x2.shape
     next_rows, counter = _claim_scratch(grid, x2.device)
-    launch(_rms_bwd_smem_kernel, (grid,),
-           (dy2, x2, weight, rstd, dx, partial, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
+    launch(_norm_bwd_smem_kernel, (grid,),
+           (dy2, x2, weight, rstd, rstd, dx, partial, partial, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
             dx.stride(0) if dx.dim() > 1 else n_cols),
            kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
+
+
+def launch_layer_norm_backward(dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, *, shape: ClusterShape,
+                               grid: int, compute_dw: bool, compute_db: bool) -> None:
+    """LayerNorm: dx (contiguous, written in place) and grid fp32 partial rows of dw (compute_dw, into
+    dw_partial[:grid]) and of db (compute_db, db_partial[:grid]); weight may be None."""
+    n_rows, n_cols = x2.shape
+    next_rows, counter = _claim_scratch(grid, x2.device)
+    launch(_norm_bwd_smem_kernel, (grid,),
+           (dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial, next_rows, counter,
+            n_rows, dy2.stride(0), x2.stride(0), dx.stride(0) if dx.dim() > 1 else n_cols),
+           kernel_constexprs(n_cols, shape, offset=0.0, casting_id=LAYER_NORM_CASTING, compute_dw=compute_dw,
+                             centered=True, has_weight=weight is not None, compute_db=compute_db))
 
 
 def launch_forward(x2, weight, y2, rstd, *, shape: ClusterShape, grid: int, eps: float, offset: float,
