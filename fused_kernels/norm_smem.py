@@ -1,14 +1,21 @@
-"""RMSNorm backward and forward for long rows with each row read from HBM once: the "cluster" path of
-fused_kernels.rms_norm (its `plan()` decides when it runs: the row lengths and shapes of
-CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES, 16-bit x, dy and weight, an H100/H200). Where the
-one-kernel backward cannot hold a row whole the split backward reads x and dy twice, and the Triton
-forward of rows of 65536 sweeps each row twice (the second time from L2); these kernels read them once.
-Written in Gluon with the cluster primitives of fused_kernels._gpu (layouts, cluster barrier, row claiming).
+"""The row norms' long rows with each row read from HBM once, a row split over a thread-block cluster:
+RMSNorm's backward and forward (the "cluster" path of fused_kernels.rms_norm, whose `plan()` decides when
+it runs: CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES there) and LayerNorm's backward (the "cluster
+backward" path of fused_kernels.layer_norm, its CLUSTER_BACKWARD_SHAPES); 16-bit x, dy and weight, an
+H100/H200. Where the Triton backward cannot hold a row whole it reads x and dy two or three times, and
+the Triton forward of rows of 65536 sweeps each row twice (the second time from L2); these kernels read
+them once. Written in Gluon with the cluster primitives of fused_kernels._gpu (layouts, cluster barrier,
+row claiming).
 
 Math: rms_norm's backward (its module docstring), from the input (keep="input"); per row, r = rstd:
     w_eff = offset + w  ("llama": in w's dtype, as torch adds it; otherwise fp32)
     xhat = x·r,  g = dy·w_eff ("llama": rounded to x's dtype),  c = Σ_j g_j·xhat_j / N
     dx = r·(g − xhat·c),  dw = Σ_rows dy·h  (h = round_x(xhat) for "llama", xhat otherwise), fp32.
+LayerNorm's (layer_norm's module docstring; CENTERED, casting "none", no offset): per row, m = mean,
+    xhat = (x − m)·r,  g = dy·w (dy without a weight),  c = Σ g·xhat / N,  a = Σ g / N
+    dx = r·(g − a − xhat·c),  dw = Σ_rows dy·xhat,  db = Σ_rows dy, fp32;
+the same kernel with the second sum a exchanged beside c (exchange_ptx's parts = 2) and db's sums
+beside dw's (8·NCHUNK more registers a thread).
 
 Kernel: a row is split over a thread-block cluster of CTAS CTAs (on as many SMs); CTA k owns slice k
 of each of the row's NCHUNK chunks (CHUNK = CTAS·32·WARPS·8 columns; each thread the same 8
@@ -31,21 +38,22 @@ copied once with the first row. Per row:
 Clusters claim rows from a global counter (a cluster the GPU cannot hold at first finds them taken;
 the launch's last claim sets it back to zero, so a stream keeps one: _gpu.claim_counter): which rows a
 cluster's dw partial row sums differs from run to run, so dw's rounding does too; under
-torch.use_deterministic_algorithms(True) rms_norm plans the split backward instead. w stays in shared
+torch.use_deterministic_algorithms(True) rms_norm and layer_norm plan their Triton backwards instead. w stays in shared
 memory, not registers: registers buy CTAs per SM (the launch caps ptxas at the registers that let per_sm
 CTAs share an SM, _gpu.register_cap); read from global memory twice per row instead, it mostly missed
 L1 and the wait on L2 became the kernel's largest stall.
 
 Bytes moved (rows × N, B bytes per element): x and dy read once, dx written once (3·rows·N·B, the floor),
-w once per CTA, plus one fp32 dw partial row per cluster, written once and summed by
-rms_norm._dw_sum_kernel.
+w once per CTA, plus one fp32 dw (and LayerNorm's db) partial row per cluster, written once and summed by
+rms_norm._dw_sum_kernel (layer_norm._partial_sum_kernel), and LayerNorm's mean with rstd, 8 bytes a row.
 
 The forward (_rms_fwd_smem_kernel) is the same scheme with x and w in shared memory: per row, Σx² over
 the CTA's chunks, the exchange, then y chunk by chunk, each chunk's buffer refilled with the cluster's
 next row as it is written. Bytes: x read once, y written once, w once per CTA. y and rstd do not depend
 on which cluster claims a row: deterministic.
 
-What the launches need (rms_norm.cluster_launch checks it before planning this path): Gluon and real
+What the launches need (rms_norm.cluster_launch and layer_norm.backward_cluster check it before planning
+this path, with _gpu.cluster_refusal and _gpu.cluster_grid): Gluon and real
 kernels, a CUDA device of compute capability >= 9.0 (clusters), x, dy and the weight of one 16-bit
 dtype, row strides a multiple of 8 elements and 16-byte aligned bases (16-byte copies), N whole chunks
 of the shape (MIN_CHUNKS-MAX_CHUNKS in the backward, FORWARD_CHUNKS in the forward; the launch checks
