@@ -201,18 +201,19 @@ def cluster_refusal(device: DeviceFacts, x_dtype: torch.dtype, weight_dtype) -> 
     return ""
 
 
-def cluster_grid(n_rows: int, shape: ClusterShape, device: DeviceFacts, *, aligned: bool,
+def cluster_grid(n_rows: int, n_cols: int, shape: ClusterShape, device: DeviceFacts, *, aligned: bool,
                  min_rows_per_cluster: int) -> tuple[Optional[ClusterLaunch], str]:
-    """(the launch, "") of a call the cluster kernels can take, or (None, why not): rows 16-byte aligned at
-    a stride of a multiple of 8 elements (`aligned`), and at least min_rows_per_cluster rows per cluster
-    of the grid `clusters` gives (fewer, and the per-cluster partial rows and copies of the weight cost
-    as much as the rows)."""
+    """(the launch, why) of a call the cluster kernels can take, or (None, why not): rows 16-byte aligned
+    at a stride of a multiple of 8 elements (`aligned`), and at least min_rows_per_cluster rows per
+    cluster of the grid `clusters` gives (fewer, and the per-cluster partial rows and copies of the weight
+    cost as much as the rows)."""
     if not aligned:
         return None, "rows not 16-byte aligned at a stride of a multiple of 8 elements"
     grid = clusters(n_rows, shape, device.sm_count)
     if n_rows < min_rows_per_cluster * grid:
         return None, f"{n_rows} rows: fewer than {min_rows_per_cluster} per cluster"
-    return ClusterLaunch(shape, grid), ""
+    return ClusterLaunch(shape, grid), (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over "
+                                        f"{grid} clusters of {shape.ctas} CTAs x {shape.warps} warps")
 
 
 def aligned_rows(t2: torch.Tensor) -> bool:

@@ -173,11 +173,7 @@ def backward_cluster(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtyp
         return None, f"dy ({dy_dtype}) is not of x's dtype ({x_dtype})"
     if deterministic:
         return None, "deterministic mode (dw's and db's rounding would depend on which cluster claims a row)"
-    launch, why = _gpu.cluster_grid(n_rows, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
-    if launch is None:
-        return None, why
-    return launch, (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over {launch.clusters} "
-                    f"clusters of {shape.ctas} CTAs x {shape.warps} warps")
+    return _gpu.cluster_grid(n_rows, n_cols, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
 
 
 def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, interpreted: bool = False, *,

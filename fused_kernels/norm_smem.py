@@ -119,6 +119,18 @@ if gluon is not None:
         return xf * rstd, g, dyf
 
     @gluon.jit
+    def _chunk_terms(k: gl.constexpr, x0, x1, x2, x3, dy0, dy1, dy2, dy3, wbuf, mean, rstd, OFFSET: gl.constexpr,
+                     CASTING: gl.constexpr, CENTERED: gl.constexpr, HAS_WEIGHT: gl.constexpr, REG: gl.constexpr):
+        """(x, xhat, g, dy) of chunk k from the shared buffers (_terms; w from wbuf with a weight)."""
+        x = _pick(k, x0, x1, x2, x3).load(REG)
+        w = x  # not read without a weight
+        if HAS_WEIGHT:
+            w = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
+        xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), w, mean, rstd, OFFSET, CASTING, CENTERED,
+                              HAS_WEIGHT)
+        return x, xhat, g, dyf
+
+    @gluon.jit
     def _pick(k: gl.constexpr, a0, a1, a2, a3):
         v = a0
         if k == 1:
@@ -212,6 +224,8 @@ if gluon is not None:
         # missed L1, and waiting for L2 became the kernel's largest stall
         if HAS_WEIGHT:
             wbuf = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [NCHUNK, CTAS, T, 8], SMEM)
+        else:
+            wbuf = x0  # not read without a weight
 
         pid = gl.program_id(0)  # the cluster
         offs = _gpu.slice_offsets(CTAS, T, REG)
@@ -250,12 +264,8 @@ if gluon is not None:
             acc_g = acc
             for k in gl.static_range(NCHUNK):
                 _chunk_arrived(k, NCHUNK)
-                xk = _pick(k, x0, x1, x2, x3).load(REG)
-                wk = xk  # not read without a weight
-                if HAS_WEIGHT:
-                    wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
-                xhat, g, _dyf = _terms(xk, _pick(k, dy0, dy1, dy2, dy3).load(REG), wk, mean, rstd, OFFSET, CASTING,
-                                       CENTERED, HAS_WEIGHT)
+                _x, xhat, g, _dyf = _chunk_terms(k, x0, x1, x2, x3, dy0, dy1, dy2, dy3, wbuf, mean, rstd, OFFSET,
+                                                 CASTING, CENTERED, HAS_WEIGHT, REG)
                 acc = acc + gl.sum(g * xhat, 2)
                 if CENTERED:
                     acc_g = acc_g + gl.sum(g, 2)
@@ -275,12 +285,8 @@ if gluon is not None:
             ndyrow = dy_ptr + nbase * stride_dy
             more = (offs * 0 + nxt_row) < n_rows
             for k in gl.static_range(NCHUNK):
-                x = _pick(k, x0, x1, x2, x3).load(REG)
-                wk = x  # not read without a weight
-                if HAS_WEIGHT:
-                    wk = _w_chunk(wbuf, k, OFFSET, CASTING, REG)
-                xhat, g, dyf = _terms(x, _pick(k, dy0, dy1, dy2, dy3).load(REG), wk, mean, rstd, OFFSET, CASTING,
-                                      CENTERED, HAS_WEIGHT)
+                x, xhat, g, dyf = _chunk_terms(k, x0, x1, x2, x3, dy0, dy1, dy2, dy3, wbuf, mean, rstd, OFFSET,
+                                               CASTING, CENTERED, HAS_WEIGHT, REG)
                 if CENTERED:
                     g = g - g_mean
                 gl.store(dxrow + k * CHUNK + offs, (rstd * (g - xhat * c)).to(dx_ptr.dtype.element_ty))

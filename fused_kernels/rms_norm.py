@@ -242,11 +242,7 @@ def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype:
             return None, "the backward from the saved output"
         if deterministic:
             return None, "deterministic mode (dw's rounding would depend on which cluster claims a row)"
-    launch, why = _gpu.cluster_grid(n_rows, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
-    if launch is None:
-        return None, why
-    return launch, (f"rows of {n_cols} read once, in {n_cols // shape.chunk} chunks over "
-                    f"{launch.clusters} clusters of {shape.ctas} CTAs x {shape.warps} warps")
+    return _gpu.cluster_grid(n_rows, n_cols, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
 
 
 def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], direction: str, *,

@@ -97,6 +97,19 @@ def poisoned_outputs(module):
         module._new_output = original
 
 
+def launch_shapes(monkeypatch, module, launcher: str) -> list:
+    """The `shape` keyword every call of module.launcher passes from now on (the call still runs)."""
+    calls = []
+    real = getattr(module, launcher)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["shape"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, launcher, counted)
+    return calls
+
+
 def loss_logger():
     """A transformers TrainerCallback that keeps every logged training loss in `.losses`."""
     from transformers import TrainerCallback

@@ -490,16 +490,8 @@ def test_gpu_fp32_matches_torch(device):
 
 def _cluster_backward_calls(monkeypatch):
     """The shapes norm_smem.launch_layer_norm_backward is called with, from now on."""
-    smem = importlib.import_module("fused_kernels.norm_smem")
-    calls = []
-    real = smem.launch_layer_norm_backward
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs["shape"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(smem, "launch_layer_norm_backward", counted)
-    return calls
+    return helpers.launch_shapes(monkeypatch, importlib.import_module("fused_kernels.norm_smem"),
+                                 "launch_layer_norm_backward")
 
 
 @pytest.mark.gpu

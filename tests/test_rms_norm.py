@@ -1052,16 +1052,7 @@ def test_smem_forward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fa
 
 def _smem_backward_calls(monkeypatch, launcher="launch_backward"):
     """The shapes norm_smem's `launcher` is called with, from now on."""
-    smem = importlib.import_module("fused_kernels.norm_smem")
-    calls = []
-    real = getattr(smem, launcher)
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs["shape"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(smem, launcher, counted)
-    return calls
+    return helpers.launch_shapes(monkeypatch, importlib.import_module("fused_kernels.norm_smem"), launcher)
 
 
 @pytest.mark.gpu
