@@ -110,6 +110,15 @@ def launch_shapes(monkeypatch, module, launcher: str) -> list:
     return calls
 
 
+def twice_deterministic(step):
+    """step() run twice under torch.use_deterministic_algorithms(True) (warn only), both results."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return step(), step()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def loss_logger():
     """A transformers TrainerCallback that keeps every logged training loss in `.losses`."""
     from transformers import TrainerCallback

@@ -548,13 +548,11 @@ def test_gpu_cluster_backward_off_in_deterministic_mode(monkeypatch, device):
     w = randn(16384, dtype=torch.bfloat16, device=device)
     b = randn(16384, dtype=torch.bfloat16, device=device)
     dy = randn(1024, 16384, dtype=torch.bfloat16, device=device)
-    grads = []
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        for _ in range(2):
-            w_in, b_in = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-            layer_norm(x, w_in, b_in).backward(dy)
-            grads.append((w_in.grad, b_in.grad))
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert calls == [] and all(torch.equal(a, c) for a, c in zip(*grads))
+
+    def dw_db():
+        w_in, b_in = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+        layer_norm(x, w_in, b_in).backward(dy)
+        return w_in.grad, b_in.grad
+
+    first, second = helpers.twice_deterministic(dw_db)
+    assert calls == [] and all(torch.equal(a, c) for a, c in zip(first, second))

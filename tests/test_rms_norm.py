@@ -1102,16 +1102,14 @@ def test_gpu_smem_backward_off_in_deterministic_mode(monkeypatch, device):
     x = randn(1024, 65536, dtype=torch.bfloat16, device=device)
     w = randn(65536, dtype=torch.bfloat16, device=device)
     dy = randn(1024, 65536, dtype=torch.bfloat16, device=device)
-    grads = []
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        for _ in range(2):
-            w_in = w.clone().requires_grad_(True)
-            rms_norm(x, w_in).backward(dy)
-            grads.append(w_in.grad)
-    finally:
-        torch.use_deterministic_algorithms(False)
-    assert calls == [] and torch.equal(grads[0], grads[1])
+
+    def dw():
+        w_in = w.clone().requires_grad_(True)
+        rms_norm(x, w_in).backward(dy)
+        return w_in.grad
+
+    first, second = helpers.twice_deterministic(dw)
+    assert calls == [] and torch.equal(first, second)
 
 
 @pytest.mark.gpu
