@@ -498,6 +498,14 @@ def forward_constexprs(n_cols: int, shape: ClusterShape, *, offset: float, casti
     return dict(_launch_meta(n_cols, shape, True), OFFSET=float(offset), CASTING=casting_id, HAS_WEIGHT=has_weight)
 
 
+def _dx_row_stride(dx: torch.Tensor, n_cols: int) -> int:
+    """The row stride of dx, the op's contiguous output of x's shape (any number of dimensions): n_cols.
+    (Its stride(0) is the row's only for 2-D x: a (batch, seq, N) dx steps seq·N there.)"""
+    if not dx.is_contiguous():
+        raise ValueError(f"norm_smem: dx must be contiguous (the op allocates it); got strides {dx.stride()}")
+    return n_cols
+
+
 def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, grid: int, offset: float,
                     casting_id: int, compute_dw: bool) -> None:
     """RMSNorm: dx (contiguous, written in place) and, with compute_dw, grid fp32 dw partial rows into
@@ -506,7 +514,7 @@ def launch_backward(dy2, x2, weight, rstd, dx, partial, *, shape: ClusterShape, 
     next_rows, counter = _claim_scratch(grid, x2.device)
     launch(_norm_bwd_smem_kernel, (grid,),
            (dy2, x2, weight, rstd, rstd, dx, partial, partial, next_rows, counter, n_rows, dy2.stride(0), x2.stride(0),
-            dx.stride(0) if dx.dim() > 1 else n_cols),
+            _dx_row_stride(dx, n_cols)),
            kernel_constexprs(n_cols, shape, offset=offset, casting_id=casting_id, compute_dw=compute_dw))
 
 
@@ -518,7 +526,7 @@ def launch_layer_norm_backward(dy2, x2, weight, mean, rstd, dx, dw_partial, db_p
     next_rows, counter = _claim_scratch(grid, x2.device)
     launch(_norm_bwd_smem_kernel, (grid,),
            (dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial, next_rows, counter,
-            n_rows, dy2.stride(0), x2.stride(0), dx.stride(0) if dx.dim() > 1 else n_cols),
+            n_rows, dy2.stride(0), x2.stride(0), _dx_row_stride(dx, n_cols)),
            kernel_constexprs(n_cols, shape, offset=0.0, casting_id=LAYER_NORM_CASTING, compute_dw=compute_dw,
                              centered=True, has_weight=weight is not None, compute_db=compute_db))
 

@@ -457,6 +457,32 @@ def test_cluster_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch
     assert fake.calls == (1 if fail else 2)
 
 
+def test_cluster_launchers_write_dx_rows_n_cols_apart(monkeypatch):
+    """Both norms' cluster launchers give the kernel dx's row stride as n_cols for an output of x's shape
+    with any number of dimensions ((batch, seq, N): its stride(0) is seq·N, not a row's)."""
+    smem = pytest.importorskip("fused_kernels.norm_smem")
+    if smem.gluon is None:
+        pytest.skip("no Gluon in this Triton")
+    seen = []
+    monkeypatch.setattr(smem, "launch", lambda kernel, grid, args, meta: seen.append(args[-1]))
+    monkeypatch.setattr(smem, "_claim_scratch", lambda grid, device: (torch.zeros(3 * grid, dtype=torch.int32),
+                                                                      torch.zeros(1, dtype=torch.int32)))
+    n = 16384
+    x2 = torch.zeros(8, n, dtype=torch.bfloat16)
+    dx = torch.empty(2, 4, n, dtype=torch.bfloat16)
+    partial, stats = torch.empty(3, n), torch.ones(8)
+    smem.launch_backward(x2, x2, x2[0], stats, dx, partial, shape=ClusterShape(4, 4, 6), grid=3, offset=0.0,
+                         casting_id=0, compute_dw=True)
+    smem.launch_layer_norm_backward(x2, x2, None, stats, stats, dx, partial, partial,
+                                    shape=ln_module.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
+                                    compute_db=False)
+    assert seen == [n, n]
+    with pytest.raises(ValueError, match="dx must be contiguous"):
+        smem.launch_layer_norm_backward(x2, x2, None, stats, stats, dx.transpose(0, 1), partial, partial,
+                                        shape=ln_module.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
+                                        compute_db=False)
+
+
 # --- the H200 at real sizes (dev/gpu_check.sh) -------------------------------------------
 
 @pytest.mark.gpu
@@ -505,6 +531,7 @@ def _cluster_backward_calls(monkeypatch):
         (1000, torch.bfloat16, "none", 0, True),
         (3000, torch.bfloat16, "weight+bias", 0, False),  # frozen parameters: dx alone
         (300, torch.float16, "weight+bias", 0, True),  # few rows: ~4 per cluster
+        (-2048, torch.bfloat16, "weight+bias", 0, True),  # x of (2, 1024, N): rows of dx N apart
     ],
 )
 def test_gpu_cluster_backward_matches_reference(monkeypatch, device, rows, dtype, affine, row_pad, grads):
@@ -515,8 +542,9 @@ def test_gpu_cluster_backward_matches_reference(monkeypatch, device, rows, dtype
     calls = _cluster_backward_calls(monkeypatch)
     n = 16384
     torch.manual_seed(0)
+    batched, rows = rows < 0, abs(rows)
     base = randn(rows, n + row_pad, dtype=dtype, device=device, scale=2.0) + 0.5
-    x = base[:, :n]
+    x = base[:, :n].reshape(2, rows // 2, n) if batched else base[:, :n]
     w, b = make_params(n, affine, dtype)
     w, b = (None if p is None else p.to(device) for p in (w, b))
     x_in = x.detach().clone() if not row_pad else x.detach()
@@ -524,7 +552,7 @@ def test_gpu_cluster_backward_matches_reference(monkeypatch, device, rows, dtype
     params = [None if p is None else p.clone().requires_grad_(grads) for p in (w, b)]
     with poisoned_outputs():
         y = layer_norm(x_in, *params, 1e-5)
-        dy = randn(rows, n, dtype=dtype, device=device)
+        dy = randn(*x.shape, dtype=dtype, device=device)
         y.backward(dy)
     assert calls == [ln_module.CLUSTER_BACKWARD_SHAPES[n]], calls
     refs = [None if t is None else t.detach().double().requires_grad_(True) for t in (x, w, b)]

@@ -1068,20 +1068,22 @@ def _smem_backward_calls(monkeypatch, launcher="launch_backward"):
         (4000, 24576, torch.bfloat16, "gemma", 1.0, 0, True),
         (4096, 16384, torch.bfloat16, "llama", 0.0, 0, True),  # 4 CTAs a cluster, 4 chunks
         (1000, 16384, torch.float16, "gemma", 1.0, 64, True),
+        (-4096, 16384, torch.bfloat16, "llama", 0.0, 0, True),  # x of (2, 2048, N): rows of dx N apart
     ],
 )
 def test_gpu_smem_backward_matches_reference(monkeypatch, device, rows, hidden, dtype, casting_mode, offset, row_pad,
                                              weight_grad):
     calls = _smem_backward_calls(monkeypatch)
     torch.manual_seed(0)
+    batched, rows = rows < 0, abs(rows)
     base = randn(rows, hidden + row_pad, dtype=dtype, device=device, scale=2.0)
-    x = base[:, :hidden]
+    x = base[:, :hidden].reshape(2, rows // 2, hidden) if batched else base[:, :hidden]
     w = randn(hidden, dtype=dtype, device=device, scale=0.5)
     x_in, w_in = x.detach().clone() if not row_pad else x.detach(), w.clone()
     x_in.requires_grad_(True)
     w_in.requires_grad_(weight_grad)
     y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
-    dy = randn(rows, hidden, dtype=y.dtype, device=device)
+    dy = randn(*x.shape, dtype=y.dtype, device=device)
     y.backward(dy)
     assert calls == [rms_norm_module.cluster_shape(hidden, True)], calls
 
