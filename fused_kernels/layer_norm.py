@@ -29,11 +29,14 @@ row for mean and rstd); the backward reads x and dy and writes dx (3·rows·N·B
 program, one fp32 partial row each of dw and db (written once, then read by `_partial_sum_kernel`). At
 16384 × 4096 in bf16 that is 640 MiB forward + backward, 0.158 ms at the H200's ~4.25 TB/s copy rate.
 The chunked backward takes dw and db from `_param_grad_kernel` instead, which reads x and dy once more
-(5·rows·N·B in the backward) so that the dx kernel keeps no partial rows.
+(5·rows·N·B in the backward) so that the dx kernel keeps no partial rows. On an H100/H200 the backward of
+the lengths of CLUSTER_BACKWARD_SHAPES (16384) splits each row over a thread-block cluster instead
+(fused_kernels/norm_smem.py, Gluon): x and dy read once (3·rows·N·B), one partial row each of dw and db
+per cluster.
 
 Launch shapes: `plan(n_rows, n_cols, dtype, ...)` is the one place that decides them (block, rows per
-tile, warps, grid sizes, chunked or not), from the tables below; it returns a `fused_kernels._dispatch.Plan`
-whose `config` is a `LayerNormConfig` and whose `reason` says why. The whole-row forward is persistent
+tile, warps, grid sizes, chunked or not, the cluster backward), from the tables below; it returns a
+`fused_kernels._dispatch.Plan` whose `config` is a `LayerNormConfig` and whose `reason` says why. The whole-row forward is persistent
 (up to 8 programs an SM), the chunked one runs a program per row; the backward is persistent (each
 program owns one partial row of dw and of db, or, chunked, none). Under the CPU interpreter the grids
 stay within a few programs (each costs about a millisecond there).

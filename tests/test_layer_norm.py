@@ -530,7 +530,7 @@ def _cluster_backward_calls(monkeypatch):
         (2000, torch.bfloat16, "bias", 0, True),  # db, no weight
         (1000, torch.bfloat16, "none", 0, True),
         (3000, torch.bfloat16, "weight+bias", 0, False),  # frozen parameters: dx alone
-        (300, torch.float16, "weight+bias", 0, True),  # few rows: ~4 per cluster
+        (600, torch.float16, "weight+bias", 0, True),  # few rows: 5 per cluster (120 clusters)
         (-2048, torch.bfloat16, "weight+bias", 0, True),  # x of (2, 1024, N): rows of dx N apart
     ],
 )
