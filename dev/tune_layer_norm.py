@@ -15,6 +15,7 @@ JSON says how many). The JSON keeps every timing, so a table change can cite it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -115,28 +116,14 @@ def with_backward(base: ln.LayerNormConfig, c, n_rows: int, sms: int) -> ln.Laye
                                bwd_programs=programs, bwd_stages=stages, param_grid=param)
 
 
+@contextlib.contextmanager
 def forced(cfg: ln.LayerNormConfig):
     """plan()'s answer replaced by cfg for the forward and backward (path "cluster backward" where cfg has
     a cluster launch, which the backward then runs)."""
-    path = "forced" if cfg.bwd_cluster is None else "cluster backward"
-    fixed = Plan(path, cfg, "tune_layer_norm")
-    return _both(mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: fixed),
-                 mock.patch.object(ln, "plan", lambda *args, **kwargs: fixed))
-
-
-class _both:
-    """Two context managers entered together."""
-
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-
-    def __enter__(self):
-        self.a.__enter__()
-        self.b.__enter__()
-
-    def __exit__(self, *exc):
-        self.b.__exit__(*exc)
-        return self.a.__exit__(*exc)
+    fixed = Plan("forced" if cfg.bwd_cluster is None else "cluster backward", cfg, "tune_layer_norm")
+    with mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: fixed), \
+            mock.patch.object(ln, "plan", lambda *args, **kwargs: fixed):
+        yield
 
 
 # The cluster backward's shapes worth timing: (warps, CTAs a cluster, CTAs an SM); a row must be 2-4
