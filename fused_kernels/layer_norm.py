@@ -195,9 +195,8 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
                                    aligned=aligned, deterministic=deterministic)
     if launch is None:
         return p if cluster_shape(n_cols) is None else Plan(p.path, p.config, f"{p.reason}; not cluster: {why}")
-    forward = p.reason.split("; backward")[0]
     return Plan("cluster backward", dataclasses.replace(p.config, bwd_cluster=launch),
-                f"{forward}; backward: {why}, dw/db partial rows one per cluster")
+                f"{_forward_reason(p.config, n_cols)}; backward: {why}, dw/db partial rows one per cluster")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,12 +236,7 @@ def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, in
     param_grid = _param_grid(n_rows, n_cols, sm_count, interpreted) if bwd_chunked else None
     cfg = LayerNormConfig(fwd_rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs, fwd_stages,
                           bwd_rows, bwd_block, bwd_chunked, bwd_warps, bwd_programs, bwd_stages, param_grid)
-    if fwd_chunked:
-        forward = (f"forward: rows of {n_cols} exceed {FWD_WHOLE_ROW_MAX} columns, swept twice in "
-                   f"{_CHUNK}-column chunks (the second from L2), {fwd_programs} programs")
-    else:
-        forward = (f"forward: rows of {n_cols} fit in registers ({whole} columns), {fwd_rows} a tile, "
-                   f"{fwd_programs} programs")
+    forward = _forward_reason(cfg, n_cols)
     if param_grid is None:
         backward = (f"backward: rows fit in registers, {bwd_programs} persistent programs of {bwd_rows}-row "
                     "tiles writing dw/db partial rows")
@@ -257,6 +251,15 @@ def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, in
     if interpreted:
         reason += f"; interpreter: at most {_INTERPRETER_PROGRAMS} programs per launch"
     return Plan(path, cfg, reason)
+
+
+def _forward_reason(cfg: LayerNormConfig, n_cols: int) -> str:
+    """What a plan's reason says of its forward."""
+    if cfg.fwd_chunked:
+        return (f"forward: rows of {n_cols} exceed {FWD_WHOLE_ROW_MAX} columns, swept twice in {_CHUNK}-column "
+                f"chunks (the second from L2), {cfg.fwd_programs} programs")
+    return (f"forward: rows of {n_cols} fit in registers ({cfg.fwd_block} columns), {cfg.fwd_rows} a tile, "
+            f"{cfg.fwd_programs} programs")
 
 
 def _param_grid(n_rows: int, n_cols: int, sm_count: int, interpreted: bool) -> tuple[int, int, int, int]:
