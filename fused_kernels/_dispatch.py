@@ -70,6 +70,13 @@ def run_path(op: str, path: str, key: Hashable, launch: Callable[[], None], *, i
     return True
 
 
+def planned_again(op: str, path: str, plan: Plan) -> Plan:
+    """`plan`, an op's plan made after run_path turned `path` off; an error if it chose `path` again."""
+    if plan.path == path:
+        raise RuntimeError(f"{op}: plan() chose the {path} path again after it was turned off ({plan})")
+    return plan
+
+
 def turned_off() -> dict[str, str]:
     """{"op/path": why} for every path turned off in this process."""
     with _LOCK:

@@ -216,14 +216,23 @@ def cluster_grid(n_rows: int, n_cols: int, shape: ClusterShape, device: DeviceFa
                                         f"{grid} clusters of {shape.ctas} CTAs x {shape.warps} warps")
 
 
-def aligned_rows(t2: torch.Tensor) -> bool:
-    """Whether every row of t2 may be copied 16 bytes at a time by the cluster kernels (16-bit elements)."""
-    return t2.stride(-1) == 1 and t2.stride(0) % 8 == 0 and t2.data_ptr() % 16 == 0
+def aligned_rows(*rows: torch.Tensor) -> bool:
+    """Whether every row of each 2-D tensor may be copied 16 bytes at a time by the cluster kernels
+    (16-bit elements: unit column stride, row stride a multiple of 8, 16-byte aligned base)."""
+    return all(t2.stride(-1) == 1 and t2.stride(0) % 8 == 0 and t2.data_ptr() % 16 == 0 for t2 in rows)
 
 
 def aligned_weight(weight) -> bool:
     """Whether a weight (or None) may be copied 16 bytes at a time."""
     return weight is None or (weight.is_contiguous() and weight.data_ptr() % 16 == 0)
+
+
+def norm_smem_kernels():
+    """fused_kernels.norm_smem, the norms' cluster launchers: imported on a first cluster launch (no
+    plan() picks a cluster under the CPU interpreter, which has no Gluon)."""
+    from fused_kernels import norm_smem
+
+    return norm_smem
 
 
 _CLAIM_COUNTERS: dict = {}  # (device index, stream) -> its row counter, zero between launches

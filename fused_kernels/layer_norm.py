@@ -36,10 +36,10 @@ per cluster.
 
 Launch shapes: `plan(n_rows, n_cols, dtype, ...)` is the one place that decides them (block, rows per
 tile, warps, grid sizes, chunked or not, the cluster backward), from the tables below; it returns a
-`fused_kernels._dispatch.Plan` whose `config` is a `LayerNormConfig` and whose `reason` says why. The whole-row forward is persistent
-(up to 8 programs an SM), the chunked one runs a program per row; the backward is persistent (each
-program owns one partial row of dw and of db, or, chunked, none). Under the CPU interpreter the grids
-stay within a few programs (each costs about a millisecond there).
+`fused_kernels._dispatch.Plan` whose `config` is a `LayerNormConfig` and whose `reason` says why. The
+whole-row forward is persistent (up to 8 programs an SM), the chunked one runs a program per row; the
+backward is persistent (each program owns one partial row of dw and of db, or, chunked, none). Under
+the CPU interpreter the grids stay within a few programs (each costs about a millisecond there).
 
 Dispatch: eager calls go through a torch.autograd.Function (a few µs of Python); torch.compile traces the
 custom ops fused_kernels::layer_norm_fwd / layer_norm_bwd. Both run `_forward_impl` / `_backward_impl`.
@@ -135,6 +135,7 @@ CLUSTER_BACKWARD_SHAPES = {
 # of w cost as much as the rows: the Triton backward takes those calls.
 MIN_ROWS_PER_CLUSTER = 4
 _BWD_OP = "layer_norm_bwd"  # the op name _dispatch knows the backward's paths by
+_cluster_kernels = _gpu.norm_smem_kernels  # the cluster backward's launcher (a name tests replace)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -189,12 +190,12 @@ def plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int = 132, inte
     `backward_cluster`): that one only for a backward call, which passes its `device` facts, the
     weight's and dy's dtypes, whether every row is 16-byte aligned and whether deterministic mode is on."""
     p = _triton_plan(n_rows, n_cols, dtype, sm_count, interpreted)
-    if device is None or interpreted:
+    if device is None or interpreted or cluster_shape(n_cols) is None:
         return p
     launch, why = backward_cluster(n_rows, n_cols, dtype, weight_dtype, device=device, dy_dtype=dy_dtype,
                                    aligned=aligned, deterministic=deterministic)
     if launch is None:
-        return p if cluster_shape(n_cols) is None else Plan(p.path, p.config, f"{p.reason}; not cluster: {why}")
+        return Plan(p.path, p.config, f"{p.reason}; not cluster: {why}")
     return Plan("cluster backward", dataclasses.replace(p.config, bwd_cluster=launch),
                 f"{_forward_reason(p.config, n_cols)}; backward: {why}, dw/db partial rows one per cluster")
 
@@ -568,8 +569,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
     mean, rstd = mean.contiguous().reshape(-1), rstd.contiguous().reshape(-1)
     facts = device_facts(device)
     # alignment only matters (and is only looked at) for the lengths the cluster backward takes
-    aligned = (cluster_shape(n_cols) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(dy2)
-               and _gpu.aligned_weight(weight))
+    aligned = cluster_shape(n_cols) is not None and _gpu.aligned_rows(x2, dy2) and _gpu.aligned_weight(weight)
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x2.dtype, facts.sm_count, _INTERPRETED, device=facts,
@@ -587,9 +587,7 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
                 dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, shape=launch_cfg.shape, grid=programs,
                 compute_dw=compute_dw, compute_db=compute_db), instead="the Triton backward"):
             return (dx,) + _sum_partial_rows(dw_partial, db_partial, programs, weight, bias, compute_dw, compute_db)
-        p = plan_now()
-        if p.path == "cluster backward":
-            raise RuntimeError(f"layer_norm: plan() chose the cluster backward again after it was turned off ({p})")
+        p = _dispatch.planned_again("layer_norm", "cluster backward", plan_now())
     cfg = p.config
     separate = cfg.param_grid is not None and (compute_dw or compute_db)
     programs = cfg.param_grid[3] if separate else cfg.bwd_programs  # partial rows of dw / db
@@ -627,14 +625,6 @@ def _sum_partial_rows(dw_partial: torch.Tensor, db_partial: torch.Tensor, progra
                 programs, n_cols),
                dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))
     return dw, db
-
-
-def _cluster_kernels():
-    """fused_kernels.norm_smem, the cluster backward's launcher: imported on its first launch (plan()
-    never picks it under the CPU interpreter, which has no Gluon)."""
-    from fused_kernels import norm_smem
-
-    return norm_smem
 
 
 # ----------------------------------------------------------------------------------------------

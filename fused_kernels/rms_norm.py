@@ -207,6 +207,7 @@ CLUSTER_FORWARD_SHAPES = {
 # start to cost as much as the rows themselves: the other paths take those calls.
 MIN_ROWS_PER_CLUSTER = 4
 _OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
+_cluster_kernels = _gpu.norm_smem_kernels  # the "cluster" path's launchers (a name tests replace)
 
 
 def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
@@ -807,8 +808,7 @@ def _forward_impl(
     facts = device_facts(device)
     y2 = y.view(n_rows, n_cols)
     # alignment only matters (and is only looked at) for the lengths the cluster kernels take
-    aligned = (cluster_shape(n_cols, False) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(y2)
-               and _gpu.aligned_weight(weight))
+    aligned = cluster_shape(n_cols, False) is not None and _gpu.aligned_rows(x2, y2) and _gpu.aligned_weight(weight)
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward", device=facts,
@@ -822,7 +822,7 @@ def _forward_impl(
                 x2, weight, y2, rstd.view(n_rows), shape=cfg.shape, grid=cfg.clusters, eps=eps, offset=offset,
                 casting_id=_CASTING_ID[casting_mode]), instead="the Triton forward"):
             return y, rstd
-        p = _planned_again(plan_now())
+        p = _dispatch.planned_again("rms_norm", "cluster", plan_now())
     args = (
         x2, x2 if weight is None else weight, y, rstd,
         n_rows, n_cols, _row_stride(x2), n_cols,
@@ -872,8 +872,7 @@ def _backward_impl(
     count_launch("rms_norm_bwd")
     facts = device_facts(device)
     # alignment only matters (and is only looked at) for the lengths the cluster kernels take
-    aligned = (cluster_shape(n_cols, True) is not None and _gpu.aligned_rows(x2) and _gpu.aligned_rows(dy2)
-               and _gpu.aligned_weight(weight))
+    aligned = cluster_shape(n_cols, True) is not None and _gpu.aligned_rows(x2, dy2) and _gpu.aligned_weight(weight)
 
     def plan_now() -> Plan:
         return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward", device=facts,
@@ -891,7 +890,7 @@ def _backward_impl(
                 instead="the Triton backward"):
             programs = cfg.clusters
         else:
-            p = _planned_again(plan_now())
+            p = _dispatch.planned_again("rms_norm", "cluster", plan_now())
     if p.path == "split":
         partial, programs = _split_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output,
                                             p.config, facts.sm_count)
@@ -901,21 +900,6 @@ def _backward_impl(
     if compute_dw:
         return dx, _sum_partial_rows(partial, programs, weight)
     return dx, partial.new_empty(0)
-
-
-def _planned_again(p: Plan) -> Plan:
-    """The plan after a forgiven first build of the cluster kernel (which turned its path off)."""
-    if p.path == "cluster":
-        raise RuntimeError(f"rms_norm: plan() chose the cluster path again after it was turned off ({p})")
-    return p
-
-
-def _cluster_kernels():
-    """fused_kernels.norm_smem, the "cluster" path's launchers: imported on its first launch (plan()
-    never picks it under the CPU interpreter, which has no Gluon)."""
-    from fused_kernels import norm_smem
-
-    return norm_smem
 
 
 def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool,

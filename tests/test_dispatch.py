@@ -45,3 +45,12 @@ def test_plan_is_a_readable_value():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert "4096" in repr(p)
+
+
+def test_planned_again_refuses_the_path_that_was_turned_off():
+    """After run_path turned a path off, an op's new plan must be another path: it is returned as is,
+    and a plan that chose the same path again is an error naming the op and the plan."""
+    triton_plan = _dispatch.Plan("triton", None, "the fallback")
+    assert _dispatch.planned_again("demo", "cluster", triton_plan) is triton_plan
+    with pytest.raises(RuntimeError, match="demo: plan\\(\\) chose the cluster path again"):
+        _dispatch.planned_again("demo", "cluster", _dispatch.Plan("cluster", None, "again"))
