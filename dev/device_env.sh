@@ -13,6 +13,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-cache-dir --force-reinstall .whl/autopatch-*.whl \
       || echo "WARNING: the autopatch wheel did not install; its .pth will not run"
   fi
+  if [ "${HUB_STACK:-0}" = 1 ]; then  # transformers 5.25 + Hub kernels 0.19.1 over the image's transformers
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/hub/*.whl \
+      || echo "WARNING: the HUB_STACK wheels did not install"
+  fi
 else
   echo "WARNING: no .whl/ carried; autopatch needs pydantic-settings, and the Liger / Cut-CE peers will be skipped"
 fi

@@ -29,7 +29,16 @@ fetch hjson==3.1.0
 if ! compgen -G ".whl/deepspeed-*.whl" >/dev/null; then
   DS_BUILD_OPS=0 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps deepspeed==0.19.8 -w .whl
 fi
+# today's Hugging Face stack, installed only with HUB_STACK=1 (dev/device_env.sh): transformers 5.25, which
+# requires Hub kernels 0.19.1 and kernelizes from_pretrained models by default, and what they need beyond the image
+mkdir -p .whl/hub
+fetch_hub() { fetch "$@"; mv .whl/*.whl .whl/hub/ 2>/dev/null || true; }
+keep=$(mktemp -d); mv .whl/*.whl "$keep"/
+fetch_hub transformers==5.25.0 kernels==0.19.1 huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 \
+  httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 idna==3.21 click==8.5.1 \
+  hf-xet==1.8.0 tomlkit==0.15.3 typer==0.29.2 regex==2026.12.2 typing-extensions==4.15.0
+mv "$keep"/*.whl .whl/; rmdir "$keep"
 # this checkout
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps . -w .whl
-ls -1 .whl
+ls -1 .whl .whl/hub
 du -sh .whl
