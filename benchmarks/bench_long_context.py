@@ -1,0 +1,266 @@
+"""Long context on one GPU: the longest sequence a training step holds, per peer, found by bisection.
+
+    python benchmarks/bench_long_context.py --out benchmarks/results/<gpu>-long-context.json
+
+At batch 1, a step is forward, backward and optimizer step on random token ids (labels = ids). Models
+(random weights from a config; nothing is downloaded), bf16, sdpa attention, gradient checkpointing on
+for every peer (HF's own, non-reentrant), built the way users build (`with torch.device("cuda")`):
+  llama3.1_8b_lora   Llama-3.1-8B shape (32 layers, hidden 4096, 14336, 32/8 heads, vocab 128256), bf16
+                     base frozen, LoRA r=16 on every linear layer (peft), AdamW over the adapters
+  llama3.2_3b_full   Llama-3.2-3B shape (28 layers, hidden 3072, 8192, 24/8 heads, vocab 128256, tied),
+                     every parameter trained with AdamW
+  tiny_llama         2 layers of hidden 64: the CPU dry run
+Peers: hf (plain transformers), liger (apply_liger_kernel_to_llama: rope, rms_norm, swiglu,
+fused_linear_cross_entropy), ours (FUSED_KERNELS=all through the import hooks, as a user runs it).
+
+Each trial (model, peer, length) runs in a fresh process; an out-of-memory step is a failed trial.
+The search doubles the length from --start until a trial fails, then bisects to --granularity.
+
+Depth cut (--layers K, fewer than the model's): a full-depth step at long lengths can outrun the
+device's per-command limit, so a trial measures the peak of the model cut to K and to K+1 layers at
+that length; the per-layer increment (weights, gradients, optimizer state and the layer's saved
+activations at that length) times the layers left out is added: the reported peak of a cut trial is
+that estimate, and the trial fits when it is under the GPU's memory. `cut_layers` says so in the JSON;
+--cross-check L runs length L both ways (full depth and cut).
+
+Per trial: peak GPU memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host
+memory (ru_maxrss), the step's wall time, tokens/s. The JSON lists every trial and, per model and
+peer, the longest length that fit; --table prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from bench_e2e import run_json_worker  # noqa: E402  (one fresh process per trial, killed whole at timeout)
+
+MODELS = {
+    "llama3.1_8b_lora": {
+        "config": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=1 << 21,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False),
+        "lora_r": 16,
+    },
+    "llama3.2_3b_full": {
+        "config": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                       num_key_value_heads=8, vocab_size=128256, max_position_embeddings=1 << 21,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
+        "lora_r": None,
+    },
+    "tiny_llama": {
+        "config": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=256, max_position_embeddings=1 << 16,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+        "lora_r": 4,
+    },
+}
+PEERS = ("hf", "liger", "ours")
+LIGER_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# One trial: one model (at some depth), one peer, one length, in its own process
+# ----------------------------------------------------------------------------------------------------
+
+
+def build(model_key: str, peer: str, layers: int | None, device, torch):
+    """The model as `peer` trains it: Liger's class patches before it is built; ours from the import
+    hooks (FUSED_KERNELS=all in the worker's environment), started here when not installed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = MODELS[model_key]
+    if peer == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(**LIGER_TOGGLES)
+    elif peer == "ours" and "autopatch._startup" not in sys.modules:
+        import autopatch
+
+        autopatch.enable()
+    config = dict(spec["config"])
+    if layers:
+        config["num_hidden_layers"] = layers
+    cfg = AutoConfig.for_model("llama", **config)
+    cfg.use_cache = False
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec["lora_r"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=spec["lora_r"], lora_alpha=2 * spec["lora_r"],
+                                                 target_modules="all-linear", lora_dropout=0.0))
+    return model.train()
+
+
+def one_step(model, seq: int, device, torch) -> dict:
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (1, seq), device=device, generator=gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    value = float(loss)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    out = {"loss": value, "step_s": seconds, "tokens_per_s": seq / seconds}
+    if device.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["capacity_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return out
+
+
+def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: str) -> dict:
+    """Peak memory and time of one step at `seq`; with `layers` (a cut), the full depth's peak
+    estimated from the cut at `layers` and `layers + 1` (see the module docstring)."""
+    import torch
+
+    device = torch.device(device_name)
+    full = MODELS[model_key]["config"]["num_hidden_layers"]
+    res = {"model": model_key, "peer": peer, "seq": seq, "status": "ok"}
+    depths = [layers, layers + 1] if layers and layers < full else [None]
+    steps = []
+    for depth in depths:
+        torch.manual_seed(0)
+        model = build(model_key, peer, depth, device, torch)
+        steps.append(one_step(model, seq, device, torch))
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    res.update(steps[0])
+    if len(steps) == 2 and "peak_gib" in steps[0]:
+        per_layer = steps[1]["peak_gib"] - steps[0]["peak_gib"]
+        res.update(cut_layers=layers, full_layers=full, per_layer_gib=per_layer,
+                   measured_peak_gib=steps[0]["peak_gib"],
+                   peak_gib=steps[0]["peak_gib"] + (full - layers) * per_layer)
+    if "peak_gib" in res and res["peak_gib"] > res["capacity_gib"]:
+        res["status"] = "oom"
+        res["error"] = f"estimated full-depth peak {res['peak_gib']:.1f} GiB > {res['capacity_gib']:.1f} GiB"
+    res["host_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# The search, in the driver
+# ----------------------------------------------------------------------------------------------------
+
+
+def run_trial(model_key, peer, seq, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--trial", "--model", model_key, "--peer", peer,
+           "--seq", str(seq), "--device", args.device]
+    if args.layers:
+        cmd += ["--layers", str(args.layers)]
+    res = run_json_worker(cmd, {"model": model_key, "peer": peer, "seq": seq}, args.trial_timeout_s,
+                          fused_kernels="all" if peer == "ours" else None)
+    print(f"[long-context] {model_key} {peer} {seq}: {res.get('status')} "
+          f"{res.get('peak_gib', float('nan')):.1f} GiB {res.get('step_s', float('nan')):.1f} s", flush=True)
+    return res
+
+
+def longest(model_key, peer, args, trials: list) -> int:
+    """The longest length that fit, by doubling from --start, then bisection to --granularity."""
+    fits = lambda r: r.get("status") == "ok"  # noqa: E731
+    good, bad, seq = 0, None, args.start
+    while seq <= args.max_seq:
+        res = run_trial(model_key, peer, seq, args)
+        trials.append(res)
+        if not fits(res):
+            bad = seq
+            break
+        good, seq = seq, seq * 2
+    if bad is None:
+        return good
+    while bad - good > args.granularity:
+        mid = (good + bad) // 2 // args.granularity * args.granularity
+        if mid in (good, bad):
+            break
+        res = run_trial(model_key, peer, mid, args)
+        trials.append(res)
+        good, bad = (mid, bad) if fits(res) else (good, mid)
+    return good
+
+
+def table(data: dict) -> str:
+    lines = ["| model | peer | longest fit (tokens) | tokens/s there | peak GiB there |", "|---|---|---|---|---|"]
+    for row in data["longest"]:
+        at = next((t for t in data["trials"] if t["model"] == row["model"] and t["peer"] == row["peer"]
+                   and t["seq"] == row["longest"] and t.get("status") == "ok"), {})
+        lines.append(f"| {row['model']} | {row['peer']} | {row['longest']} | {at.get('tokens_per_s', 0):.0f} | "
+                     f"{at.get('peak_gib', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trial", action="store_true", help="internal: one trial, written to --result")
+    ap.add_argument("--model", default=None, help=f"one of {', '.join(MODELS)} (trial)")
+    ap.add_argument("--models", default="llama3.1_8b_lora,llama3.2_3b_full")
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--peer", choices=PEERS)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--layers", type=int, default=None, help="depth cut (see the docstring)")
+    ap.add_argument("--start", type=int, default=8192)
+    ap.add_argument("--granularity", type=int, default=4096)
+    ap.add_argument("--max-seq", type=int, default=1 << 20)
+    ap.add_argument("--trial-timeout-s", type=float, default=300)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--result")
+    ap.add_argument("--out")
+    ap.add_argument("--table", help="print the table of a results JSON")
+    a = ap.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            print(table(json.load(f)))
+        return 0
+    if a.trial:
+        try:
+            res = trial(a.model, a.peer, a.seq, a.layers, a.device)
+        except BaseException as exc:  # recorded, not raised: the driver reads the file
+            import torch
+
+            oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+            res = {"model": a.model, "peer": a.peer, "seq": a.seq, "status": "oom" if oom else "error",
+                   "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            if not oom:
+                res["traceback"] = traceback.format_exc(limit=8)[-3000:]
+        with open(a.result, "w") as f:
+            json.dump(res, f, default=str)
+        return 0
+    from bench_common import environment
+
+    import torch
+
+    data = {"environment": environment(torch.device(a.device)), "layers_cut": a.layers, "trials": [], "longest": []}
+    for model_key in a.models.split(","):
+        for peer in a.peers.split(","):
+            data["longest"].append({"model": model_key, "peer": peer,
+                                    "longest": longest(model_key, peer, a, data["trials"])})
+    print(table(data))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(data, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""benchmarks/bench_long_context.py on the CPU: the search (doubling, then bisection) and the trial worker
+on a tiny Llama, plain and patched through FUSED_KERNELS, each trial in its own process. Liger's kernels
+do not run in Triton's interpreter, so the CPU run leaves that peer out."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_long_context  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_search_doubles_then_bisects(monkeypatch):
+    """Lengths up to 40960 fit: doubling from 8192 fails at 65536, bisection ends at 40960."""
+    asked = []
+
+    def fake_trial(model_key, peer, seq, args):
+        asked.append(seq)
+        return {"status": "ok" if seq <= 40960 else "oom", "seq": seq}
+
+    monkeypatch.setattr(bench_long_context, "run_trial", fake_trial)
+    args = SimpleNamespace(start=8192, max_seq=1 << 20, granularity=4096)
+    trials = []
+    assert bench_long_context.longest("m", "p", args, trials) == 40960
+    assert asked[:4] == [8192, 16384, 32768, 65536]
+    assert asked[4:] == [49152, 40960, 45056]
+    assert len(trials) == len(asked)
+
+
+def test_tiny_run_on_the_cpu(tmp_path):
+    out = tmp_path / "lc.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_long_context.py", "--models", "tiny_llama",
+                           "--peers", "hf,ours", "--device", "cpu", "--start", "16", "--max-seq", "32",
+                           "--granularity", "16", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [(r["peer"], r["longest"]) for r in data["longest"]] == [("hf", 32), ("ours", 32)]
+    losses = {}
+    for t in data["trials"]:
+        assert t["status"] == "ok", t
+        assert math.isfinite(t["loss"]) and t["loss"] > 0
+        losses.setdefault(t["seq"], {})[t["peer"]] = t["loss"]
+    for seq, by_peer in losses.items():  # same seed, same weights, same tokens: the same loss
+        assert by_peer["ours"] == pytest.approx(by_peer["hf"], rel=1e-5), seq
+    assert "| tiny_llama | ours | 32 |" in proc.stdout
