@@ -104,7 +104,7 @@ def _grouped_floor(shape, leaves, idx, device, torch, do_bench):
     """The forward's and backward's grouped GEMMs alone, on expert-sorted rows made beforehand."""
     import importlib
 
-    moe = importlib.import_module("fused_kernels.moe_experts")  # the module (the package attribute is the op)
+    from fused_kernels.ops import moe_experts as moe
 
     x, w, gate_up, down, dout = leaves
     perm, inv, offsets = moe._routing(idx, shape["experts"])

@@ -14,7 +14,6 @@ many programs share an SM (65536 per SM), which rms_norm's persistent grids are 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import subprocess
@@ -80,7 +79,7 @@ def rms_norm_signature(dtype: str, backward: bool) -> dict:
 
 
 def rms_norm_cases(cols: list[int], dtype: str):
-    rms = importlib.import_module("fused_kernels.rms_norm")
+    from fused_kernels.ops import rms_norm as rms
     for backward in (False, True):
         configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
                    for c in rms.candidate_configs(backward)]
@@ -99,7 +98,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
 
 def rms_norm_split_cases(cols: list[int], dtype: str):
     """The split backward's two kernels (rows longer than SPLIT_BACKWARD_FROM) with the default config."""
-    rms = importlib.import_module("fused_kernels.rms_norm")
+    from fused_kernels.ops import rms_norm as rms
     cfg = rms.SplitBackwardConfig()
     dot_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
                "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32", "offset": "fp32", "n_dot_blocks": "i32"}
@@ -122,7 +121,7 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
 
 
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
-    rope = importlib.import_module("fused_kernels.rope")
+    from fused_kernels.ops import rope
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "qo_ptr": f"*{dtype}", "ko_ptr": f"*{dtype}",
            "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}
     for name in rope._rope_kernel.arg_names[6:]:
@@ -150,7 +149,7 @@ def _ce_signature(dtype: str) -> dict:
 
 def cross_entropy_cases(vocabs: list[int], dtype: str):
     """The cross-entropy kernel with the launch table's shape for each V, writing the gradient."""
-    ce = importlib.import_module("fused_kernels.cross_entropy")
+    from fused_kernels.ops import cross_entropy as ce
     sig = _ce_signature(dtype)
     pointers = [k for k in sig if k.endswith("_ptr")]
     for v in vocabs:
@@ -180,9 +179,9 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     """The Gluon kernel (row in shared memory) with each SMEM_TABLE shape for each V it covers (a split
     row, and the unsplit one a GPU without clusters takes), with and without the optional terms; per_sm
     is the CTAs per SM the table expects to fit."""
-    ce = importlib.import_module("fused_kernels.cross_entropy")
-    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
-    _gpu = importlib.import_module("fused_kernels._gpu")
+    from fused_kernels.ops import cross_entropy as ce
+    from fused_kernels.ops import cross_entropy_smem as smem
+    from fused_kernels import _gpu
     sig, aligned = ce_smem_signature(dtype)
     for v in vocabs:
         bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
@@ -202,9 +201,9 @@ def norm_smem_cases(cols: list[int], dtype: str):
     """The long-row backward read once (norm_smem) for each length rms_norm dispatches to it, in every
     casting mode, with an offset and without dw, and the long-row forward likewise (with an offset and
     without a weight); their launches cap registers (maxnreg) for per_sm CTAs."""
-    rms = importlib.import_module("fused_kernels.rms_norm")
-    ln = importlib.import_module("fused_kernels.layer_norm")
-    smem = importlib.import_module("fused_kernels.norm_smem")
+    from fused_kernels.ops import rms_norm as rms
+    from fused_kernels.ops import layer_norm as ln
+    from fused_kernels.ops import norm_smem as smem
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     sig = {"dy_ptr": t, "x_ptr": t, "w_ptr": t, "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": t,
            "dw_part_ptr": "*fp32", "db_part_ptr": "*fp32", "next_ptr": "*i32", "counter_ptr": "*i32", "n_rows": "i32",

@@ -24,7 +24,6 @@ A candidate that fails to compile or run is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import statistics
@@ -41,8 +40,8 @@ from triton.testing import do_bench  # noqa: E402
 
 import fused_kernels  # noqa: E402
 
-ce = importlib.import_module("fused_kernels.cross_entropy")
-flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
+from fused_kernels.ops import cross_entropy as ce
+from fused_kernels.ops import fused_linear_cross_entropy as flce
 LaunchConfig = ce.LaunchConfig
 
 # V tuned -> the LAUNCH_TABLE bound its winner is pasted under.

@@ -16,7 +16,7 @@ import itertools
 import torch
 import triton
 
-from fused_kernels import glu
+from fused_kernels.ops import glu
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -33,7 +33,7 @@ from tune_common import graph_ms, header  # noqa: E402
 import fused_kernels  # noqa: E402,F401  (registers the custom ops)
 from fused_kernels._dispatch import Plan  # noqa: E402
 
-ln = importlib.import_module("fused_kernels.layer_norm")
+from fused_kernels.ops import layer_norm as ln
 
 
 def _pow2_at_least(n: int) -> int:
@@ -183,7 +183,7 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float, cluster_
                 bwd.append((rows, block, True, warps, programs, stages, ln._param_grid(n_rows, n_cols, sms, False)))
         best_tiling = (2, 4096, True, 16, min(-(-n_rows // 2), 2 * sms), 1)
         bwd += [best_tiling + (p,) for p in param_candidates(n_rows, n_cols, sms)]
-    smem = importlib.import_module("fused_kernels.norm_smem")
+    from fused_kernels.ops import norm_smem as smem
     if cluster_only:
         bwd = [c + (None,) for c in tilings if c[2]][:2]  # two chunked Triton backwards to compare with
     for warps, ctas, per_sm in CLUSTER_CANDIDATES:  # the cluster backward: ("cluster", warps, ctas, per_sm)

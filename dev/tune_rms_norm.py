@@ -21,7 +21,6 @@ kernels. A forced plan replaces the cluster path too.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from unittest import mock
@@ -37,7 +36,7 @@ from tune_common import autotune_timings, config_str, graph_ms, header, host_us,
 import fused_kernels  # noqa: E402  (registers the custom ops)
 from fused_kernels._dispatch import Plan  # noqa: E402
 
-rms = importlib.import_module("fused_kernels.rms_norm")  # the module; fused_kernels.rms_norm is the function
+from fused_kernels.ops import rms_norm as rms
 
 
 @triton.jit

@@ -19,7 +19,6 @@ rope.launch_config) and timed kernel-only.
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import os
 import sys
@@ -33,7 +32,7 @@ from tune_common import autotune_timings, config_str, graph_ms, header, host_us,
 
 import fused_kernels  # noqa: E402
 
-rope_module = importlib.import_module("fused_kernels.rope")  # the module; fused_kernels.rope is the function
+from fused_kernels.ops import rope as rope_module
 
 
 class forced:

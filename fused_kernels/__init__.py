@@ -13,14 +13,14 @@ live in fused_kernels._gpu.
 """
 
 from fused_kernels._utils import interpreter_on, launch_counts, reset_launch_counts, triton_can_run
-from fused_kernels.rms_norm import rms_norm
-from fused_kernels.layer_norm import layer_norm
-from fused_kernels.rope import rope
-from fused_kernels.glu import geglu, glu_linear, swiglu
-from fused_kernels.gelu import gelu, gelu_linear
-from fused_kernels.cross_entropy import cross_entropy
-from fused_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
-from fused_kernels.moe_experts import moe_experts
+from fused_kernels.ops.rms_norm import rms_norm
+from fused_kernels.ops.layer_norm import layer_norm
+from fused_kernels.ops.rope import rope
+from fused_kernels.ops.glu import geglu, glu_linear, swiglu
+from fused_kernels.ops.gelu import gelu, gelu_linear
+from fused_kernels.ops.cross_entropy import cross_entropy
+from fused_kernels.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fused_kernels.ops.moe_experts import moe_experts
 
 __all__ = [
     "rms_norm",

@@ -230,7 +230,7 @@ def aligned_weight(weight) -> bool:
 def norm_smem_kernels():
     """fused_kernels.norm_smem, the norms' cluster launchers: imported on a first cluster launch (no
     plan() picks a cluster under the CPU interpreter, which has no Gluon)."""
-    from fused_kernels import norm_smem
+    from fused_kernels.ops import norm_smem
 
     return norm_smem
 

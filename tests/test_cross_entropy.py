@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import math
 
 import pytest
@@ -25,9 +24,9 @@ from hypothesis import strategies as st
 import fused_kernels
 from helpers import REL_TOL, assert_close
 
-ce = importlib.import_module("fused_kernels.cross_entropy")
-gpu = importlib.import_module("fused_kernels._gpu")
-dispatch = importlib.import_module("fused_kernels._dispatch")
+from fused_kernels.ops import cross_entropy as ce
+from fused_kernels import _gpu as gpu
+from fused_kernels import _dispatch as dispatch
 H200 = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
 A100 = gpu.DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=167936, gluon=True)
 ROOMY = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=10**9, gluon=True)  # every shape fits
@@ -708,7 +707,7 @@ def test_chunks_in_registers_rules():
     """Which chunks a CTA may hold in registers (whole chunks, at most MAX_IN_REGISTERS, two left in shared
     memory: a one-chunk buffer does not build), the shared memory the rest takes, and the register cap
     that lets per_sm CTAs share an SM's 65536 registers."""
-    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    from fused_kernels.ops import cross_entropy_smem as smem
     assert smem.registers_allowed(65536, 8, 8, 2) and not smem.registers_allowed(65536, 8, 8, 3)  # 4 chunks
     assert smem.registers_allowed(20000, 8, 1, 4) and not smem.registers_allowed(20000, 8, 1, 5)
     assert not smem.registers_allowed(4000, 8, 1, 1)  # one full chunk and the tail: only one would stay
@@ -891,7 +890,7 @@ def test_smem_kernel_compiles_for_sm90():
     # spills: none, except <= check_sm90.CAPPED_SPILL_BYTES where the launch caps registers (in_registers)
     assert "32 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
     assert "grid sized for" not in out, out
-    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    from fused_kernels.ops import cross_entropy_smem as smem
     for line in out.splitlines():
         if "cross_entropy_smem V=" in line:
             shared = int(line.split("shared")[1].split()[0])
@@ -905,7 +904,7 @@ def test_smem_kernel_compiles_for_sm90():
 
 def _smem_calls(monkeypatch):
     """Count launches of the shared-memory kernel (to know the path under test was taken)."""
-    smem = importlib.import_module("fused_kernels.cross_entropy_smem")
+    from fused_kernels.ops import cross_entropy_smem as smem
     calls = []
     real = smem.launch_ce_smem
 

@@ -173,7 +173,7 @@ def test_return_logits_false_and_true(mode, value):
 # ----------------------------------------------------------------------------------------------
 # Distribution statistics (entropy, log Σ p², mean logit): what TRL's fused head reports, forward-only
 
-_flce = __import__("importlib").import_module("fused_kernels.fused_linear_cross_entropy")
+from fused_kernels.ops import fused_linear_cross_entropy as _flce
 _DIST = ("entropy", "log_sum_sq_probs", "mean_logits")
 
 

@@ -9,7 +9,6 @@ for every reduction (reduction="none" recomputes the chunks in the backward).
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
@@ -23,7 +22,7 @@ from test_cross_entropy import (DTYPES, LAUNCHES, VOCABS, _poison_outputs, asser
                                 ce_config, follow_buffers, grad_terms, make_target, overridden, reference_loss,
                                 storage_refs)
 
-flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
+from fused_kernels.ops import fused_linear_cross_entropy as flce
 
 LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # bf16/fp16 logits are rounded
 

@@ -20,7 +20,7 @@ from hypothesis import given, reject
 from hypothesis import strategies as st
 
 import fused_kernels
-from fused_kernels import glu
+from fused_kernels.ops import glu
 from helpers import REL_TOL, assert_close, poison_, randn, rel_err
 
 # Saturated activations overflow exp() to inf inside the interpreter's numpy (harmless: σ → 0).

@@ -3,11 +3,10 @@ GPU, the device facts a plan sees, and the register cap the Gluon launches give 
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 
-gpu = importlib.import_module("fused_kernels._gpu")
+from fused_kernels import _gpu as gpu
 
 
 def test_off_the_gpu():

@@ -7,7 +7,6 @@ anywhere into an infinite error, so an element a kernel fails to write, or a NaN
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from fused_kernels._gpu import OFF_GPU, ClusterLaunch, ClusterShape, DeviceFacts
 import helpers
 from helpers import REL_TOL, assert_close, randn
 
-ln_module = importlib.import_module("fused_kernels.layer_norm")
+from fused_kernels.ops import layer_norm as ln_module
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AFFINE = ("weight+bias", "weight", "bias", "none")
@@ -460,7 +459,7 @@ def test_cluster_backward_dispatch_and_build_failure(monkeypatch, fresh_dispatch
 def test_cluster_launchers_write_dx_rows_n_cols_apart(monkeypatch):
     """Both norms' cluster launchers give the kernel dx's row stride as n_cols for an output of x's shape
     with any number of dimensions ((batch, seq, N): its stride(0) is seq·N, not a row's)."""
-    smem = pytest.importorskip("fused_kernels.norm_smem")
+    smem = pytest.importorskip("fused_kernels.ops.norm_smem")
     if smem.gluon is None:
         pytest.skip("no Gluon in this Triton")
     seen = []
@@ -516,7 +515,9 @@ def test_gpu_fp32_matches_torch(device):
 
 def _cluster_backward_calls(monkeypatch):
     """The shapes norm_smem.launch_layer_norm_backward is called with, from now on."""
-    return helpers.launch_shapes(monkeypatch, importlib.import_module("fused_kernels.norm_smem"),
+    from fused_kernels.ops import norm_smem
+
+    return helpers.launch_shapes(monkeypatch, norm_smem,
                                  "launch_layer_norm_backward")
 
 

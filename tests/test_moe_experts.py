@@ -1,6 +1,5 @@
 """fused_kernels.moe_experts against a float64 per-expert loop (the formula of transformers' eager experts)."""
 
-import importlib
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import fused_kernels
 from fused_kernels._gpu import DeviceFacts
 from tests.helpers import poisoned_outputs
 
-mod = importlib.import_module("fused_kernels.moe_experts")  # the module (the package attribute is the function)
+from fused_kernels.ops import moe_experts as mod
 
 ACT = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
 

@@ -6,7 +6,6 @@ the listing (`python tests/test_plans.py --write`) and the diff shows what moved
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import pathlib
 import sys
@@ -66,14 +65,14 @@ def _entry(op: str, call: dict, p) -> dict:
 
 def listing() -> list[dict]:
     """Every plan of the table, in a fixed order."""
-    rms = importlib.import_module("fused_kernels.rms_norm")
-    ln = importlib.import_module("fused_kernels.layer_norm")
-    rope = importlib.import_module("fused_kernels.rope")
-    glu = importlib.import_module("fused_kernels.glu")
-    gelu = importlib.import_module("fused_kernels.gelu")
-    ce = importlib.import_module("fused_kernels.cross_entropy")
-    flce = importlib.import_module("fused_kernels.fused_linear_cross_entropy")
-    moe = importlib.import_module("fused_kernels.moe_experts")
+    from fused_kernels.ops import rms_norm as rms
+    from fused_kernels.ops import layer_norm as ln
+    from fused_kernels.ops import rope
+    from fused_kernels.ops import glu
+    from fused_kernels.ops import gelu
+    from fused_kernels.ops import cross_entropy as ce
+    from fused_kernels.ops import fused_linear_cross_entropy as flce
+    from fused_kernels.ops import moe_experts as moe
     out = []
     for name, (dev, interp) in DEVICES.items():
         def add(op, call, p):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import itertools
 
 import pytest
@@ -27,7 +26,7 @@ import helpers
 from helpers import REL_TOL, assert_close, randn, rel_err
 
 # The package re-exports the function under the module's name, so fetch the module itself.
-rms_norm_module = importlib.import_module("fused_kernels.rms_norm")
+from fused_kernels.ops import rms_norm as rms_norm_module
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MODES = ("llama", "gemma", "none")
@@ -862,8 +861,8 @@ def test_smem_backward_table_shapes_fit_an_sm():
     """Every length the cluster backward takes (CLUSTER_BACKWARD_SHAPES) is 2-4 whole chunks of its shape; per_sm CTAs' x and dy slices fit an
     H100/H200 SM's shared memory (228 KB, 1 KB reserved per CTA) and the register cap keeps >= 64 per
     thread (8 fp32 dw sums per chunk live in registers)."""
-    smem = pytest.importorskip("fused_kernels.norm_smem")
-    gpu = importlib.import_module("fused_kernels._gpu")
+    smem = pytest.importorskip("fused_kernels.ops.norm_smem")
+    from fused_kernels import _gpu as gpu
     assert rms_norm_module.cluster_shape(16384, True) == rms_norm_module.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
     assert rms_norm_module.cluster_shape(24576, True).chunk == 8192 and rms_norm_module.cluster_shape(32768, True).warps == 4  # measured at 32768
     assert rms_norm_module.cluster_shape(65536, True) == rms_norm_module.ClusterShape(warps=8, ctas=8, per_sm=4)
@@ -890,7 +889,7 @@ def test_smem_backward_table_shapes_fit_an_sm():
 def test_smem_forward_table_shapes_fit_an_sm():
     """The long-row forward takes 65536 only (8 chunks of 8192: where it was measured to win); per_sm
     CTAs' x and w slices fit an H100/H200 SM's shared memory."""
-    smem = pytest.importorskip("fused_kernels.norm_smem")
+    smem = pytest.importorskip("fused_kernels.ops.norm_smem")
     assert rms_norm_module.cluster_shape(65536, False) == rms_norm_module.ClusterShape(warps=4, ctas=8, per_sm=6)
     for n in (32768, 49152, 65536 + 8192, 131072, 4096):
         assert rms_norm_module.cluster_shape(n, False) is None, n
@@ -911,7 +910,7 @@ def test_smem_kernels_compile_for_sm90():
     import sys
 
     pytest.importorskip("triton.experimental.gluon")
-    smem = importlib.import_module("fused_kernels.norm_smem")
+    from fused_kernels.ops import norm_smem as smem
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     proc = subprocess.run([sys.executable, os.path.join(root, "dev", "check_sm90.py"), "--op", "norm_smem"],
@@ -919,7 +918,7 @@ def test_smem_kernels_compile_for_sm90():
     out = proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "28 kernels compiled for sm_90a, 0 with spills or failures" in out, out + proc.stderr[-3000:]
-    ln = importlib.import_module("fused_kernels.layer_norm")
+    from fused_kernels.ops import layer_norm as ln
     for line in out.splitlines():
         if "norm_smem " in line and " N=" in line:
             n = int(line.split("N=")[1].split()[0])
@@ -1052,7 +1051,9 @@ def test_smem_forward_dispatch_and_build_failure(monkeypatch, fresh_dispatch, fa
 
 def _smem_backward_calls(monkeypatch, launcher="launch_backward"):
     """The shapes norm_smem's `launcher` is called with, from now on."""
-    return helpers.launch_shapes(monkeypatch, importlib.import_module("fused_kernels.norm_smem"), launcher)
+    from fused_kernels.ops import norm_smem
+
+    return helpers.launch_shapes(monkeypatch, norm_smem, launcher)
 
 
 @pytest.mark.gpu
@@ -1142,7 +1143,7 @@ def test_gpu_claim_counter_resets_itself_and_graphs_capture(device):
     """The row-claiming kernels leave their stream's counter at zero (no fill per launch), so a second
     launch claims every row again and gives the same y bit for bit; launches captured in a CUDA graph use
     a counter of their own and replay to the same numbers."""
-    smem_ce = importlib.import_module("fused_kernels._gpu")
+    from fused_kernels import _gpu as smem_ce
     x = randn(1024, 65536, dtype=torch.bfloat16, device=device)
     w = randn(65536, dtype=torch.bfloat16, device=device)
     y1 = rms_norm(x, w)

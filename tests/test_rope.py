@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import fused_kernels
 from helpers import assert_close, poison_
 
-rope_module = importlib.import_module("fused_kernels.rope")  # the module; `fused_kernels.rope` is the function
+from fused_kernels.ops import rope as rope_module
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -673,7 +673,7 @@ def test_flce_chunk_setting_reaches_the_kernel(kernels, monkeypatch):
     ids, labels = _inputs()
     ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
     assert loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
-    flce = __import__("importlib").import_module("fused_kernels.fused_linear_cross_entropy")
+    from fused_kernels.ops import fused_linear_cross_entropy as flce
     seen = []
     real = flce.chunk_rows
     monkeypatch.setattr(flce, "chunk_rows", lambda n, v, e, mb=None: seen.append(mb) or real(n, v, e, mb))

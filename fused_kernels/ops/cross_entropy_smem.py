@@ -52,7 +52,7 @@ import triton
 
 from fused_kernels import _gpu
 from fused_kernels._launch import launch
-from fused_kernels.cross_entropy import _capped, _dlogits, _row_loss
+from fused_kernels.ops.cross_entropy import _capped, _dlogits, _row_loss
 
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
     from triton.experimental import gluon

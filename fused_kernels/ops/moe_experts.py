@@ -50,7 +50,7 @@ from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
-from fused_kernels.glu import geglu, swiglu
+from fused_kernels.ops.glu import geglu, swiglu
 
 __all__ = ["moe_experts", "plan", "ACTIVATIONS"]
 

@@ -477,7 +477,7 @@ def shape_refusal(cfg: LaunchConfig, n_rows: int, v: int, element_size: int, fac
     or None when it can: its paths are on (_dispatch.path_on), a split row has thread-block clusters
     (compute capability >= 9.0) of at most 8 CTAs and >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster,
     the chunks in registers are allowed, and per_sm CTAs' row buffers fit one SM's shared memory."""
-    from fused_kernels import cross_entropy_smem as smem
+    from fused_kernels.ops import cross_entropy_smem as smem
 
     path = path_of(cfg)
     if not _dispatch.path_on(OP, path):
@@ -609,7 +609,7 @@ def _planned(x: torch.Tensor, grad: Optional[torch.Tensor], facts: DeviceFacts) 
 
 def _smem_module():
     """fused_kernels.cross_entropy_smem, imported on first use (it imports this module's Triton helpers)."""
-    from fused_kernels import cross_entropy_smem
+    from fused_kernels.ops import cross_entropy_smem
 
     return cross_entropy_smem
 

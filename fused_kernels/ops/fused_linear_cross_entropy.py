@@ -43,7 +43,6 @@ workspace. Work: 3 GEMMs of 2·N·H·V FLOP plus one cross-entropy pass over N �
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Optional
 
@@ -57,7 +56,7 @@ from fused_kernels._launch import launch
 from fused_kernels._utils import check_float, count_launch
 
 # `fused_kernels.cross_entropy` the attribute is the function; the module is loaded by name.
-_ce = importlib.import_module("fused_kernels.cross_entropy")
+from fused_kernels.ops import cross_entropy as _ce
 
 __all__ = ["fused_linear_cross_entropy"]
 
