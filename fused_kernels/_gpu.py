@@ -227,14 +227,6 @@ def aligned_weight(weight) -> bool:
     return weight is None or (weight.is_contiguous() and weight.data_ptr() % 16 == 0)
 
 
-def norm_smem_kernels():
-    """fused_kernels.norm_smem, the norms' cluster launchers: imported on a first cluster launch (no
-    plan() picks a cluster under the CPU interpreter, which has no Gluon)."""
-    from fused_kernels.ops import norm_smem
-
-    return norm_smem
-
-
 _CLAIM_COUNTERS: dict = {}  # (device index, stream) -> its row counter, zero between launches
 
 

@@ -77,6 +77,7 @@ from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
+from fused_kernels._row_loss import capped, dlogits, row_loss
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, require_triton
 
 __all__ = ["cross_entropy"]
@@ -163,49 +164,6 @@ _CONFIG = {
 
 
 @triton.jit
-def _capped(x, logit_scale, softcap, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """z = softcap · tanh(s·x / softcap) (or s·x) in fp32. tanh(a) = sign(a)·(1 − e)/(1 + e) with
-    e = exp(−2|a|): no overflow, and no libdevice call (the interpreter and every Triton have exp).
-    Per class one exp and one division: the capped kernels are bound by the GPU's special-function
-    units (exp2, reciprocal), so x / softcap is a multiply by the scalar 1 / softcap (two units
-    per class instead of three)."""
-    z = x.to(tl.float32)
-    if HAS_SCALE:
-        z = z * logit_scale
-    if HAS_SOFTCAP:
-        a = z * (1.0 / softcap)
-        e = tl.exp(-2.0 * tl.abs(a))
-        t = (1.0 - e) / (1.0 + e)
-        z = softcap * tl.where(a < 0, -t, t)
-    return z
-
-
-@triton.jit
-def _dlogits(p, z, cols, y, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP: tl.constexpr,
-             HAS_TARGET: tl.constexpr = True):
-    """∂loss/∂x for a block of one row from its softmax p (see the module docstring); the coefficients
-    carry the normaliser and logit_scale: coef_p = c·(1 + 2λ·lse), coef_u = c·ε/V, coef_y = c·(1 − ε).
-    HAS_TARGET False: a block known not to hold the target (no per-class compare)."""
-    d = coef_p * p - coef_u
-    if HAS_TARGET:
-        d = tl.where(cols == y, d - coef_y, d)
-    if HAS_SOFTCAP:
-        c = tl.minimum(tl.abs(z) * (1.0 / softcap), 1.0)  # |z| <= softcap; masked lanes (z = -inf) give 0, not NaN
-        d = d * (1.0 - c * c)
-    return d
-
-
-@triton.jit
-def _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS: tl.constexpr):
-    """lse − z_y first: the loss may cancel to far below lse (p_y → 1, or V = 1), and each term added
-    before that difference would be rounded at lse's scale (ε·(z_y − mean z) likewise, 0 when V = 1)."""
-    loss = lse - zy
-    if HAS_LS:  # (this grouping: no spills in cross_entropy_smem's 4- and 8-CTA kernels on triton 3.9)
-        loss = loss + label_smoothing * zy - (label_smoothing * inv_v) * sumz
-    return loss + z_loss * lse * lse
-
-
-@triton.jit
 def _stats_block(x_blk, offs, lim, m, s, sumz, logit_scale, softcap, EVICT: tl.constexpr, MASKED: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LS: tl.constexpr):
     """One block of the first sweep (x_blk: the block's first logit, lim: classes left in the row):
@@ -214,9 +172,9 @@ def _stats_block(x_blk, offs, lim, m, s, sumz, logit_scale, softcap, EVICT: tl.c
     if MASKED:
         mask = offs < lim
         x = tl.load(x_blk + offs, mask=mask, other=0.0, eviction_policy=EVICT)
-        z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+        z = tl.where(mask, capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
     else:
-        z = _capped(tl.load(x_blk + offs, eviction_policy=EVICT), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = capped(tl.load(x_blk + offs, eviction_policy=EVICT), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
     m_new = tl.maximum(m, tl.max(z, 0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # only -inf so far: Σ stays 0
     s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(z - m_ref), 0)
@@ -239,8 +197,8 @@ def _grad_block(x_blk, g_blk, offs, lim, y_rel, lse, coef_p, coef_u, coef_y, log
         x = tl.load(x_blk + offs, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
     else:
         x = tl.load(x_blk + offs, eviction_policy=LOAD_EVICT)
-    z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
-    d = _dlogits(tl.exp(z - lse), z, offs, y_rel, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+    z = capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+    d = dlogits(tl.exp(z - lse), z, offs, y_rel, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
     d = for_store(d, g_blk.dtype.element_ty, EXACT_BF16).to(g_blk.dtype.element_ty)
     if MASKED:
         tl.store(g_blk + offs, d, mask=mask, eviction_policy=STORE_EVICT)
@@ -284,7 +242,7 @@ def _ce_kernel(
                 # The whole row in registers: one read, one write, one exp per class.
                 mask = offs < V
                 x = tl.load(x_row + offs, mask=mask, other=0.0, eviction_policy=DROP)
-                z = tl.where(mask, _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
+                z = tl.where(mask, capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP), float("-inf"))
                 m = tl.max(z, 0)
                 e = tl.exp(z - m)
                 s = tl.sum(e, 0)
@@ -293,15 +251,15 @@ def _ce_kernel(
                 sumz = 0.0
                 if HAS_LS:
                     sumz = tl.sum(tl.where(mask, z, 0.0), 0)
-                tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
+                tl.store(loss_ptr + row, row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
-                    d = _dlogits(e * (1.0 / s), z, offs, yc, coef * (1.0 + 2.0 * z_loss * lse),
+                    d = dlogits(e * (1.0 / s), z, offs, yc, coef * (1.0 + 2.0 * z_loss * lse),
                                  coef * label_smoothing * inv_v, coef * (1.0 - label_smoothing), softcap, HAS_SOFTCAP)
                     d = for_store(d, grad_ptr.dtype.element_ty, EXACT_BF16).to(grad_ptr.dtype.element_ty)
                     tl.store(g_row + offs, d, mask=mask, eviction_policy=DROP)
             else:
                 # z_y first: with the gradient written in place over the logits it would be gone.
-                zy = _capped(tl.load(x_row + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                zy = capped(tl.load(x_row + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.full((), 0.0, tl.float32)
                 sumz = tl.full((), 0.0, tl.float32)
@@ -312,7 +270,7 @@ def _ce_kernel(
                     m, s, sumz = _stats_block(x_row + v_full, offs, V - v_full, m, s, sumz, logit_scale, softcap,
                                               KEEP, True, HAS_SCALE, HAS_SOFTCAP, HAS_LS)
                 lse = m + tl.log(s)
-                tl.store(loss_ptr + row, _row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
+                tl.store(loss_ptr + row, row_loss(lse, zy, sumz, inv_v, label_smoothing, z_loss, HAS_LS))
                 if WRITE_GRAD:
                     coef_p = coef * (1.0 + 2.0 * z_loss * lse)
                     coef_u = coef * label_smoothing * inv_v

@@ -3,8 +3,8 @@ rows that fit and that the Triton kernel would sweep twice (16-bit logits, 8192 
 H100/H200). Written in Gluon, Triton's lower-level language, because Triton's tensor language keeps a
 row in registers or sweeps it twice through L2.
 
-Math: exactly cross_entropy's (its module docstring), with the same Triton helpers (_capped, _dlogits,
-_row_loss); only where the row lives differs.
+Math: exactly cross_entropy's (its module docstring), with the same Triton helpers (fused_kernels._row_loss:
+capped, dlogits, row_loss); only where the row lives differs.
 
 Kernel: a persistent grid of `per_sm` CTAs per SM (each a few warps). With CTAS = 1 a CTA owns whole
 rows r = pid, pid + P, ...; with CTAS > 1 a thread-block cluster of CTAS CTAs (on as many SMs) owns a
@@ -52,7 +52,7 @@ import triton
 
 from fused_kernels import _gpu
 from fused_kernels._launch import launch
-from fused_kernels.ops.cross_entropy import _capped, _dlogits, _row_loss
+from fused_kernels._row_loss import capped, dlogits, row_loss
 
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
     from triton.experimental import gluon
@@ -83,19 +83,19 @@ if gluon is not None:
                     HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr, grad_ptr):
         """Pass 2 for chunk i of the row (x: its 16-bit logits in registers): ∂loss/∂x in the gradient's
         dtype. The target's term only in the chunk that holds it (a uniform branch)."""
-        z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         p = gl.exp2(z * LOG2E - lse2)
         if i == y_chunk:
-            d = _dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
+            d = dlogits(p, z, offs, yc - i * CHUNK, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP)
         else:
-            d = _dlogits(p, z, offs, -1, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP, False)
+            d = dlogits(p, z, offs, -1, coef_p, coef_u, coef_y, softcap, HAS_SOFTCAP, False)
         return d.to(grad_ptr.dtype.element_ty)
 
     @gluon.jit
     def _stats_full(x, m2, s, sumz, logit_scale, softcap, HAS_SCALE: gl.constexpr, HAS_SOFTCAP: gl.constexpr,
                     HAS_LS: gl.constexpr):
         """_stats_chunk for a full chunk of 16-bit logits x (no masked classes)."""
-        z = _capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         return _stats_chunk(z, z, m2, s, sumz, HAS_LS)
 
     @gluon.jit
@@ -176,7 +176,7 @@ if gluon is not None:
             gl.store(flag_ptr, 1, mask=kept & (~in_range))  # out-of-range target: flagged, row ignored
             use = kept & in_range
             yc = gl.where(use, y, 0).to(gl.int32)
-            zy = _capped(gl.load(x_ptr + row * x_stride + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+            zy = capped(gl.load(x_ptr + row * x_stride + yc), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
             c = gl.where(use, coef_all, 0.0)
             if HAS_ROW_SCALE:
                 c = c * gl.load(row_scale_ptr + row)
@@ -198,7 +198,7 @@ if gluon is not None:
                 m2, s, sumz = _stats_full(buf.index(i - IN_REGS).load(REG), m2, s, sumz, logit_scale, softcap,
                                           HAS_SCALE, HAS_SOFTCAP, HAS_LS)
             if TAIL:
-                z = _capped(buf.index(NFULL - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+                z = capped(buf.index(NFULL - IN_REGS).load(REG), logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
                 m2, s, sumz = _stats_chunk(gl.where(tail, z, float("-inf")), gl.where(tail, z, 0.0), m2, s, sumz,
                                            HAS_LS)
             m_cta = gl.max(m2, 1)
@@ -234,7 +234,7 @@ if gluon is not None:
                 nxt = gl.load(next_ptr + 3 * pid + 1 + parity, cache_modifier=".cg")
             lse2 = m_row + gl.log2(s_row)
             lse = lse2 / LOG2E
-            loss = _row_loss(lse, zy, z_row, inv_v, label_smoothing, z_loss, HAS_LS)
+            loss = row_loss(lse, zy, z_row, inv_v, label_smoothing, z_loss, HAS_LS)
             gl.store(loss_ptr + row, gl.where(use, loss, 0.0))
 
             # Pass 2: the gradient, chunk by chunk; each consumed chunk (registers or slot) takes the same

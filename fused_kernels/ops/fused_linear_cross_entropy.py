@@ -53,7 +53,8 @@ import triton.language as tl
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_float, count_launch
+from fused_kernels._row_loss import capped
+from fused_kernels._utils import check_float, count_launch, require_triton
 
 # `fused_kernels.cross_entropy` the attribute is the function; the module is loaded by name.
 from fused_kernels.ops import cross_entropy as _ce
@@ -175,7 +176,7 @@ def _side_stats_kernel(x_ptr, stride, n_cols, tgt_ptr, ent_ptr, sq_ptr, mean_ptr
                        HAS_SQ: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_TOP1: tl.constexpr,
                        NEG_SCALE: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row of one logits chunk, one sweep over its classes, z as the loss sees it
-    (_ce._capped). Online, relative to the running max m: s = Σ e (e = exp(z − m)), se = Σ e·(z − m),
+    (fused_kernels._row_loss.capped). Online, relative to the running max m: s = Σ e (e = exp(z − m)), se = Σ e·(z − m),
     sq = Σ e², sz = Σ z; at the end entropy = log s − se / s (−Σ p log p, without the cancellation
     of lse − Σ p·z at large logits), log Σ p² = log sq − 2 log s, mean z = sz / V. HAS_TOP1: whether
     the target is the first arg-max, from the raw logits (the softcap keeps the order, a negative
@@ -202,7 +203,7 @@ def _side_stats_kernel(x_ptr, stride, n_cols, tgt_ptr, ent_ptr, sq_ptr, mean_ptr
             key = tl.where(mask, key, float("-inf"))
             best = tl.maximum(best, tl.max(key, 0))
             before = tl.maximum(before, tl.max(tl.where(cols < y, key, float("-inf")), 0))
-        z = _ce._capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
+        z = capped(x, logit_scale, softcap, HAS_SCALE, HAS_SOFTCAP)
         if HAS_MEAN:
             sz += tl.sum(tl.where(mask, z, 0.0), 0)
         z = tl.where(mask, z, -float("inf"))
@@ -281,7 +282,7 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
     """(loss, grad_hidden, grad_weight, grad_bias); a gradient is None unless asked for and the
     reduction is "mean"/"sum" (then it is final but for the upstream factor). `stats`: see
     fused_linear_cross_entropy."""
-    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
+    require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_fwd")
     n = hidden.shape[0]
     coef, flag = _ce.start_loss(target, ignore_index, reduction, divisor, divisor_value, hidden.device)
@@ -309,7 +310,7 @@ def _forward_impl(hidden, weight, target, bias, divisor, ignore_index, reduction
 def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
                         logit_scale, need_gh, need_gw, need_gb, chunk_mb=0.0):
     """Backward of reduction "none": recompute each chunk's logits, scale row i by grad_loss[i]."""
-    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
+    require_triton("fused_linear_cross_entropy", hidden, weight, target)
     count_launch("fused_linear_cross_entropy_bwd")
     n = hidden.shape[0]
     coef, flag = _ce.start_loss(target, ignore_index, "none", None, -1.0, hidden.device)  # coef 1
@@ -324,7 +325,7 @@ def _backward_none_impl(grad_loss, hidden, weight, target, bias, ignore_index, l
 def _scale_grads_impl(grads, grad_loss) -> None:
     """Backward of reduction "mean"/"sum": the gradients from the forward, times grad_loss, in place
     (no memory traffic when grad_loss is exactly 1)."""
-    _ce.require_triton("fused_linear_cross_entropy", grad_loss)
+    require_triton("fused_linear_cross_entropy", grad_loss)
     count_launch("fused_linear_cross_entropy_bwd")
     for g in grads:
         if g is not None:
@@ -586,7 +587,7 @@ def fused_linear_cross_entropy(
             f"hidden, weight and bias must share one dtype; got hidden {hidden.dtype}, weight {weight.dtype}"
             + (f", bias {bias.dtype}" if bias is not None else "")
         )
-    _ce.require_triton("fused_linear_cross_entropy", hidden, weight, target)
+    require_triton("fused_linear_cross_entropy", hidden, weight, target)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     if not h2.is_contiguous():
         h2 = h2.contiguous()

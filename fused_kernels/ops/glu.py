@@ -48,6 +48,7 @@ import triton.language as tl
 from fused_kernels._activations import GELU_APPROXIMATE, GELU_ERF, GELU_TANH, SILU, gate_act, gate_act_and_grad
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
+from fused_kernels._ints import next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, check_projection, count_launch, require_triton
 
@@ -146,10 +147,6 @@ class _BlockConfig(NamedTuple):
     num_warps: int
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()  # triton.next_power_of_2 costs microseconds from Python
-
-
 def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> _BlockConfig:
     """Tile shape and warps for an n_rows × n_cols launch of `direction` ("fwd" or "bwd")."""
     tile = _TILE_ELEMS[elem_bytes]
@@ -161,9 +158,9 @@ def _block_config(n_rows: int, n_cols: int, elem_bytes: int, direction: str) -> 
         if n_cols % block_n:
             block_n = tile
     else:
-        block_n = _next_pow2(n_cols)
+        block_n = next_pow2(n_cols)
     # Short rows: stack several rows in one tile, but not more rows than there are.
-    block_m = max(1, min(tile // block_n, _next_pow2(n_rows)))
+    block_m = max(1, min(tile // block_n, next_pow2(n_rows)))
     # At least 4 elements per thread; a tiny tile gets fewer warps.
     num_warps = max(1, min(_NUM_WARPS[direction], (block_m * block_n) // 128))
     return _BlockConfig(block_m, block_n, num_warps)

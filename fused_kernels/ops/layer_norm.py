@@ -60,6 +60,7 @@ from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import ClusterLaunch, ClusterShape, DeviceFacts, device_facts, sm_count
 from fused_kernels._jit import for_store
+from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_float, count_launch, interpreter_on, launches_on_device_of
@@ -135,15 +136,12 @@ CLUSTER_BACKWARD_SHAPES = {
 # of w cost as much as the rows: the Triton backward takes those calls.
 MIN_ROWS_PER_CLUSTER = 4
 _BWD_OP = "layer_norm_bwd"  # the op name _dispatch knows the backward's paths by
-_cluster_kernels = _gpu.norm_smem_kernels  # the cluster backward's launcher (a name tests replace)
+def _cluster_kernels():
+    """fused_kernels.ops.norm_smem, the cluster launchers (a name tests replace): imported on a first cluster
+    launch, since no plan picks a cluster under the CPU interpreter, which has no Gluon."""
+    from fused_kernels.ops import norm_smem
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return norm_smem
 
 
 def _whole_row_tiling(whole: int, min_tile: int) -> tuple[int, int]:
@@ -206,7 +204,7 @@ def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, in
     if n_cols < 1:
         raise ValueError(f"n_cols must be >= 1; got {n_cols}")
     bytes_x = torch.empty(0, dtype=dtype).element_size()
-    whole = max(16, _next_pow2(n_cols))
+    whole = max(16, next_pow2(n_cols))
     fwd_chunked, bwd_chunked = whole > FWD_WHOLE_ROW_MAX, whole > BWD_WHOLE_ROW_MAX
     if fwd_chunked:
         fwd_rows, fwd_block, fwd_warps, fwd_per_sm, fwd_stages = 1, _CHUNK, _FWD_CHUNK_WARPS, None, 1
@@ -220,8 +218,8 @@ def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, in
         bwd_rows, bwd_warps = _whole_row_tiling(whole, _BWD_MIN_TILE)
         bwd_block, bwd_stages = whole, _STAGES
         bwd_per_sm = max(1, _BWD_WARPS_PER_SM // bwd_warps)
-    fwd_tiles = max(1, _cdiv(n_rows, fwd_rows))
-    bwd_tiles = max(1, _cdiv(n_rows, bwd_rows))
+    fwd_tiles = max(1, cdiv(n_rows, fwd_rows))
+    bwd_tiles = max(1, cdiv(n_rows, bwd_rows))
     if interpreted:
         fwd_programs = min(fwd_tiles, _INTERPRETER_PROGRAMS)
         bwd_programs = min(bwd_tiles, _INTERPRETER_PROGRAMS)
@@ -232,8 +230,8 @@ def _triton_plan(n_rows: int, n_cols: int, dtype: torch.dtype, sm_count: int, in
             per_program = bwd_rows * n_cols * 2 * bytes_x  # x and dy of a tile, held in L2 for the second sweep
             bwd_programs = min(bwd_programs, max(1, L2_BUDGET_BYTES // per_program))
     # The same number of sweeps with fewer programs where possible (fewer partial rows to sum).
-    bwd_programs = _cdiv(bwd_tiles, _cdiv(bwd_tiles, bwd_programs))
-    fwd_programs = _cdiv(fwd_tiles, _cdiv(fwd_tiles, fwd_programs))
+    bwd_programs = cdiv(bwd_tiles, cdiv(bwd_tiles, bwd_programs))
+    fwd_programs = cdiv(fwd_tiles, cdiv(fwd_tiles, fwd_programs))
     param_grid = _param_grid(n_rows, n_cols, sm_count, interpreted) if bwd_chunked else None
     cfg = LayerNormConfig(fwd_rows, fwd_block, fwd_chunked, fwd_warps, fwd_programs, fwd_stages,
                           bwd_rows, bwd_block, bwd_chunked, bwd_warps, bwd_programs, bwd_stages, param_grid)
@@ -267,10 +265,10 @@ def _param_grid(n_rows: int, n_cols: int, sm_count: int, interpreted: bool) -> t
     """(rows per load, columns per program, warps, row groups) of _param_grad_kernel: enough row groups
     that the column blocks times the groups give _PARAM_PROGRAMS_PER_SM programs an SM."""
     if interpreted:  # a few programs, each one costs about a millisecond
-        rows, block, warps = 4, min(4096, max(16, _next_pow2(n_cols))), 4
-        return rows, block, warps, min(2, _cdiv(n_rows, rows))
-    col_blocks = _cdiv(n_cols, _PARAM_BLOCK)
-    groups = max(1, min(_cdiv(n_rows, _PARAM_ROWS), _cdiv(_PARAM_PROGRAMS_PER_SM * sm_count, col_blocks)))
+        rows, block, warps = 4, min(4096, max(16, next_pow2(n_cols))), 4
+        return rows, block, warps, min(2, cdiv(n_rows, rows))
+    col_blocks = cdiv(n_cols, _PARAM_BLOCK)
+    groups = max(1, min(cdiv(n_rows, _PARAM_ROWS), cdiv(_PARAM_PROGRAMS_PER_SM * sm_count, col_blocks)))
     return _PARAM_ROWS, _PARAM_BLOCK, _PARAM_WARPS, groups
 
 
@@ -602,9 +600,9 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Ten
                 num_warps=cfg.bwd_warps))
     if separate:
         rows_per_load, block_n, warps, groups = cfg.param_grid
-        launch(_param_grad_kernel, (_cdiv(n_cols, block_n), groups),
+        launch(_param_grad_kernel, (cdiv(n_cols, block_n), groups),
                (dy2, x2, mean, rstd, dw_partial, db_partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2),
-                _cdiv(n_rows, groups)),
+                cdiv(n_rows, groups)),
                dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_M=rows_per_load, BLOCK_N=block_n,
                     NUM_STAGES=1 if _INTERPRETED else _STAGES, num_warps=warps))
     return (dx,) + _sum_partial_rows(dw_partial, db_partial, programs, weight, bias, compute_dw, compute_db)
@@ -620,7 +618,7 @@ def _sum_partial_rows(dw_partial: torch.Tensor, db_partial: torch.Tensor, progra
     db = _new_output(bias.shape, bias.dtype, device) if compute_db else db_partial.new_empty(0)
     if compute_dw or compute_db:
         block_n, parts, num_warps = _SUM_SHAPE
-        launch(_partial_sum_kernel, (_cdiv(n_cols, block_n),),
+        launch(_partial_sum_kernel, (cdiv(n_cols, block_n),),
                (dw_partial, db_partial, dw if compute_dw else dw_partial, db if compute_db else db_partial,
                 programs, n_cols),
                dict(COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))

@@ -48,6 +48,7 @@ from fused_kernels._activations import GELU_ERF, GELU_TANH, SILU, gate_act_and_g
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store, rounded
+from fused_kernels._ints import next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
 from fused_kernels.ops.glu import geglu, swiglu
@@ -126,17 +127,13 @@ class ExpertsConfig(NamedTuple):
     bwd_warps: int
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def plan(n_rows: int, hidden_size: int, width: int, dtype: torch.dtype, *, device: Optional[DeviceFacts] = None,
          aligned: bool = True) -> Plan:
     """Which GEMM path runs and the launch shapes of the Triton kernels, for S = n_rows routed rows,
     hidden size H and expert width I. `device`: the GPU's facts (None: the CPU). `aligned`: every GEMM
     operand's row stride and base address are multiples of 16 bytes (the grouped GEMM needs that)."""
-    combine_block = min(_pow2(hidden_size), 4096)
-    bwd_block_n = min(_pow2(width), 1024)
+    combine_block = min(next_pow2(hidden_size), 4096)
+    bwd_block_n = min(next_pow2(width), 1024)
     cfg = ExpertsConfig(combine_block=combine_block, combine_warps=4 if combine_block <= 2048 else 8,
                         bwd_block_m=max(1, 2048 // bwd_block_n), bwd_block_n=bwd_block_n, bwd_warps=4)
     if n_rows == 0:

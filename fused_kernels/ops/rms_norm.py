@@ -73,6 +73,7 @@ from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import ClusterLaunch, ClusterShape, DeviceFacts, clusters, device_facts
 from fused_kernels._jit import for_store, rounded
+from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
@@ -171,7 +172,7 @@ class SplitBackwardConfig:
 def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
     """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
     from the tables above: the one-kernel path's config under the CPU interpreter."""
-    block_n = max(16, _next_pow2(n_cols))
+    block_n = max(16, next_pow2(n_cols))
     if backward:
         for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
             if n_cols <= max_cols:
@@ -207,7 +208,12 @@ CLUSTER_FORWARD_SHAPES = {
 # start to cost as much as the rows themselves: the other paths take those calls.
 MIN_ROWS_PER_CLUSTER = 4
 _OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
-_cluster_kernels = _gpu.norm_smem_kernels  # the "cluster" path's launchers (a name tests replace)
+def _cluster_kernels():
+    """fused_kernels.ops.norm_smem, the cluster launchers (a name tests replace): imported on a first cluster
+    launch, since no plan picks a cluster under the CPU interpreter, which has no Gluon."""
+    from fused_kernels.ops import norm_smem
+
+    return norm_smem
 
 
 def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
@@ -365,7 +371,7 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
 
 def _fits(meta: dict, n_cols: int) -> bool:
     if meta["SINGLE_PASS"]:
-        return meta["BLOCK_N"] == max(16, _next_pow2(n_cols))
+        return meta["BLOCK_N"] == max(16, next_pow2(n_cols))
     return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
 
 
@@ -402,14 +408,14 @@ def _prune(configs, named_args, **kwargs):
 def _row_bucket(n_rows: int) -> int:
     """Part of the autotuning key: the row count rounded up to a power of two (16 .. 65536), so that
     the choice is remade when the grid's size class changes, not for every new batch shape."""
-    return min(max(16, _next_pow2(n_rows)), 65536)
+    return min(max(16, next_pow2(n_rows)), 65536)
 
 
 def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int, bytes_per_col: int,
               sm_count: int, l2_cap: bool = True) -> int:
     """Grid size: one program per tile when per_sm is 0, else a persistent grid of about per_sm
     programs per SM (never more than tiles; chunked backward: capped by the L2 budget, unless not)."""
-    n_tiles = _cdiv(n_rows, rows)
+    n_tiles = cdiv(n_rows, rows)
     if per_sm <= 0:
         return n_tiles
     programs = max(1, int(per_sm * sm_count))
@@ -417,21 +423,13 @@ def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int,
         programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
     programs = min(programs, n_tiles)
     # Same number of sweeps with fewer programs where possible (fewer dw partial rows to sum).
-    return _cdiv(n_tiles, _cdiv(n_tiles, programs))
+    return cdiv(n_tiles, cdiv(n_tiles, programs))
 
 
 def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
     """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
     return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count,
                      cfg.l2_cap)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv costs microseconds per call from Python (a constexpr function)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,7 +717,7 @@ def _sum_partial_rows(partial: torch.Tensor, n_parts: int, weight: torch.Tensor)
     n_cols = partial.shape[1]
     dw = _new_output(weight.shape, weight.dtype, weight.device)
     block_n, parts, num_warps = dw_sum_config(n_cols)
-    launch(_dw_sum_kernel, (_cdiv(n_cols, block_n),), (partial, dw, n_parts, n_cols),
+    launch(_dw_sum_kernel, (cdiv(n_cols, block_n),), (partial, dw, n_parts, n_cols),
            dict(BLOCK_N=block_n, PARTS=parts, num_warps=num_warps))
     return dw
 
@@ -950,20 +948,20 @@ def _split_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str,
     rstd1 = rstd.contiguous().reshape(-1)
     flags = dict(CASTING=_CASTING_ID[casting_mode], HAS_WEIGHT=weight is not None, EXACT_BF16=_INTERPRETED,
                  FROM_OUTPUT=from_output)
-    n_dot = _cdiv(n_cols, cfg.dot_block)
+    n_dot = cdiv(n_cols, cfg.dot_block)
     dot = _new_output((n_rows, n_dot), torch.float32, device)
     launch(_rms_norm_bwd_rowdot_kernel, (n_rows, n_dot),
            (dy2, x2, w, rstd1, dot, n_cols, _row_stride(dy2), _row_stride(x2), offset, n_dot),
            dict(flags, BLOCK_N=cfg.dot_block, num_warps=cfg.dot_warps))
-    n_blocks = _cdiv(n_cols, cfg.block_n)
+    n_blocks = cdiv(n_cols, cfg.block_n)
     groups_wanted = max(1, cfg.programs_per_sm * sm_count // n_blocks)
-    rows_per_group = _cdiv(n_rows, min(n_rows, groups_wanted))
-    groups = _cdiv(n_rows, rows_per_group)
+    rows_per_group = cdiv(n_rows, min(n_rows, groups_wanted))
+    groups = cdiv(n_rows, rows_per_group)
     partial = _new_output((groups, n_cols) if compute_dw else (1, 1), torch.float32, device)
     launch(_rms_norm_bwd_split_kernel, (groups, n_blocks),
            (dy2, x2, w, rstd1, dot, dx, partial, n_rows, n_cols, _row_stride(dy2), _row_stride(x2), n_cols, offset,
             n_dot, rows_per_group),
-           dict(flags, COMPUTE_DW=compute_dw, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, _next_pow2(n_dot)),
+           dict(flags, COMPUTE_DW=compute_dw, BLOCK_N=cfg.block_n, DOT_BLOCKS=max(2, next_pow2(n_dot)),
                 NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps))
     return partial, groups
 

@@ -51,6 +51,7 @@ import triton.language as tl
 
 from fused_kernels._dispatch import Plan
 from fused_kernels._gpu import device_guard
+from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_float, count_launch, interpreter_on, triton_can_run
 
@@ -182,14 +183,6 @@ class RopeConfig:
 _INTERPRETED = interpreter_on()
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv costs microseconds per call from Python (a constexpr function)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
     """Block sizes for one launch (n_tokens = batch * seq; head_dim = the larger of q's and k's), without
     measuring: what the CPU interpreter runs.
@@ -200,11 +193,11 @@ def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: in
     Llama-3-8B (16384 tokens, 32/8 heads, head_dim 128): 1 token x 32 q heads (x 8 k heads), 4 warps,
     16384 programs, 80 registers per thread (ptxas, sm_90a); 4 tokens x 8 heads took 121."""
     tile_elems = 4096
-    d = _next_pow2(max(head_dim, 2))
-    block_hq = min(_next_pow2(max(n_q_heads, 1)), max(1, tile_elems // d))
+    d = next_pow2(max(head_dim, 2))
+    block_hq = min(next_pow2(max(n_q_heads, 1)), max(1, tile_elems // d))
     block_t = max(1, tile_elems // (block_hq * d))
-    block_t = min(block_t, _next_pow2(max(n_tokens, 1)))
-    block_hk = min(_next_pow2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
+    block_t = min(block_t, next_pow2(max(n_tokens, 1)))
+    block_hk = min(next_pow2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
     return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
 
 
@@ -230,7 +223,7 @@ def plan(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, *, interp
     why = "the CPU interpreter: heuristic_config" if cfg == heuristic_config(n_tokens, n_q_heads, n_k_heads,
                                                                             head_dim) else "launch_config forces it"
     return Plan("fixed", cfg, f"{why}; {cfg.block_t} token(s) x {cfg.block_hq} q heads x {cfg.block_hk} k heads per "
-                              f"program, {cfg.num_warps} warps, {_cdiv(max(n_tokens, 1), cfg.block_t)} programs")
+                              f"program, {cfg.num_warps} warps, {cdiv(max(n_tokens, 1), cfg.block_t)} programs")
 
 
 # The autotuner's static config list: every (tokens, q heads, k heads per tile, warps) it may be asked
@@ -244,8 +237,8 @@ def candidate_configs(n_q_heads: int, n_k_heads: int, head_dim: int, token_bucke
     least 512 unless that is all of a token's heads), 8, 16 or 32 values per thread; several tokens per
     program only when a tile already holds all of a token's q heads and stays within 4096 elements; k tiles
     take as many heads as the q tile, or all k heads if fewer. Always at least one config."""
-    d = _next_pow2(max(head_dim, 2))
-    hq2, hk2 = _next_pow2(max(n_q_heads, 1)), _next_pow2(max(n_k_heads, 1))
+    d = next_pow2(max(head_dim, 2))
+    hq2, hk2 = next_pow2(max(n_q_heads, 1)), next_pow2(max(n_k_heads, 1))
     out = []
     for block_t in _TILE_SIZES:
         if block_t > 1 and block_t > token_bucket:
@@ -324,7 +317,7 @@ def autotuned_config():
 
 def _token_bucket(n_tokens: int) -> int:
     """Part of the autotuning key: tokens rounded up to a power of two (1 .. 65536)."""
-    return min(_next_pow2(max(n_tokens, 1)), 1 << 16)
+    return min(next_pow2(max(n_tokens, 1)), 1 << 16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -403,9 +396,9 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
         _token_bucket(n_tokens),
     )
     flags = dict(
-        BLOCK_R=_next_pow2(max(rot // 2, 1)),
-        BLOCK_PQ=_next_pow2(q_dim - rot) if q_dim > rot else 0,
-        BLOCK_PK=_next_pow2(k_dim - rot) if k_dim > rot else 0,
+        BLOCK_R=next_pow2(max(rot // 2, 1)),
+        BLOCK_PQ=next_pow2(q_dim - rot) if q_dim > rot else 0,
+        BLOCK_PK=next_pow2(k_dim - rot) if k_dim > rot else 0,
         INTERLEAVED=interleaved, BACKWARD=backward,
     )
     with device_guard(q):
@@ -423,15 +416,15 @@ def _run(p: Plan, args: tuple, flags: dict, n_tokens: int, interleaved: bool, ba
         key = (n_q_heads, n_k_heads, q_dim, k_dim, rot, args[-1], interleaved, backward, q.dtype, k.dtype, cos.dtype,
                sin.dtype)
         chosen = _CHOSEN.get(key)
-        grid = lambda meta: (_cdiv(n_tokens, meta["BLOCK_T"]),)  # noqa: E731
+        grid = lambda meta: (cdiv(n_tokens, meta["BLOCK_T"]),)  # noqa: E731
         if chosen is None:
             with _TUNING_LOCK:  # the Autotuner keeps per-call state; backward runs in autograd's thread
                 _rope_tuned[grid](*args, **flags)
                 _CHOSEN[key] = _rope_tuned.best_config.all_kwargs()
         else:
-            launch(_rope_kernel, (_cdiv(n_tokens, chosen["BLOCK_T"]),), args, {**flags, **chosen})
+            launch(_rope_kernel, (cdiv(n_tokens, chosen["BLOCK_T"]),), args, {**flags, **chosen})
     else:
-        launch(_rope_kernel, (_cdiv(n_tokens, cfg.block_t),), args, dict(flags, **cfg.meta(), num_warps=cfg.num_warps))
+        launch(_rope_kernel, (cdiv(n_tokens, cfg.block_t),), args, dict(flags, **cfg.meta(), num_warps=cfg.num_warps))
 
 
 # ----------------------------------------------------------------------------------------------------------
