@@ -1,10 +1,11 @@
 """What every op's `plan()` returns, and the one mechanism that turns a path off after it fails to build.
 
-Each op file has one `plan(...)` function: given the shape, dtypes and device of a call, it returns a
-`Plan` naming the implementation that runs (`path`), its launch shape (`config`) and why (`reason`).
-Nothing else in the op decides which kernel runs, so the dispatch of an op is read in one place and
-tested on the CPU by asserting the plan for named shapes (a plan can be asked for a device it is not
-running on: `plan()` takes the device's facts, not a tensor).
+Each op has one `plan(call, device)` function, in fused_kernels/ops/<op>_config.py with the op's tables:
+given the call's shapes and dtypes (the module's frozen `Call`) and the device's facts (DeviceFacts), it
+returns a `Plan` naming the implementation that runs (`path`, one of `Path`'s names), its launch shape
+(`config`) and why (`reason`). Nothing else in the op decides which kernel runs, so the dispatch of an
+op is read in one place and tested on the CPU by asserting the plan for named shapes (a plan can be
+asked for a device it is not running on: `plan()` takes the device's facts, not a tensor).
 
 Some paths use experimental Triton APIs (Gluon: thread-block clusters, shared-memory layouts) that
 change between Triton releases. Such a launch goes through `run_path`: when its first build for a given
@@ -23,14 +24,46 @@ from typing import Any, Callable, Hashable
 import triton
 
 
+class Path:
+    """Every path name a Plan may carry, in one vocabulary (each op's docs say which of them it takes)."""
+
+    TRITON = "triton"  # the op's Triton kernel (rms_norm, cross_entropy)
+    CLUSTER = "cluster"  # a row over a thread-block cluster, in shared memory (rms_norm: norm_smem)
+    SPLIT = "split"  # rms_norm's backward of long rows, split across programs
+    WHOLE_ROW = "whole-row"  # layer_norm: each row held in registers
+    CHUNKED = "chunked"  # layer_norm: rows swept twice in column chunks, both directions
+    CHUNKED_BACKWARD = "chunked backward"  # layer_norm: the backward chunked, the forward whole-row
+    CLUSTER_BACKWARD = "cluster backward"  # layer_norm: the backward over a cluster (norm_smem)
+    FIXED = "fixed"  # rope: one launch config, no autotuning
+    AUTOTUNE = "autotune"  # rope: triton.autotune picks the config
+    FLAT = "flat"  # glu, gelu: contiguous operands as one flat row
+    ROWS = "rows"  # glu: strided row views
+    SMEM = "smem"  # cross_entropy: the row in one CTA's shared memory (cross_entropy_smem)
+    SMEM_SPLIT = "smem-split"  # cross_entropy: the row split over a cluster's shared memory
+    SMEM_REGISTERS = "smem-registers"  # cross_entropy: smem or smem-split, first chunks in registers
+    CHUNKS = "chunks"  # fused_linear_cross_entropy: the logits in chunks of rows
+    LOOP = "loop"  # moe_experts: one mm per expert
+    GROUPED_MM = "grouped_mm"  # moe_experts: torch's grouped GEMM
+
+
+PATHS = frozenset(v for k, v in vars(Path).items() if k.isupper())
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The implementation an op runs for one call: `path` (a name the op's docs list), `config` (its
-    launch shape, or None) and `reason` (why this path, for people and for `explain`)."""
+    """The implementation an op runs for one call: `path` (one of Path's names), `config` (its launch
+    shape, or None) and `reason` (why this path, for people and for `explain`). Every op's
+    `<op>_config.plan(call, device)` returns one, from the call's shapes and dtypes (a frozen `Call` of
+    that module) and the device's facts (fused_kernels._gpu.DeviceFacts)."""
 
     path: str
     config: Any = None
     reason: str = ""
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"Plan path {self.path!r} is not one of fused_kernels._dispatch.Path's: "
+                             f"{', '.join(sorted(PATHS))}")
 
 
 _LOCK = threading.Lock()

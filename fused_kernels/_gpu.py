@@ -103,22 +103,31 @@ class DeviceFacts:
     """What an op's plan() needs to know of a device: whether it is a CUDA GPU, its SMs, compute
     capability and shared memory per SM, and whether the Gluon kernels can run there (Gluon importable,
     real kernels, CUDA rather than ROCm). A plan can be asked for a device it is not running on by
-    building one by hand (tests: an H200 is DeviceFacts(True, 132, (9, 0), 233472, True))."""
+    building one by hand (tests: an H200 is DeviceFacts(True, 132, (9, 0), 233472, True)). `interpreted`:
+    the kernels run in Triton's CPU interpreter (OFF_GPU, or a GPU's tensors under TRITON_INTERPRET=1)."""
 
     cuda: bool
     sm_count: int
     capability: tuple[int, int] = (0, 0)
     smem_per_sm: int = 0
     gluon: bool = False
+    interpreted: bool = False  # the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)
+
+    @property
+    def smem_per_block(self) -> int:
+        """Shared memory one program (CTA) may opt in to: the SM's less the driver's reservation."""
+        return self.smem_per_sm - SMEM_RESERVED
 
 
-OFF_GPU = DeviceFacts(cuda=False, sm_count=OFF_GPU_SM_COUNT)  # the CPU (interpreter): no Gluon, no shared memory
+# the CPU, where the kernels run in the interpreter only: no Gluon, no shared memory
+OFF_GPU = DeviceFacts(cuda=False, sm_count=OFF_GPU_SM_COUNT, interpreted=True)
 
 
 @functools.lru_cache(maxsize=None)
 def _facts_of(index: int) -> DeviceFacts:
     return DeviceFacts(cuda=True, sm_count=_sm_count_of(index), capability=_capability_of(index),
-                       smem_per_sm=_smem_per_sm_of(index), gluon=gluon_available() and torch.version.hip is None)
+                       smem_per_sm=_smem_per_sm_of(index), gluon=gluon_available() and torch.version.hip is None,
+                       interpreted=interpreter_on())
 
 
 def device_facts(device) -> DeviceFacts:
