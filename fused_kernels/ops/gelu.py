@@ -78,9 +78,9 @@ def _launch(kernel, ins, out, act: int) -> None:
                dict(ACT=act, BLOCK=cfg.block, EXACT_BF16=_INTERPRETED, num_warps=cfg.num_warps))
 
 
-def _forward(x: torch.Tensor, act: int) -> torch.Tensor:
+def _forward(x: torch.Tensor, act: int, op: str = "gelu_fwd") -> torch.Tensor:
     require_triton("gelu", x)
-    count_launch("gelu_fwd")
+    count_launch(op)  # "gelu_recompute" for the backward's recomputation: not a call of the op
     x = x.contiguous()
     out = _new_output(x.shape, x.dtype, x.device)
     _launch(_gelu_fwd_kernel, (x,), out, act)
@@ -147,7 +147,7 @@ class _GeluLinearFunction(torch.autograd.Function):
         d2 = dout.reshape(-1, dout.shape[-1])
         dweight = dbias = dh = None
         if ctx.needs_input_grad[1]:
-            a = _forward(h, ctx.act)
+            a = _forward(h, ctx.act, "gelu_recompute")
             dweight = d2.t().mm(a.reshape(-1, a.shape[-1]))
             del a
         if ctx.has_bias and ctx.needs_input_grad[2]:
