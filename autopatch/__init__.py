@@ -18,7 +18,7 @@ def apply(model, config=None, **toggles):
 
 
 def applied():
-    """Every patch and refusal recorded in this process (list of autopatch.report.Record); a patched
+    """Every patch and refusal recorded in this process (list of autopatch.session.Record); a patched
     record's `runs` says how often its kernel's patched path ran so far (None: not counted)."""
     from autopatch.report import records_with_runs
 
@@ -41,7 +41,13 @@ def enable():
 
 
 def settings():
-    """The validated settings from the environment / env file (autopatch.config.Settings)."""
+    """The settings in force (autopatch.config.Settings): those the process session began with (the
+    import hooks', or apply()'s), else the environment / env file's, validated now."""
+    from autopatch import session
+
+    current = session.started()
+    if current is not None and current.settings is not None:
+        return current.settings
     from autopatch.config import load_settings
 
     return load_settings()

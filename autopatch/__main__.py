@@ -366,8 +366,10 @@ def _doctor(args) -> int:
 
     import transformers
 
-    from autopatch import report, rules
+    from autopatch import report, runtime
+    from autopatch.session import Session
 
+    session = Session(settings)  # doctor's own: the rules record here, nothing is said or judged
     kernels_shown = sorted(settings.kernels(), key=KERNEL_NAMES.index) if configured else list(KERNEL_NAMES)
     print(f"autopatch doctor: transformers {transformers.__version__}; kernels: "
           + (", ".join(kernels_shown) or "none")
@@ -384,13 +386,13 @@ def _doctor(args) -> int:
             print(f"{name}\n  could not import: {type(exc).__name__}: {exc}\n")
             failures += 1
             continue
-        types = hooks.model_types_of(module)
+        types = runtime.model_types_of(module)
 
         def enabled(kernel, _types=types):
             return settings.enabled_for(kernel, _types) if configured else True
 
         try:
-            found = rules.patch_module(module, enabled)
+            found = runtime.run_rules(module, session, enabled)
         except Exception as exc:
             print(f"{name}\n  the rules failed: {type(exc).__name__}: {exc}\n")
             failures += 1

@@ -20,7 +20,7 @@ patching: only this model's instances get the fused forward (autopatch.rules.lay
 
 from __future__ import annotations
 
-import sys
+import difflib
 
 from autopatch.names import KERNEL_NAMES, NOT_PROVIDED
 
@@ -45,9 +45,15 @@ def resolve_toggles(toggles: dict) -> dict[str, bool]:
     NOT_PROVIDED (Liger's relu_squared) are accepted and left out of the set (see note_not_provided)."""
     unknown = [k for k in toggles if k not in KERNEL_NAMES and k not in NOT_PROVIDED]
     if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), [*KERNEL_NAMES, *NOT_PROVIDED], n=3, cutoff=0.6)
+            if close:
+                hints.append(f"{key!r}: did you mean {' or '.join(close)}?")
         raise TypeError(
             f"apply() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"valid kernel keywords: {', '.join(KERNEL_NAMES)} (accepted, not provided here: "
+            + (" ".join(hints) + " " if hints else "")
+            + f"valid kernel keywords: {', '.join(KERNEL_NAMES)} (accepted, not provided here: "
             f"{', '.join(NOT_PROVIDED)})"
         )
     chosen = {k: APPLY_DEFAULTS.get(k, False) for k in KERNEL_NAMES}
@@ -57,21 +63,6 @@ def resolve_toggles(toggles: dict) -> dict[str, bool]:
         if kernel in chosen:
             chosen[kernel] = value
     return chosen
-
-
-def note_not_provided(kernels, source: str) -> list:
-    """One Record per kernel key that this library accepts but provides no kernel for, added to the
-    report once per process and key; returns them."""
-    from autopatch import report
-
-    out = []
-    for kernel in kernels:
-        record = report.Record(kernel=kernel, module="*", target=kernel, patched=False,
-                               reason=f"not provided here: {NOT_PROVIDED[kernel]} (asked for by {source})")
-        if record not in report.records():
-            report.add([record])
-        out.append(record)
-    return out
 
 
 def toggles_from_config(config) -> dict:
@@ -93,24 +84,14 @@ def toggles_from_config(config) -> dict:
                     f"got {type(config).__name__}")
 
 
-def _is_modeling_module(name: str) -> bool:
-    # transformers.models.*.modeling_*, and remote-code models (transformers_modules.*.modeling_*)
-    return name.rpartition(".")[2].startswith("modeling_") and not name.startswith("torch.")
-
-
 def modules_of(model) -> list:
     """The modeling modules defining the model's class (and its bases) and its submodules' classes,
     in first-seen order."""
-    names: list[str] = []
-    classes = list(type(model).__mro__)
-    modules_fn = getattr(model, "modules", None)
-    if callable(modules_fn):
-        classes += [type(m) for m in modules_fn()]
-    for cls in classes:
-        name = getattr(cls, "__module__", None)
-        if isinstance(name, str) and name not in names and _is_modeling_module(name):
-            names.append(name)
-    return [sys.modules[n] for n in names if n in sys.modules]
+    import sys
+
+    from autopatch.runtime import modeling_module_names_of
+
+    return [sys.modules[n] for n in modeling_module_names_of(model) if n in sys.modules]
 
 
 def _rebind_hooked_forwards(model) -> None:
@@ -156,6 +137,20 @@ def _unpatch_layer_norm_instances(model) -> None:
     layer_norm.unpatch_instances(model)
 
 
+def _session_for_apply():
+    """The process session, begun with the environment's settings if nothing began one (for
+    AUTOPATCH_STRICT and AUTOPATCH_REPORT; a bad environment raises ConfigError here)."""
+    from autopatch import runtime
+    from autopatch import session as sessions
+
+    session = sessions.started()
+    if session is not None and session.settings is not None:
+        return session
+    from autopatch.config import load_settings
+
+    return runtime.begin(load_settings())
+
+
 def apply(model, config=None, **toggles) -> list:
     """Patch the components `model` uses; returns the records of this call (also in applied()).
 
@@ -164,50 +159,52 @@ def apply(model, config=None, **toggles) -> list:
     `apply(model, **training_args.liger_kernel_config)` fails on a None field. Keyword toggles override
     it. A kernel turned off here that an earlier call (or the import hooks) patched in the model's
     modeling modules is restored to the original code for those modules' classes."""
-    from autopatch import hooks, report, rules
+    from autopatch import audit, report, rules, runtime
+    from autopatch.session import Record, StrictModeError, say
 
     merged = toggles_from_config(config)
     merged.update(toggles)
     chosen = resolve_toggles(merged)
-    not_provided = note_not_provided([k for k, v in merged.items() if k in NOT_PROVIDED and v], "apply()")
+    session = _session_for_apply()
+    not_provided = runtime.note_not_provided(session, [k for k, v in merged.items() if k in NOT_PROVIDED and v],
+                                             "apply()")
 
     def enabled(kernel: str) -> bool:
         if kernel not in chosen:
             raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(KERNEL_NAMES)}")
         return chosen[kernel]
 
-    settings = hooks.active_settings()
-    if settings is None:
-        from autopatch.config import load_settings
-
-        settings = load_settings()  # for AUTOPATCH_STRICT; a bad environment raises ConfigError here
-    report.set_strict(settings.strict)
-
     records: list = list(not_provided)
     modules = modules_of(model)
     for module in modules:  # first undo what is now off, so that the rules record what is in force
         for kernel in rules.unpatch(module, lambda k: k in chosen and not chosen[k]):
-            undone = report.Record(kernel, module.__name__, "*", False,
-                                   reason=f"kernel {kernel} turned off by apply(): the original code runs again")
-            report.add([undone])
+            undone = Record(kernel, module.__name__, "*", False,
+                            reason=f"kernel {kernel} turned off by apply(): the original code runs again")
+            session.add([undone])
             records.append(undone)
     if not chosen["layer_norm"]:
         _unpatch_layer_norm_instances(model)
     for module in modules:
-        found = rules.patch_module(module, enabled)
-        report.add(found)
+        found = runtime.run_rules(module, session, enabled)
+        session.add(found)
         line = report.summary_line(module.__name__, found, enabled)
         if line:
-            report.say(line)
+            say(line)
         records.extend(found)
     _rebind_hooked_forwards(model)
     if chosen.get("layer_norm"):
         _patch_layer_norm_instances(model, records)
-    if settings.strict:
+    session.note_built(type(model).__name__, [m.__name__ for m in modules])
+    session.note_model(model, getattr(model, "training", None))
+    if session.strict:
         refused = report.refusals([r for r in records if r.kernel not in NOT_PROVIDED], enabled)
         if refused:
             toggles_off = ", ".join(f"{k}=False" for k in report.refused_kernels(refused))
             where = ", ".join(dict.fromkeys(r.module for r in refused))
-            raise report.StrictModeError("autopatch " + report.strict_refusal_message(
+            raise StrictModeError("autopatch " + report.strict_refusal_message(
                 where, refused, f"Turn those kernels off in the call (autopatch.apply(model, {toggles_off}))"))
+    replaced = audit.audit_model(model, session, say=not session.strict)
+    if replaced and session.strict:
+        k, t, by = replaced[0]
+        raise StrictModeError(report.replaced_line(k, t, by, strict=True))
     return records

@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from pydantic import ValidationError, field_validator
+from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from autopatch.names import KERNEL_NAMES, NOT_PROVIDED
@@ -111,11 +111,8 @@ def parse_kernel_list(text: str) -> frozenset[str]:
             chosen = set()
         elif name in KERNEL_NAMES:
             (chosen.discard if remove else chosen.add)(name)
-        elif name in NOT_PROVIDED:  # a Liger key without a kernel here: accepted, recorded, not in the set
-            if not remove:
-                from autopatch._api import note_not_provided
-
-                note_not_provided([name], "FUSED_KERNELS")
+        elif name in NOT_PROVIDED:  # a Liger key without a kernel here: accepted (Settings.not_provided), not in the set
+            pass
         else:
             valid = ("all", "none", *KERNEL_NAMES)
             raise ValueError(
@@ -123,6 +120,12 @@ def parse_kernel_list(text: str) -> frozenset[str]:
                 f"valid: {', '.join(valid)} (a leading - removes one, e.g. all,-rope)"
             )
     return frozenset(chosen)
+
+
+def not_provided_in(text: str) -> frozenset[str]:
+    """The NOT_PROVIDED keys a FUSED_KERNELS-style list asks for (Liger's relu_squared)."""
+    items = {raw.strip().lower().lstrip("+") for raw in str(text).split(",")}
+    return frozenset(k for k in NOT_PROVIDED if k in items)
 
 
 def parse_bool(text) -> bool:
@@ -350,6 +353,20 @@ class Settings(BaseSettings):
     strict: bool = False  # AUTOPATCH_STRICT
     return_logits: str = "auto"  # AUTOPATCH_RETURN_LOGITS
     flce_chunk_mb: int | None = None  # FUSED_KERNELS_FLCE_CHUNK_MB; None: the kernel's default
+    not_provided: frozenset[str] = frozenset()  # Liger keys asked for in the kernel lists, no kernel here
+
+    @model_validator(mode="before")
+    @classmethod
+    def _asked_not_provided(cls, data):
+        if isinstance(data, dict):
+            asked = set()
+            for field in ("fused_kernels", "run_kernels"):
+                value = data.get(field)
+                if isinstance(value, str):
+                    asked |= not_provided_in(value)
+            if asked:
+                data = {**data, "not_provided": frozenset(asked)}
+        return data
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
@@ -557,12 +574,3 @@ def _variable_name(key: tuple) -> str:
             return name
     return key[0]
 
-
-def enabled_for(kernel: str, model_type: str | Iterable[str] | None = None, settings: Settings | None = None) -> bool:
-    """Whether `kernel` is on for `model_type` under `settings` (default: the settings the import
-    hooks loaded in this process, else a fresh load from the environment)."""
-    if settings is None:
-        from autopatch import hooks
-
-        settings = hooks.active_settings() or load_settings()
-    return settings.enabled_for(kernel, model_type)

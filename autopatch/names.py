@@ -38,3 +38,46 @@ NOT_PROVIDED: dict[str, str] = {
     "relu_squared": "Nemotron's squared-ReLU MLP activation (Liger's key): no fused kernel for it here; the "
                     "original code runs",
 }
+
+# What each kernel name launches, by the op names fused_kernels counts (fused_kernels.launch_counts():
+# "rms_norm_fwd", "gelu_bwd", ...). A kernel's `runs` in the report is the sum of its FORWARD ops (one
+# per call of a patched component) plus the calls a rule counted itself; LAUNCH_OPS lists every op, the
+# forward ones first (a backward that recomputes the forward counts it as <op>_recompute, not a call). A gelu_mlp component launches gelu_fwd/gelu_bwd (fused_kernels.gelu_linear); a
+# gated MLP through glu_linear launches swiglu_*/geglu_*; MoE experts launch moe_experts_* for SiLU
+# (swiglu) and GELU (geglu) experts alike. The non-kernels (causal_mask, vision_attention,
+# masked_attention) launch nothing of ours: their rules count the calls that took the patched path.
+FORWARD_OPS: dict[str, tuple[str, ...]] = {
+    "rope": ("rope_fwd",),
+    "rms_norm": ("rms_norm_fwd",),
+    "layer_norm": ("layer_norm_fwd",),
+    "swiglu": ("swiglu_fwd", "moe_experts_fwd"),
+    "geglu": ("geglu_fwd", "moe_experts_fwd"),
+    "gelu_mlp": ("gelu_fwd",),
+    "cross_entropy": ("cross_entropy_fwd",),
+    "fused_linear_cross_entropy": ("fused_linear_cross_entropy_fwd",),
+    "causal_mask": (),
+    "vision_attention": (),
+    "masked_attention": (),
+}
+LAUNCH_OPS: dict[str, tuple[str, ...]] = {  # + the backward and a backward's recomputation of the forward
+    kernel: ops + tuple(op[: -len("_fwd")] + end for end in ("_bwd", "_recompute") for op in ops)
+    for kernel, ops in FORWARD_OPS.items()
+}
+# Ops several kernel names launch (moe_experts_fwd: SiLU and GELU experts): a launch is credited to the
+# kernel(s) among them that patched something in the process.
+SHARED_OPS: frozenset[str] = frozenset(
+    op for op in {o for ops in LAUNCH_OPS.values() for o in ops}
+    if sum(op in ops for ops in LAUNCH_OPS.values()) > 1
+)
+# Not kernels: nothing launches, and a patched record's runs are the calls their rules count (None
+# where the rule counts nothing).
+UNCOUNTED: frozenset[str] = frozenset({"causal_mask"})
+LOSS_KERNELS: tuple[str, ...] = ("fused_linear_cross_entropy", "cross_entropy")
+
+
+def is_model_module(name: str) -> bool:
+    """A module that defines model classes: transformers.models.*.modeling_*, or remote code's
+    modeling_* (transformers_modules.*); not transformers' own modeling_utils and the like, not torch's."""
+    if not name.rpartition(".")[2].startswith("modeling_"):
+        return False
+    return name.startswith("transformers.models.") or not name.startswith(("transformers.", "torch."))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import weakref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +86,10 @@ class Session:
         self.replaced: dict[tuple[str, str], str] = {}  # (kernel, class) -> what runs instead
         self.built: dict[str, list[str]] = {}  # modeling module -> model classes built from it
         self.pending: dict[str, str] = {}  # modeling module -> its stderr line, said when a model is built
+        # the models built while the session held (the audit's exit pass) -> the training mode last audited
+        self.models = weakref.WeakKeyDictionary()
+        self.installed: set[str] = set()  # what start-up installed for this session (exit check, hooks)
+        self.said: set[str] = set()  # one-time notices already said (replacements, a Liger conflict)
         self.meta: dict = {}
         self.exit_status: int | None = None
         self._on_reset: list = []
@@ -138,13 +143,45 @@ class Session:
         """The component a patch replaced was passed over (`why`: who and how), kept for the exit
         check: per kernel the strongest seen, a `certain` bypass (on every call) before a `fallback`
         (the patched code itself chose the original) before anything else, the first of each.
-        Returns the kept entry."""
+        In strict mode a `certain` bypass raises StrictModeError naming the override. Returns the kept
+        entry."""
         rank = 2 if certain else 1 if fallback else 0
         with self.lock:
             if kernel not in self.bypassed or rank > self.bypassed[kernel]["rank"]:
                 self.bypassed[kernel] = {"why": why, "target": target, "model_type": model_type,
                                          "certain": certain, "rank": rank}
-            return self.bypassed[kernel]
+            kept = self.bypassed[kernel]
+            if certain and self.strict:
+                kept["raised"] = True  # said by the exception: the exit check stays quiet
+        if certain and self.strict:
+            where = (f"AUTOPATCH_MODELS__{model_type}__{kernel.upper()}=false" if model_type
+                     else f"AUTOPATCH_{kernel.upper()}=false")
+            raise StrictModeError(
+                f"AUTOPATCH_STRICT: {kernel} is patched on {target} but the patched code was passed over: {why}. "
+                f"To train this way, turn the kernel off for this model ({where}, or {kernel}=False in "
+                "autopatch.apply), or unset AUTOPATCH_STRICT.")
+        return kept
+
+    def note_model(self, model, mode=None) -> bool:
+        """A model was built or audited in training mode `mode` (kept by a weak reference for the exit
+        audit); True the first time for that model and mode."""
+        with self.lock:
+            try:
+                if model in self.models and self.models[model] == mode:
+                    return False
+                self.models[model] = mode
+            except TypeError:  # not weak-referenceable or not hashable: nothing to keep
+                return True
+            return True
+
+    def say_once(self, key: str, line: str) -> bool:
+        """say(line) unless a line under `key` was said already in this session; True if said."""
+        with self.lock:
+            if key in self.said:
+                return False
+            self.said.add(key)
+        say(line)
+        return True
 
     def note_replaced(self, kernel: str, target: str, by: str) -> bool:
         """Our patched forward of `target` (a class name) was replaced after we patched it; `by` says
@@ -176,6 +213,7 @@ class Session:
             self.bypassed.clear()
             self.fallbacks.clear()
             self.replaced.clear()
+            self.said.clear()
             self.trained.update(optimizer_steps=0, training_calls=0)
             callbacks = list(self._on_reset)
         for callback in callbacks:

@@ -1,6 +1,6 @@
-"""In-process units of the runtime: the report (stderr line, strict refusals, table, JSON, notices
-under a progress bar), apply()'s keywords and module discovery, and the hooks' module names,
-model-type lookup and waiting summary lines. Rules are replaced by a fake one where the point is the
+"""In-process units of the runtime: the report's rendering of a Session (stderr line, strict
+refusals, table, JSON, notices under a progress bar), apply()'s keywords and module discovery, and
+the hooks' module names, model-type lookup and waiting summary lines. Rules are replaced by a fake one where the point is the
 plumbing, not the detection."""
 
 from __future__ import annotations
@@ -12,20 +12,22 @@ import types
 import pytest
 import torch
 
-from autopatch import _api, hooks, report, rules
+from autopatch import _api, hooks, report, rules, runtime
+from autopatch import session as sessions
 from autopatch.config import load_settings
 from autopatch.names import KERNEL_NAMES
-from autopatch.report import Record
+from autopatch.session import Record, Session, StrictModeError
 
 LLAMA = "transformers.models.llama.modeling_llama"
 
 
 @pytest.fixture
 def fresh_report(monkeypatch):
-    monkeypatch.setattr(report, "_records", [])
-    monkeypatch.setattr(report, "_fallback_noticed", set())
-    monkeypatch.setattr(report, "_strict", False)
-    monkeypatch.setattr(report, "_meta", {})
+    """A fresh process session (plain settings) for the test; the real one is put back after."""
+    fresh = Session(load_settings({}))
+    fresh.installed.update({"exit", "optimizer"})  # no atexit check nor optimizer hook from a unit test
+    monkeypatch.setattr(sessions, "_current", fresh)
+    return fresh
 
 
 # --------------------------------------------------------------------------- report
@@ -69,27 +71,51 @@ def test_format_table():
     assert lines[3].endswith("left alone: interleaved rotation")
 
 
-def test_json_report(tmp_path, fresh_report):
-    report.add([Record("rope", LLAMA, "apply_rotary_pos_emb", True, "half")])
-    report.set_meta(settings={"kernels": ["rope"]})
-    written = report.write_json(str(tmp_path / "r-{pid}.json"))
+def test_json_report(tmp_path):
+    session = Session(load_settings({"FUSED_KERNELS": "rope"}))
+    session.add([Record("rope", LLAMA, "apply_rotary_pos_emb", True, "half")])
+    session.note_replaced("rope", "apply_rotary_pos_emb", "somelib.rope")
+    written = report.write_json(str(tmp_path / "r-{pid}.json"), session)
     assert written.endswith(f"r-{__import__('os').getpid()}.json")
     data = json.loads(open(written).read())
     assert data["records"] == [{"kernel": "rope", "module": LLAMA, "target": "apply_rotary_pos_emb",
                                 "patched": True, "variant": "half", "reason": ""}]
-    assert data["settings"] == {"kernels": ["rope"]} and data["argv"] == sys.argv
+    assert data["settings"]["kernels"] == ["rope"] and data["argv"] == sys.argv
+    assert data["replaced"] == [{"kernel": "rope", "target": "apply_rotary_pos_emb", "by": "somelib.rope"}]
     assert "torch" in data["versions"]
 
 
-def test_fallback_notice_once_and_strict(capsys, fresh_report):
-    report.fallback_notice("rope", "apply_rotary_pos_emb got cpu tensors")
-    report.fallback_notice("rope", "again")
+def fallback_notice(session, kernel, detail):
+    """What a patched forward does before running the original code (autopatch.rules' contract)."""
+    if session.note_fallback(kernel, detail):
+        sessions.say(report.fallback_line(kernel, detail))
+
+
+def test_fallback_notice_once_and_strict(capsys):
+    session = Session(load_settings({}))
+    fallback_notice(session, "rope", "apply_rotary_pos_emb got cpu tensors")
+    fallback_notice(session, "rope", "again")
     err = capsys.readouterr().err
     assert err.count("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code") == 1
     assert "again" not in err
-    report.set_strict(True)
-    with pytest.raises(report.StrictModeError, match="AUTOPATCH_STRICT.*rms_norm: got cpu tensors"):
-        report.fallback_notice("rms_norm", "got cpu tensors")
+    strict = Session(load_settings({"AUTOPATCH_STRICT": "true"}))
+    with pytest.raises(StrictModeError, match="AUTOPATCH_STRICT.*rms_norm: got cpu tensors"):
+        fallback_notice(strict, "rms_norm", "got cpu tensors")
+
+
+def test_report_keeps_no_state():
+    """report.py renders: no module-level mutable state, no hooks, no settings look-up."""
+    import inspect
+
+    source = inspect.getsource(report)
+    for needle in ("load_settings", "atexit", "register_optimizer_step_post_hook", "os._exit", "global "):
+        assert needle not in source.split("# ---------------------------------------------------------------------------"
+                                             " TRANSITIONAL")[0], needle
+    from autopatch import names
+
+    mutable = [name for name, value in vars(report).items()  # the kernel data of autopatch.names aside
+               if not name.startswith("__") and isinstance(value, (list, dict, set)) and value is not getattr(names, name, None)]
+    assert mutable == [], mutable
 
 
 def rendered_lines(raw: str) -> list[str]:
@@ -122,10 +148,10 @@ def test_notices_start_on_their_own_line_under_a_progress_bar(monkeypatch, fresh
     bar = tqdm.tqdm(total=10, file=sys.stderr, ascii=True, mininterval=0, miniters=1, ncols=60, desc="train")
     bar.update(3)
     if notice == "say":
-        report.say("autopatch: modeling_llama: rms_norm (LlamaRMSNorm)")
+        sessions.say("autopatch: modeling_llama: rms_norm (LlamaRMSNorm)")
         expected = "autopatch: modeling_llama: rms_norm (LlamaRMSNorm)"
     else:
-        report.fallback_notice("rope", "apply_rotary_pos_emb got cpu tensors")
+        fallback_notice(fresh_report, "rope", "apply_rotary_pos_emb got cpu tensors")
         expected = ("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code instead "
                     "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
     bar.update(3)
@@ -135,7 +161,7 @@ def test_notices_start_on_their_own_line_under_a_progress_bar(monkeypatch, fresh
     assert shown[-1].startswith("train:  60%")  # the bar was drawn again below the notice
     # without a bar, a plain line
     err.truncate(0), err.seek(0)
-    report.say("autopatch: plain")
+    sessions.say("autopatch: plain")
     assert err.getvalue() == "autopatch: plain\n"
 
 
@@ -149,7 +175,8 @@ def test_apply_keywords():
              "fused_linear_cross_entropy": False}
     got = _api.resolve_toggles(liger)
     assert {k: got[k] for k in liger} == liger and got["geglu"] is True
-    with pytest.raises(TypeError, match=r"'layer_nrom'.*valid kernel keywords: " + ", ".join(KERNEL_NAMES)):
+    with pytest.raises(TypeError, match=r"'layer_nrom': did you mean layer_norm\?.*valid kernel keywords: "
+                       + ", ".join(KERNEL_NAMES)):
         _api.resolve_toggles({"layer_nrom": True})
     with pytest.raises(TypeError, match="rope must be True or False, got 'yes'"):
         _api.resolve_toggles({"rope": "yes"})
@@ -185,7 +212,8 @@ def fake_world(monkeypatch, fresh_report):
         seen: list = []
         refuse = False
 
-        def patch_module(self, module, enabled):
+        def patch_module(self, module, *args):
+            enabled = args[-1]  # (module, session, enabled)
             self.seen.append((module.__name__, {k: enabled(k) for k in KERNEL_NAMES}))
             if self.refuse:
                 return [Record("rms_norm", module.__name__, "FakeNorm", False, reason="no variant matched")]
@@ -196,17 +224,17 @@ def fake_world(monkeypatch, fresh_report):
     rule_module.RULE = rule
     monkeypatch.setitem(sys.modules, "fake_rule_module", rule_module)
     monkeypatch.setattr(rules, "RULE_MODULES", ("fake_rule_module",))
-    monkeypatch.setattr(hooks, "_settings", load_settings({}))
     return modeling, rule
 
 
-def test_apply_runs_rules_over_the_models_modules(fake_world, capsys):
+def test_apply_runs_rules_over_the_models_modules(fake_world, fresh_report, capsys):
     modeling, rule = fake_world
     model = modeling.FakeModel()
     assert _api.modules_of(model) == [modeling]  # torch.nn's modules are not modeling modules
     records = _api.apply(model, rope=False, cross_entropy=True)
     assert records == [Record("swiglu", FAKE_MODELING, "FakeMLP", True, "swiglu")]
-    assert report.records() == records
+    assert fresh_report.all_records() == records
+    assert fresh_report.built == {FAKE_MODELING: ["FakeModel"]}
     name, seen = rule.seen[-1]
     assert name == FAKE_MODELING
     assert seen == {"rope": False, "rms_norm": True, "layer_norm": True, "swiglu": True, "geglu": True,
@@ -221,8 +249,10 @@ def test_apply_strict_raises_on_refusal(fake_world, monkeypatch):
     modeling, rule = fake_world
     rule.refuse = True
     assert _api.apply(modeling.FakeModel())[0].patched is False  # not strict: recorded, no error
-    monkeypatch.setattr(hooks, "_settings", load_settings({"AUTOPATCH_STRICT": "true"}))
-    with pytest.raises(report.StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched") as err:
+    strict = Session(load_settings({"AUTOPATCH_STRICT": "true"}))
+    strict.installed.update({"exit", "optimizer"})
+    monkeypatch.setattr(sessions, "_current", strict)
+    with pytest.raises(StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched") as err:
         _api.apply(modeling.FakeModel())
     assert "autopatch.apply(model, rms_norm=False)" in str(err.value)  # the way out
 
@@ -259,16 +289,16 @@ def test_listing_and_name_test_agree():
     assert all(hooks.is_modeling_module_name(n) for n in names)
 
 
-def test_pending_lines_said_for_the_model_built(monkeypatch, capsys, fake_world):
+def test_pending_lines_said_for_the_model_built(capsys, fake_world, fresh_report):
     modeling, _ = fake_world
     other = "transformers.models.bloom.modeling_bloom"
-    monkeypatch.setattr(hooks, "_pending", {FAKE_MODELING: "autopatch: modeling_fake: swiglu (FakeMLP)",
-                                            other: "autopatch: modeling_bloom: cross_entropy"})
-    assert hooks.say_pending_for(torch.nn.Linear(2, 2)) == []  # torch's classes: no modeling module
-    assert hooks.say_pending_for(modeling.FakeModel()) == ["autopatch: modeling_fake: swiglu (FakeMLP)"]
+    fresh_report.pending.update({FAKE_MODELING: "autopatch: modeling_fake: swiglu (FakeMLP)",
+                                 other: "autopatch: modeling_bloom: cross_entropy"})
+    assert runtime.say_pending_for(torch.nn.Linear(2, 2)) == []  # torch's classes: no modeling module
+    assert runtime.say_pending_for(modeling.FakeModel()) == ["autopatch: modeling_fake: swiglu (FakeMLP)"]
     assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
-    assert hooks.pending_lines() == {other: "autopatch: modeling_bloom: cross_entropy"}
-    assert hooks.say_pending_for(modeling.FakeModel()) == []  # said once
+    assert fresh_report.pending == {other: "autopatch: modeling_bloom: cross_entropy"}
+    assert runtime.say_pending_for(modeling.FakeModel()) == []  # said once
 
 
 def test_model_types_of(monkeypatch):
@@ -284,5 +314,5 @@ def test_model_types_of(monkeypatch):
         cls.__module__ = config_mod.__name__
         setattr(config_mod, cls.__name__, cls)
     monkeypatch.setitem(sys.modules, config_mod.__name__, config_mod)
-    assert hooks.model_types_of(types.ModuleType("transformers.models.foo3.modeling_foo3")) == ["foo3", "foo3_text"]
-    assert hooks.model_types_of(types.ModuleType("transformers.models.bar.modeling_bar")) == ["bar"]
+    assert runtime.model_types_of(types.ModuleType("transformers.models.foo3.modeling_foo3")) == ["foo3", "foo3_text"]
+    assert runtime.model_types_of(types.ModuleType("transformers.models.bar.modeling_bar")) == ["bar"]
