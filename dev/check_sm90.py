@@ -79,12 +79,12 @@ def rms_norm_signature(dtype: str, backward: bool) -> dict:
 
 
 def rms_norm_cases(cols: list[int], dtype: str):
-    from fused_kernels.ops import rms_norm as rms
+    from fused_kernels.ops import rms_norm_config as rms_cfg
     for backward in (False, True):
         configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
-                   for c in rms.candidate_configs(backward)]
+                   for c in rms_cfg.candidate_configs(backward)]
         for n in cols:
-            for cfg in rms._prune(configs, {"n_cols": n, "row_bucket": 65536}):
+            for cfg in rms_cfg._prune(configs, {"n_cols": n, "row_bucket": 65536}):
                 flags = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, **cfg.kwargs)
                 if backward:
                     flags["COMPUTE_DW"] = True
@@ -98,8 +98,8 @@ def rms_norm_cases(cols: list[int], dtype: str):
 
 def rms_norm_split_cases(cols: list[int], dtype: str):
     """The split backward's two kernels (rows longer than SPLIT_BACKWARD_FROM) with the default config."""
-    from fused_kernels.ops import rms_norm as rms
-    cfg = rms.SplitBackwardConfig()
+    from fused_kernels.ops import rms_norm_config as rms_cfg
+    cfg = rms_cfg.SplitBackwardConfig()
     dot_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
                "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32", "offset": "fp32", "n_dot_blocks": "i32"}
     split_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
@@ -107,7 +107,7 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
                  "stride_x": "i32", "stride_dx": "i32", "offset": "fp32", "n_dot_blocks": "i32",
                  "rows_per_group": "i32"}
     for n in cols:
-        if n <= rms.SPLIT_BACKWARD_FROM:  # plan() takes the split backward for longer rows only
+        if n <= rms_cfg.SPLIT_BACKWARD_FROM:  # plan() takes the split backward for longer rows only
             continue
         n_dot = -(-n // cfg.dot_block)
         common = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, FROM_OUTPUT=False)
@@ -210,7 +210,7 @@ def norm_smem_cases(cols: list[int], dtype: str):
            "stride_dy": "i32", "stride_x": "i32", "stride_dx": "i32"}
     aligned = [a for a in sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
-        shape = rms.cluster_shape(n, backward=True)
+        shape = rms_cfg.cluster_shape(n, backward=True)
         if shape is None:
             continue
         for casting_id, offset, compute_dw in ((0, 0.0, True), (0, 1.0, False), (1, 1.0, True), (2, 0.0, True)):
@@ -233,7 +233,7 @@ def norm_smem_cases(cols: list[int], dtype: str):
                "n_rows": "i32", "stride_x": "i32", "stride_y": "i32", "eps": "fp32"}
     fwd_aligned = [a for a in fwd_sig if a.endswith("_ptr") or a.startswith("stride")]
     for n in cols:
-        shape = rms.cluster_shape(n, backward=False)
+        shape = rms_cfg.cluster_shape(n, backward=False)
         if shape is None:
             continue
         for casting_id, offset, has_weight in ((0, 0.0, True), (0, 1.0, True), (1, 1.0, True), (2, 0.0, True),

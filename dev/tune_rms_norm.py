@@ -37,6 +37,7 @@ import fused_kernels  # noqa: E402  (registers the custom ops)
 from fused_kernels._dispatch import Plan  # noqa: E402
 
 from fused_kernels.ops import rms_norm as rms
+from fused_kernels.ops import rms_norm_config as rms_cfg
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def forced_plans(forward=None, backward=None):
     """While the returned context is active, rms_norm runs the Plan `forward` / `backward` for calls in
     that direction (None: plan()'s own)."""
-    real = rms.plan
+    real = rms_cfg.plan
 
     def plan(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts):
         wanted = forward if direction == "forward" else backward
@@ -94,8 +95,8 @@ def forced_split(cfg):
     return forced_plans(backward=Plan("split", cfg, "forced by dev/tune_rms_norm.py"))
 
 
-SPLIT_VARIANTS = [rms.SplitBackwardConfig()] + [
-    rms.SplitBackwardConfig(**kw) for kw in (
+SPLIT_VARIANTS = [rms_cfg.SplitBackwardConfig()] + [
+    rms_cfg.SplitBackwardConfig(**kw) for kw in (
         dict(block_n=4096, num_warps=16), dict(block_n=2048, num_warps=8), dict(block_n=8192, num_warps=16),
         dict(programs_per_sm=2), dict(programs_per_sm=8), dict(num_stages=1), dict(num_stages=2), dict(num_stages=4),
         dict(dot_block=8192, dot_warps=16), dict(dot_block=2048, dot_warps=4),
@@ -158,7 +159,7 @@ def main() -> None:
         floor_bwd = 3 * nbytes / (gbps * 1e9) * 1e3
         print(f"\n{rows}x{n} bf16: floors fwd {floor_fwd:.4f} ms, bwd {floor_bwd:.4f} ms")
         facts = rms.device_facts(x.device)
-        plans = {d: rms.plan(rows, n, x.dtype, w.dtype, d, device=facts, dy_dtype=dy.dtype)
+        plans = {d: rms_cfg.plan(rms_cfg.Call(rows, n, x.dtype, w.dtype, d, dy_dtype=dy.dtype), facts)
                  for d in ("forward", "backward")}
         for direction, p in plans.items():
             print(f"  plan {direction}: {p.path} {p.config if p.config is not None else ''} ({p.reason})")
@@ -182,7 +183,7 @@ def main() -> None:
         print(f"  kernel time, autotuned: fwd {f_ms:.4f} ms ({pct(floor_fwd, f_ms)} of floor), "
               f"bwd {b_ms:.4f} ms ({pct(floor_bwd, b_ms)}; includes the dw partial sum)")
         for backward, fn, floor in ((False, fwd, floor_fwd), (True, bwd, floor_bwd)):
-            cfg = rms.heuristic_config(n, backward)
+            cfg = rms_cfg.heuristic_config(n, backward)
             with forced(cfg):
                 ms = graph_ms(fn)
             print(f"  kernel time, heuristic table {'bwd' if backward else 'fwd'}: {ms:.4f} ms ({pct(floor, ms)})  {cfg}")
@@ -211,9 +212,9 @@ def main() -> None:
         if args.sweep:
             for backward, fn, floor, ref in ((False, fwd, floor_fwd, y_ref), (True, bwd, floor_bwd, dx_ref)):
                 results = []
-                for cfg in rms.candidate_configs(backward):
+                for cfg in rms_cfg.candidate_configs(backward):
                     meta = cfg.meta()
-                    if not rms._fits(meta, n):
+                    if not rms_cfg._fits(meta, n):
                         continue
                     with forced(cfg):
                         try:

@@ -176,3 +176,9 @@ def train_and_eval(model, inputs):
         logits = model(input_ids=inputs["input_ids"]).logits
     return out.loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+
+
+def plan(config, *call, device, **fields):
+    """Any op's plan: `config` is the op's fused_kernels.ops.<op>_config module, the call its `Call`'s fields
+    (positionally, then by name), `device` the DeviceFacts planned for."""
+    return config.plan(config.Call(*call, **fields), device)

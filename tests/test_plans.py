@@ -13,6 +13,7 @@ import sys
 import torch
 
 from fused_kernels._gpu import OFF_GPU, DeviceFacts
+import helpers
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "plans.json"
 
@@ -65,7 +66,7 @@ def _entry(op: str, call: dict, p) -> dict:
 
 def listing() -> list[dict]:
     """Every plan of the table, in a fixed order."""
-    from fused_kernels.ops import rms_norm as rms
+    from fused_kernels.ops import rms_norm_config as rms_cfg
     from fused_kernels.ops import layer_norm as ln
     from fused_kernels.ops import rope
     from fused_kernels.ops import glu
@@ -80,15 +81,15 @@ def listing() -> list[dict]:
 
         for rows, cols in RMS_NORM:
             add("rms_norm", {"rows": rows, "cols": cols, "direction": "forward"},
-                rms.plan(rows, cols, BF16, BF16, "forward", device=dev, interpreted=interp))
+                helpers.plan(rms_cfg, rows, cols, BF16, BF16, "forward", device=dev))
             for from_output in (False, True):
                 add("rms_norm", {"rows": rows, "cols": cols, "direction": "backward", "from_output": from_output},
-                    rms.plan(rows, cols, BF16, BF16, "backward", device=dev, dy_dtype=BF16, from_output=from_output,
-                             interpreted=interp))
+                    helpers.plan(rms_cfg, rows, cols, BF16, BF16, "backward", device=dev, dy_dtype=BF16,
+                                 from_output=from_output))
         if dev.cuda:  # the configs triton.autotune times on this GPU for the "triton" path's config None
             for backward in (False, True):
                 add("rms_norm", {"autotune candidates": "backward" if backward else "forward"},
-                    _Candidates(rms.candidate_configs(backward)))
+                    _Candidates(rms_cfg.candidate_configs(backward)))
         for rows, cols in LAYER_NORM:
             add("layer_norm", {"rows": rows, "cols": cols, "direction": "forward"},
                 ln.plan(rows, cols, BF16, dev.sm_count, interp))

@@ -20,13 +20,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fused_kernels
-from fused_kernels import _dispatch, rms_norm
+from fused_kernels import _dispatch, _gpu, rms_norm
 from fused_kernels._dispatch import Plan
 import helpers
 from helpers import REL_TOL, assert_close, randn, rel_err
 
 # The package re-exports the function under the module's name, so fetch the module itself.
 from fused_kernels.ops import rms_norm as rms_norm_module
+from fused_kernels.ops import rms_norm_config as rms_cfg
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MODES = ("llama", "gemma", "none")
@@ -240,11 +241,11 @@ def forced_plans(forward=None, backward=None):
     """A stand-in for rms_norm's plan(): the Plan `forward` / `backward` for calls in that direction
     (None: the real plan's), except where the real plan picks the cluster path (the fake cluster
     kernels below), which still runs."""
-    real = rms_norm_module.plan
+    real = rms_cfg.plan
 
-    def forced(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts):
-        planned = real(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts)
-        wanted = forward if direction == "forward" else backward
+    def forced(call, device):
+        planned = real(call, device)
+        wanted = forward if call.direction == "forward" else backward
         return planned if wanted is None or planned.path == "cluster" else wanted
 
     return forced
@@ -268,9 +269,9 @@ def force_config(monkeypatch, config):
         # chunked: 150 columns in chunks of 64 (the last one ragged), 2 rows per tile, 3 programs
         # (1.5 per "SM", 2 on the CPU) → several tiles per program, so each dw partial row is
         # stored once and then read-modified-written
-        rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True),
+        rms_cfg.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True),
         # single pass with 4 rows per tile and a ragged last tile
-        rms_norm_module.LaunchConfig(block_n=512, rows=4, num_warps=4, programs_per_sm=1),
+        rms_cfg.LaunchConfig(block_n=512, rows=4, num_warps=4, programs_per_sm=1),
     ],
     ids=["chunked", "single-pass"],
 )
@@ -285,7 +286,7 @@ def test_forced_launch_configs(monkeypatch, config, dtype, casting_mode):
 # Split backward forced on a small shape: 150 columns as 3 row-dot blocks of 64 (the last ragged,
 # DOT_BLOCKS = 4 masked) and 5 dx/dw blocks of 32; 8 programs per "SM" (2 on the CPU) over 5 column
 # blocks = 3 row groups of 4, 4 and 3 rows (each its own dw partial row).
-_SMALL_SPLIT = rms_norm_module.SplitBackwardConfig(dot_block=64, dot_warps=4, block_n=32, num_warps=4,
+_SMALL_SPLIT = rms_cfg.SplitBackwardConfig(dot_block=64, dot_warps=4, block_n=32, num_warps=4,
                                                     programs_per_sm=8, num_stages=2)
 
 
@@ -304,13 +305,13 @@ def test_forced_split_backward(monkeypatch, dtype, casting_mode, keep):
 def test_split_backward_is_used_for_long_rows_only(monkeypatch):
     """Rows longer than SPLIT_BACKWARD_FROM go through the two split kernels; shorter ones do not. A
     strided (row-padded) input and a weight without a gradient exercise the strides and no-dw path."""
-    n = rms_norm_module.SPLIT_BACKWARD_FROM
+    n = rms_cfg.SPLIT_BACKWARD_FROM
     assert _plan(4, n, torch.float32, "backward").path == "triton"
     assert _plan(4, n + 1, torch.float32, "backward").path == "split"
     calls = []
     real = rms_norm_module._split_backward
     monkeypatch.setattr(rms_norm_module, "_split_backward", lambda *a: calls.append(1) or real(*a))
-    n = rms_norm_module.SPLIT_BACKWARD_FROM + 40
+    n = rms_cfg.SPLIT_BACKWARD_FROM + 40
     base = randn(3, n + 24, dtype=torch.float32, scale=2.0)
     x = base[:, :n].requires_grad_(True)
     w = randn(n, dtype=torch.float32)
@@ -337,7 +338,7 @@ def test_keep_output_matches_reference(dtype, casting_mode, offset, weight_kind)
 
 @pytest.mark.parametrize("casting_mode", ("llama", "gemma"))
 def test_keep_output_forced_chunked_path(monkeypatch, casting_mode):
-    config = rms_norm_module.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True)
+    config = rms_cfg.LaunchConfig(block_n=64, rows=2, num_warps=4, programs_per_sm=1.5, chunked=True)
     force_config(monkeypatch, config)
     for dtype in (torch.float32, torch.bfloat16):
         x = randn(11, 150, dtype=dtype, scale=2.0)
@@ -379,7 +380,7 @@ def test_keep_output_rejects_unknown_choice():
 def test_long_rows_default_config(hidden):
     """The shipped long-row configs: 9000 is one chunk in the backward (held whole in the forward),
     20000 is chunked in both (a full chunk of 16384 and a ragged one)."""
-    assert rms_norm_module.heuristic_config(hidden, True).chunked
+    assert rms_cfg.heuristic_config(hidden, True).chunked
     x = randn(3, hidden, dtype=torch.bfloat16, scale=2.0)
     weight = randn(hidden, dtype=torch.bfloat16)
     check_against_reference(x, weight, 1e-6, 0.0, "llama")
@@ -390,10 +391,10 @@ def test_launch_config_table():
     unless its config says chunked. Under the interpreter the heuristic config is the one launched."""
     for n in (1, 7, 64, 100, 257, 1024, 4095, 4096, 8192, 16384, 65536, 262144):
         for backward in (False, True):
-            cfg = rms_norm_module.heuristic_config(n, backward)
+            cfg = rms_cfg.heuristic_config(n, backward)
             planned = _plan(8, n, torch.float32, "backward" if backward else "forward")
             if planned.path == "split":
-                assert backward and n > rms_norm_module.SPLIT_BACKWARD_FROM
+                assert backward and n > rms_cfg.SPLIT_BACKWARD_FROM
             else:
                 assert planned == Plan("triton", cfg, planned.reason)
             assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.rows & (cfg.rows - 1) == 0
@@ -404,20 +405,20 @@ def test_launch_config_table():
             # fp32 values per thread for one held [rows, block] array: more than 32 would spill
             assert cfg.tile // (32 * cfg.num_warps) <= 32, (n, backward, cfg)
     # long-row backward: persistent programs capped by the L2 budget, never more than the tiles
-    cfg = rms_norm_module.heuristic_config(65536, True)
-    programs = rms_norm_module.backward_programs(cfg, 1024, 65536, 8, sm_count=132)
-    assert 1 <= programs and programs * 65536 * 8 <= rms_norm_module.L2_BUDGET_BYTES
-    assert rms_norm_module.backward_programs(cfg, 3, 65536, 8, sm_count=132) == 3
+    cfg = rms_cfg.heuristic_config(65536, True)
+    programs = rms_cfg.backward_programs(cfg, 1024, 65536, 8, sm_count=132)
+    assert 1 <= programs and programs * 65536 * 8 <= rms_cfg.L2_BUDGET_BYTES
+    assert rms_cfg.backward_programs(cfg, 3, 65536, 8, sm_count=132) == 3
     # the uncapped candidate: every SM busy (the autotuner weighs that against the L2 re-use)
     uncapped = dataclasses.replace(cfg, l2_cap=False)
-    assert rms_norm_module.backward_programs(uncapped, 1024, 65536, 8, sm_count=132) > programs
-    assert any(not c.l2_cap and c.chunked for c in rms_norm_module.candidate_configs(True))
-    assert all(c.l2_cap for c in rms_norm_module.candidate_configs(False))
+    assert rms_cfg.backward_programs(uncapped, 1024, 65536, 8, sm_count=132) > programs
+    assert any(not c.l2_cap and c.chunked for c in rms_cfg.candidate_configs(True))
+    assert all(c.l2_cap for c in rms_cfg.candidate_configs(False))
 
 
 def _triton_configs(backward):
     return [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in rms_norm_module.candidate_configs(backward)]
+            for c in rms_cfg.candidate_configs(backward)]
 
 
 def test_autotune_candidates_cover_every_row_length():
@@ -433,11 +434,11 @@ def test_autotune_candidates_cover_every_row_length():
         bytes_per_col = 2 * dtype.itemsize if backward else dtype.itemsize
         for n in (1, 7, 64, 100, 257, 1000, 1024, 4095, 4096, 5000, 8192, 9000, 16384, 20000, 65536, 262144):
             for row_bucket in (16, 256, 65536):
-                kept = rms_norm_module._prune(configs, {"n_cols": n, "row_bucket": row_bucket, **tensors})
+                kept = rms_cfg._prune(configs, {"n_cols": n, "row_bucket": row_bucket, **tensors})
                 assert 1 <= len(kept) <= 16, (n, backward, row_bucket, len(kept))
                 for c in kept:
-                    shared = rms_norm_module._pipelined_shared_bytes(c.kwargs, bytes_per_col, 4 if backward else 0)
-                    assert shared <= rms_norm_module._SHARED_LIMIT
+                    shared = rms_cfg._pipelined_shared_bytes(c.kwargs, bytes_per_col, 4 if backward else 0)
+                    assert shared <= rms_cfg._SHARED_LIMIT
                     block, rows, warps = c.kwargs["BLOCK_N"], c.kwargs["ROWS"], c.num_warps
                     assert block & (block - 1) == 0 and rows & (rows - 1) == 0
                     assert block * rows // (32 * warps) <= 32
@@ -704,8 +705,8 @@ from fused_kernels._gpu import DeviceFacts  # noqa: E402
 def _plan(n_rows, n_cols, dtype, direction, device=None, **facts):
     """plan() for x, weight and dy of one dtype, on `device` (DeviceFacts; None: this CPU's)."""
     device = rms_norm_module.device_facts(torch.device("cpu")) if device is None else device
-    return rms_norm_module.plan(n_rows, n_cols, dtype, facts.pop("weight_dtype", dtype), direction, device=device,
-                                dy_dtype=facts.pop("dy_dtype", dtype), **facts)
+    return helpers.plan(rms_cfg, n_rows, n_cols, dtype, facts.pop("weight_dtype", dtype), direction, device=device,
+                        dy_dtype=facts.pop("dy_dtype", dtype), **facts)
 
 
 H200 = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
@@ -713,10 +714,10 @@ SM80 = DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=16793
 NO_GLUON = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=False)
 ROCM = DeviceFacts(cuda=True, sm_count=304, capability=(9, 4), smem_per_sm=65536, gluon=False)  # Gluon is CUDA's
 
-_CLUSTER = rms_norm_module.ClusterLaunch
-_SHAPE = rms_norm_module.ClusterShape
+_CLUSTER = _gpu.ClusterLaunch
+_SHAPE = _gpu.ClusterShape
 _AUTOTUNED = ("triton", None)
-_SPLIT = ("split", rms_norm_module.SplitBackwardConfig())
+_SPLIT = ("split", rms_cfg.SplitBackwardConfig())
 # (rows, n_cols): {(device, direction): (path, config)} for bf16 x, weight and dy, from the input
 NAMED_SHAPES = {
     (16384, 4096): {(dev, d): _AUTOTUNED for dev in ("h200", "sm80") for d in ("forward", "backward")},
@@ -757,7 +758,7 @@ def test_plan_fp32_and_mixed_dtypes_never_take_clusters(fresh_dispatch):
     for rows, n in NAMED_SHAPES:
         for direction in ("forward", "backward"):
             got = _plan(rows, n, torch.float32, direction, H200)
-            want = _SPLIT if direction == "backward" and n > rms_norm_module.SPLIT_BACKWARD_FROM else _AUTOTUNED
+            want = _SPLIT if direction == "backward" and n > rms_cfg.SPLIT_BACKWARD_FROM else _AUTOTUNED
             assert (got.path, got.config) == want, (rows, n, direction, got)
             assert "16-bit" in got.reason or "no rows of" in got.reason, got
     assert _plan(1024, 65536, torch.bfloat16, "forward", H200, weight_dtype=torch.float32).path == "triton"
@@ -815,12 +816,12 @@ def test_plan_under_the_interpreter_is_the_heuristic_table():
     cpu = rms_norm_module.device_facts(torch.device("cpu"))
     assert not cpu.cuda and not cpu.gluon and cpu.sm_count >= 1
     for rows, n in NAMED_SHAPES:
-        assert _plan(rows, n, torch.bfloat16, "forward").config == rms_norm_module.heuristic_config(n, False)
+        assert _plan(rows, n, torch.bfloat16, "forward").config == rms_cfg.heuristic_config(n, False)
         back = _plan(rows, n, torch.bfloat16, "backward")
-        if n > rms_norm_module.SPLIT_BACKWARD_FROM:
+        if n > rms_cfg.SPLIT_BACKWARD_FROM:
             assert (back.path, back.config) == _SPLIT
         else:
-            assert (back.path, back.config) == ("triton", rms_norm_module.heuristic_config(n, True))
+            assert (back.path, back.config) == ("triton", rms_cfg.heuristic_config(n, True))
 
 
 # --- the H200 at real sizes (dev/gpu_check.sh) ---------------------------------------------
@@ -863,37 +864,37 @@ def test_smem_backward_table_shapes_fit_an_sm():
     thread (8 fp32 dw sums per chunk live in registers)."""
     smem = pytest.importorskip("fused_kernels.ops.norm_smem")
     from fused_kernels import _gpu as gpu
-    assert rms_norm_module.cluster_shape(16384, True) == rms_norm_module.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
-    assert rms_norm_module.cluster_shape(24576, True).chunk == 8192 and rms_norm_module.cluster_shape(32768, True).warps == 4  # measured at 32768
-    assert rms_norm_module.cluster_shape(65536, True) == rms_norm_module.ClusterShape(warps=8, ctas=8, per_sm=4)
-    assert rms_norm_module.cluster_shape(49152, True).chunk == 16384
+    assert rms_cfg.cluster_shape(16384, True) == _gpu.ClusterShape(warps=4, ctas=4, per_sm=6)  # 4 chunks of 4096
+    assert rms_cfg.cluster_shape(24576, True).chunk == 8192 and rms_cfg.cluster_shape(32768, True).warps == 4  # measured at 32768
+    assert rms_cfg.cluster_shape(65536, True) == _gpu.ClusterShape(warps=8, ctas=8, per_sm=4)
+    assert rms_cfg.cluster_shape(49152, True).chunk == 16384
     for n in (40960, 65537, 131072, 4096, 8192, 12288, 8192 * 3 + 8):  # below 16384: the one-kernel backward
-        assert rms_norm_module.cluster_shape(n, True) is None, n
+        assert rms_cfg.cluster_shape(n, True) is None, n
     for n in range(4096, 65536 + 1, 4096):
-        shape = rms_norm_module.cluster_shape(n, True)
+        shape = rms_cfg.cluster_shape(n, True)
         if shape is None:
             continue
         assert n % shape.chunk == 0 and smem.MIN_CHUNKS <= n // shape.chunk <= smem.MAX_CHUNKS
         assert shape.per_sm * (smem.buffer_bytes(n, shape, 2) + 1024 + 256) <= 228 * 1024, (n, shape)
         assert gpu.register_cap(shape.warps, shape.per_sm) >= 64
         fit = shape.per_sm * 132 // shape.ctas
-        grid = rms_norm_module.clusters(1024, shape, 132)  # the fewest clusters that take as many rounds as all that fit
+        grid = _gpu.clusters(1024, shape, 132)  # the fewest clusters that take as many rounds as all that fit
         assert grid <= fit and -(-1024 // grid) == -(-1024 // fit) and -(-1024 // (grid - 1)) > -(-1024 // fit)
-    assert rms_norm_module.clusters(1024, rms_norm_module.cluster_shape(65536, True), 132) == 64  # 66 fit: 16 rounds either way
-    assert rms_norm_module.clusters(3, rms_norm_module.cluster_shape(65536, True), 132) == 3
-    assert rms_norm_module.clusters(10_000, rms_norm_module.cluster_shape(65536, True), 132) == 66  # 152 rounds, 66 · 152 - 10 000 = 32 idle
+    assert _gpu.clusters(1024, rms_cfg.cluster_shape(65536, True), 132) == 64  # 66 fit: 16 rounds either way
+    assert _gpu.clusters(3, rms_cfg.cluster_shape(65536, True), 132) == 3
+    assert _gpu.clusters(10_000, rms_cfg.cluster_shape(65536, True), 132) == 66  # 152 rounds, 66 · 152 - 10 000 = 32 idle
     with pytest.raises(ValueError, match="whole chunks of 16384"):
-        smem.kernel_constexprs(40960, rms_norm_module.cluster_shape(65536, True), offset=0.0, casting_id=0, compute_dw=True)
+        smem.kernel_constexprs(40960, rms_cfg.cluster_shape(65536, True), offset=0.0, casting_id=0, compute_dw=True)
 
 
 def test_smem_forward_table_shapes_fit_an_sm():
     """The long-row forward takes 65536 only (8 chunks of 8192: where it was measured to win); per_sm
     CTAs' x and w slices fit an H100/H200 SM's shared memory."""
     smem = pytest.importorskip("fused_kernels.ops.norm_smem")
-    assert rms_norm_module.cluster_shape(65536, False) == rms_norm_module.ClusterShape(warps=4, ctas=8, per_sm=6)
+    assert rms_cfg.cluster_shape(65536, False) == _gpu.ClusterShape(warps=4, ctas=8, per_sm=6)
     for n in (32768, 49152, 65536 + 8192, 131072, 4096):
-        assert rms_norm_module.cluster_shape(n, False) is None, n
-    shape = rms_norm_module.cluster_shape(65536, False)
+        assert rms_cfg.cluster_shape(n, False) is None, n
+    shape = rms_cfg.cluster_shape(65536, False)
     assert shape.per_sm * (smem.buffer_bytes(65536, shape, 2, forward=True) + 1024 + 256) <= 228 * 1024
     with pytest.raises(ValueError, match="8-8 whole chunks of 8192 .* forward"):
         smem.forward_constexprs(32768, shape, offset=0.0, casting_id=0, has_weight=True)
@@ -923,7 +924,7 @@ def test_smem_kernels_compile_for_sm90():
         if "norm_smem " in line and " N=" in line:
             n = int(line.split("N=")[1].split()[0])
             forward = "norm_smem forward" in line
-            shape = ln.cluster_shape(n) if "layer_norm" in line else rms_norm_module.cluster_shape(n, not forward)
+            shape = ln.cluster_shape(n) if "layer_norm" in line else rms_cfg.cluster_shape(n, not forward)
             shared = int(line.split("shared")[1].split()[0])
             assert "capped" in line, line
             assert shared <= smem.buffer_bytes(n, shape, 2, forward) + 256, line
@@ -951,7 +952,7 @@ class _FakeSmem:
             return None, "not taken by the fake"
         if direction == "backward" and from_output:
             return None, "the backward from the saved output"
-        return rms_norm_module.ClusterLaunch(self.shape, 3), "the fake cluster kernels"
+        return _gpu.ClusterLaunch(self.shape, 3), "the fake cluster kernels"
 
     def launch_forward(self, x2, weight, y2, rstd, *, shape, grid, eps, offset, casting_id):
         self.forward_calls += 1
@@ -987,7 +988,7 @@ def fresh_dispatch():
 
 def _use_fake_smem(monkeypatch, fake) -> None:
     """rms_norm's dispatch sees `fake` as norm_smem (its conditions and its launchers)."""
-    monkeypatch.setattr(rms_norm_module, "cluster_launch", fake.cluster_launch)
+    monkeypatch.setattr(rms_cfg, "cluster_launch", fake.cluster_launch)
     monkeypatch.setattr(rms_norm_module, "_cluster_kernels", lambda: fake)
 
 
@@ -1024,7 +1025,7 @@ def test_smem_backward_takes_the_lengths_its_table_names(monkeypatch, fresh_disp
     _use_fake_smem(monkeypatch, fake)
     check_against_reference(randn(5, 64, dtype=torch.float32), randn(64, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 0
-    assert 150 <= rms_norm_module.SPLIT_BACKWARD_FROM  # the split backward would not take these rows
+    assert 150 <= rms_cfg.SPLIT_BACKWARD_FROM  # the split backward would not take these rows
     check_against_reference(randn(11, 150, dtype=torch.float32), randn(150, dtype=torch.float32), 1e-6, 0.0, "llama")
     assert fake.calls == 1
 
@@ -1086,7 +1087,7 @@ def test_gpu_smem_backward_matches_reference(monkeypatch, device, rows, hidden, 
     y = rms_norm(x_in, w_in, 1e-6, offset, casting_mode)
     dy = randn(*x.shape, dtype=y.dtype, device=device)
     y.backward(dy)
-    assert calls == [rms_norm_module.cluster_shape(hidden, True)], calls
+    assert calls == [rms_cfg.cluster_shape(hidden, True)], calls
 
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     reference(x64, w64, 1e-6, offset, casting_mode, dtype, dtype).backward(dy.double())
@@ -1135,7 +1136,7 @@ def test_gpu_smem_forward_matches_reference(monkeypatch, device, rows, dtype, ca
     x = randn(rows, 65536 + row_pad, dtype=dtype, device=device, scale=2.0)[:, :65536]
     w = randn(65536, dtype=dtype, device=device, scale=0.5) if with_weight else None
     check_against_reference(x, w, 1e-6, offset, casting_mode)
-    assert calls == [rms_norm_module.cluster_shape(65536, False)], calls
+    assert calls == [rms_cfg.cluster_shape(65536, False)], calls
 
 
 @pytest.mark.gpu

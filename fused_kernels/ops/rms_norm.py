@@ -30,8 +30,8 @@ backward reads x and dy, writes dx (3·rows·N·B), plus one fp32 partial row of
 (programs × N × 4 bytes, written once, then summed and cast by _dw_sum_kernel). 16384×4096 bf16: 256 MiB
 forward+backward.
 
-Which implementation runs is decided in one place, `plan()` (section "Dispatch" below, with every
-threshold it uses); it returns a `fused_kernels._dispatch.Plan` whose `path` is one of:
+Which implementation runs is decided in one place, `plan(call, device)` in
+fused_kernels/ops/rms_norm_config.py (with every table and threshold it uses); it returns a `fused_kernels._dispatch.Plan` whose `path` is one of:
   "cluster"  fused_kernels/norm_smem.py (Gluon, H100/H200): each row split over a thread-block
              cluster and held in shared memory, so x and dy are read from HBM once. Backward: rows of
              16384, 24576, 32768, 49152 or 65536 16-bit columns with a weight, from the input; forward:
@@ -51,7 +51,7 @@ later tiles' loads in flight through shared memory while this one computes and s
 programs per SM as surely fit. The key is the row length, the casting mode, the dtypes and the row
 count's power-of-two bucket; the first call per key times the candidates (about a second), later calls
 launch the winner directly. Under the CPU interpreter the small tables _FWD_TABLE/_BWD_TABLE/_FWD_LONG/
-_BWD_LONG give one config per row length (`heuristic_config`); plan() says which applies.
+_BWD_LONG (rms_norm_config) give one config per row length (`heuristic_config`); plan() says which applies.
 
 Entry points: eager calls go through a torch.autograd.Function (a few µs of Python), torch.compile traces
 the custom ops fused_kernels::rms_norm_fwd / rms_norm_bwd; both run `_forward_impl` / `_backward_impl`,
@@ -60,7 +60,6 @@ which execute plan()'s choice. "none" casting: see above; weight None: y = x·r 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import threading
 from typing import Optional
@@ -70,366 +69,22 @@ import triton
 import triton.language as tl
 
 from fused_kernels import _dispatch, _gpu
-from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import ClusterLaunch, ClusterShape, DeviceFacts, clusters, device_facts
+from fused_kernels._dispatch import Path, Plan
+from fused_kernels._gpu import device_facts
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
+from fused_kernels.ops.rms_norm_config import (OP_NAMES, Call, LaunchConfig, SplitBackwardConfig, _MAX_PROGRAMS_PER_SM,
+                                               _programs, _prune, _row_bucket, backward_programs, candidate_configs,
+                                               cluster_shape, dw_sum_config, plan)
 
 CASTING_MODES = ("llama", "gemma", "none")
 _KEEP = ("input", "output")
 # How triton.jit built the kernels below (it reads TRITON_INTERPRET once, when triton is imported).
 _INTERPRETED = interpreter_on()
 _CASTING_ID = {"llama": 0, "gemma": 1, "none": 2}
-
-
-# ----------------------------------------------------------------------------------------------
-# Launch configuration
-# ----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    block_n: int  # columns per load (a power of two)
-    rows: int  # rows per tile (a power of two): many for short rows, so each load is big enough
-    num_warps: int
-    # Persistent programs per SM (the backward always: each program writes one dw partial row; the
-    # forward when > 0, else one program per tile).
-    programs_per_sm: float
-    # False: block_n >= n_cols and the row is held in registers (x read once per kernel).
-    # True: the row is swept twice in chunks of block_n columns (second sweep from L2).
-    chunked: bool = False
-    # Software pipelining of the tile (or chunk) loop: num_stages - 1 tiles in flight (1: none).
-    num_stages: int = 1
-    # Chunked backward: cap the persistent programs so that their rows stay in L2 (L2_BUDGET_BYTES)
-    # for the second sweep. Uncapped is the other candidate: more SMs busy, more re-reads from HBM.
-    l2_cap: bool = True
-
-    @property
-    def tile(self) -> int:
-        return self.block_n * self.rows
-
-    def meta(self) -> dict:
-        """The kernel's constexpr arguments that this config sets."""
-        return dict(BLOCK_N=self.block_n, ROWS=self.rows, SINGLE_PASS=not self.chunked,
-                    PROGRAMS_PER_SM=self.programs_per_sm, NUM_STAGES=self.num_stages, L2_CAP=self.l2_cap)
-
-
-# The heuristic tables: what the CPU interpreter runs (one config per row length, so it stays fast),
-# and the reference the autotuned configs are compared with in dev/tune_rms_norm.py.
-# Forward: (largest n_cols, rows per tile, num_warps); backward adds persistent programs per SM.
-# The block is n_cols rounded up to a power of two, so the whole row sits in registers and x is read
-# once. Sizing rule behind the numbers: 2–4 K elements per tile for short rows (8 KiB of bf16 per load
-# and program); 16 fp32 values per thread per held array (x, w in the forward; x, dy, w, dw in the
-# backward) so nothing spills; backward programs per SM = what fits in the register file alongside.
-_FWD_TABLE = (
-    (64, 32, 4),
-    (256, 16, 8),
-    (512, 8, 8),
-    (1024, 4, 8),
-    (2048, 2, 8),
-    (4096, 1, 8),
-    (8192, 1, 16),
-    (16384, 1, 32),
-)
-_BWD_TABLE = (
-    (64, 32, 4, 4),
-    (256, 16, 8, 2),
-    (512, 8, 8, 2),
-    (1024, 4, 8, 2),
-    (2048, 2, 8, 2),
-    (4096, 1, 8, 2),
-    (8192, 1, 16, 1),
-)
-# Rows longer than the last table entry: chunks of block_n columns, each row swept twice.
-# The forward's grid is not persistent: keep its CTAs large (32 warps at ~32 registers: 2 per SM) so
-# that the rows in flight, ~ 132 SMs × 2 × n_cols × bytes(x) (34 MiB at 65536 bf16), stay in L2 for
-# the second sweep. Backward at 32 warps compiles to 64 registers, no spills (ptxas, sm_90a).
-_FWD_LONG = LaunchConfig(block_n=16384, rows=1, num_warps=32, programs_per_sm=0, chunked=True)
-_BWD_LONG = LaunchConfig(block_n=16384, rows=1, num_warps=32, programs_per_sm=1, chunked=True)
-# Long-row backward: the second sweep re-reads x and dy and read-modify-writes the program's fp32
-# dw partial row; both should still be in L2. Persistent programs are capped so that
-# programs × n_cols × (4 + bytes(x) + bytes(dy)) stays within this budget (H100/H200 L2: 50 MiB).
-L2_BUDGET_BYTES = 32 * 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitBackwardConfig:
-    """The backward of rows too long to hold whole, split across programs by columns: a row-dot kernel
-    (one program per row and dot_block columns: the partial sums of g·xhat), then a dx/dw kernel (one
-    program per group of rows and block_n columns: c from the partial sums, dx, and the group's dw
-    partial row kept in registers). x and dy are read twice from HBM, but every SM is busy however few
-    the rows, and no dw partial row is read-modify-written through L2 (the chunked kernel's limit)."""
-    dot_block: int = 4096  # columns per row-dot program (power of two)
-    dot_warps: int = 8
-    block_n: int = 2048  # columns per dx/dw program (power of two)
-    num_warps: int = 4
-    programs_per_sm: int = 4  # sizes the row groups: about this many dx/dw programs per SM
-    num_stages: int = 3  # software pipelining of the dx/dw kernel's row loop
-
-
-def heuristic_config(n_cols: int, backward: bool) -> LaunchConfig:
-    """Block, rows per tile, warps (and, for backward, persistent programs per SM) for a row length,
-    from the tables above: the one-kernel path's config under the CPU interpreter."""
-    block_n = max(16, next_pow2(n_cols))
-    if backward:
-        for max_cols, rows, num_warps, per_sm in _BWD_TABLE:
-            if n_cols <= max_cols:
-                return LaunchConfig(block_n, rows, num_warps, per_sm, num_stages=2)
-        return _BWD_LONG
-    for max_cols, rows, num_warps in _FWD_TABLE:
-        if n_cols <= max_cols:
-            return LaunchConfig(block_n, rows, num_warps, 0)
-    return _FWD_LONG
-
-
-# ----------------------------------------------------------------------------------------------
-# Dispatch: plan() decides the path and config of every call; all of its thresholds are here
-# ----------------------------------------------------------------------------------------------
-
-# Backward rows longer than this take the split kernels (no one-kernel config holds them whole).
-SPLIT_BACKWARD_FROM = 16384
-# The row lengths norm_smem's kernels take, and their shape for each: every length is whole chunks
-# of its shape (2-4 in the backward, 8 in the forward: the kernels' dw0-dw3 and x0-x7). Shorter backward
-# rows: the one-kernel backward holds them whole in registers. The forward takes 65536 only: at 32768
-# (4 chunks) the Triton forward, which holds such a row whole, is faster.
-CLUSTER_BACKWARD_SHAPES = {
-    16384: ClusterShape(warps=4, ctas=4, per_sm=6),  # 4 chunks of 4096
-    24576: ClusterShape(warps=4, ctas=8, per_sm=6),  # 3 chunks of 8192
-    32768: ClusterShape(warps=4, ctas=8, per_sm=6),  # 4 chunks of 8192
-    49152: ClusterShape(warps=8, ctas=8, per_sm=4),  # 3 chunks of 16384
-    65536: ClusterShape(warps=8, ctas=8, per_sm=4),  # 4 chunks of 16384
-}
-CLUSTER_FORWARD_SHAPES = {
-    65536: ClusterShape(warps=4, ctas=8, per_sm=6),  # 8 chunks of 8192
-}
-# Fewer rows than this per cluster and the dw partial rows (one per cluster), or the per-CTA copies of w,
-# start to cost as much as the rows themselves: the other paths take those calls.
-MIN_ROWS_PER_CLUSTER = 4
-_OP = {"forward": "rms_norm_fwd", "backward": "rms_norm_bwd"}  # the op names _dispatch knows the paths by
-def _cluster_kernels():
-    """fused_kernels.ops.norm_smem, the cluster launchers (a name tests replace): imported on a first cluster
-    launch, since no plan picks a cluster under the CPU interpreter, which has no Gluon."""
-    from fused_kernels.ops import norm_smem
-
-    return norm_smem
-
-
-def cluster_shape(n_cols: int, backward: bool) -> Optional[ClusterShape]:
-    """The cluster kernels' shape for rows of n_cols (CLUSTER_BACKWARD_SHAPES / CLUSTER_FORWARD_SHAPES),
-    or None for a length they do not take."""
-    return (CLUSTER_BACKWARD_SHAPES if backward else CLUSTER_FORWARD_SHAPES).get(n_cols)
-
-
-def cluster_launch(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype],
-                   direction: str, *, device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None,
-                   from_output: bool = False, aligned: bool = True,
-                   deterministic: bool = False) -> tuple[Optional[ClusterLaunch], str]:
-    """(the "cluster" path's config, why) for a call, or (None, why not): plan()'s conditions for
-    norm_smem's kernels. Both directions: a length of its table, Gluon, an NVIDIA GPU with
-    thread-block clusters (compute capability >= 9.0), x and the weight (if any) of one 16-bit dtype,
-    16-byte aligned rows (`aligned`), at least MIN_ROWS_PER_CLUSTER rows per cluster. The backward also:
-    a weight, dy of x's dtype, from the input (the backward from the saved output recovers xhat per
-    element, which the other paths do), and not deterministic mode (which rows a cluster's dw partial
-    row sums varies between runs; a row's y and rstd do not, so the forward runs there)."""
-    backward = direction == "backward"
-    shape = cluster_shape(n_cols, backward)
-    if shape is None:
-        return None, f"the cluster kernels take no rows of {n_cols}"
-    refusal = _gpu.cluster_refusal(device, x_dtype, weight_dtype)
-    if refusal:
-        return None, refusal
-    if backward:
-        if weight_dtype is None:
-            return None, "no weight"
-        if dy_dtype != x_dtype:
-            return None, f"dy ({dy_dtype}) is not of x's dtype ({x_dtype})"
-        if from_output:
-            return None, "the backward from the saved output"
-        if deterministic:
-            return None, "deterministic mode (dw's rounding would depend on which cluster claims a row)"
-    return _gpu.cluster_grid(n_rows, n_cols, shape, device, aligned=aligned, min_rows_per_cluster=MIN_ROWS_PER_CLUSTER)
-
-
-def plan(n_rows: int, n_cols: int, x_dtype: torch.dtype, weight_dtype: Optional[torch.dtype], direction: str, *,
-         device: DeviceFacts, dy_dtype: Optional[torch.dtype] = None, from_output: bool = False,
-         aligned: bool = True, deterministic: bool = False, interpreted: Optional[bool] = None) -> Plan:
-    """The path and config of one forward or backward call (`direction`) on n_rows rows of n_cols:
-    "cluster" (a ClusterLaunch) where `cluster_launch` allows it and `_dispatch` has not turned it off,
-    else for the backward of rows longer than SPLIT_BACKWARD_FROM "split" (a SplitBackwardConfig), else
-    "triton": the one kernel, with the heuristic table's LaunchConfig under the CPU interpreter or None
-    (triton.autotune chooses) on a GPU. The facts: x's and the weight's dtypes (weight None: no weight),
-    the device's (DeviceFacts), and for the cluster path dy's dtype, whether the backward starts from the
-    saved output, whether every row is 16-byte aligned and whether deterministic mode is on; `interpreted`
-    (default: the device is not a GPU) whether the kernels run in Triton's CPU interpreter."""
-    if direction not in _OP:
-        raise ValueError(f"direction must be 'forward' or 'backward'; got {direction!r}")
-    backward = direction == "backward"
-    if _dispatch.path_on(_OP[direction], "cluster"):
-        config, why = cluster_launch(n_rows, n_cols, x_dtype, weight_dtype, direction, device=device,
-                                     dy_dtype=dy_dtype, from_output=from_output, aligned=aligned,
-                                     deterministic=deterministic)
-        if config is not None:
-            return Plan("cluster", config, why)
-    else:
-        why = "the cluster kernel is off (its first build failed here)"
-    if backward and n_cols > SPLIT_BACKWARD_FROM:
-        return Plan("split", SplitBackwardConfig(),
-                    f"rows of {n_cols} > {SPLIT_BACKWARD_FROM} columns, split across programs; not cluster: {why}")
-    if (not device.cuda) if interpreted is None else interpreted:
-        return Plan("triton", heuristic_config(n_cols, backward), f"one kernel, heuristic table; not cluster: {why}")
-    return Plan("triton", None, f"one kernel, autotuned among candidate_configs; not cluster: {why}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The one-kernel path on a GPU: the autotuner's candidates; grid sizes
-# ----------------------------------------------------------------------------------------------
-
-# Autotuning: the candidate space. Rows up to these lengths may be held whole in registers (the
-# backward holds ~4 arrays per element, the forward ~2); longer rows go through the chunked path,
-# which is also tried from _CHUNKED_FROM columns on, so the autotuner compares both where they meet.
-_SINGLE_PASS_MAX = {False: 32768, True: 16384}
-_CHUNKED_FROM = 8192
-_CHUNK_BLOCKS = (4096, 8192, 16384)
-_MAX_PROGRAMS_PER_SM = 4
-
-
-def _regs_per_thread(per_thread: int, rows: int, num_stages: int, backward: bool) -> int:
-    """Registers per thread, rounded up from sm_90a compiles (bf16, llama casting, triton 3.9; see
-    dev/check_sm90.py), by fp32 values per thread per held array."""
-    if backward:
-        if rows > 1:
-            return 128
-        if per_thread <= 8:
-            return 64 if num_stages <= 2 else 80
-        return 96
-    return 64 if per_thread <= 16 else 80
-
-
-def _resident_programs(cfg: LaunchConfig, backward: bool) -> int:
-    """Persistent programs per SM that surely fit at once (registers, threads, shared memory for the
-    pipelined tiles of fp32-sized inputs), 1..4: a persistent grid larger than what fits would run
-    in two unequal waves, so this errs low (the pipelining keeps the loads in flight)."""
-    threads = 32 * cfg.num_warps
-    per_thread = cfg.tile // threads
-    by_regs = 65536 // (_regs_per_thread(per_thread, cfg.rows, cfg.num_stages, backward) * threads)
-    arrays = 2 if backward else 1
-    shared = (max(cfg.num_stages, 2) - 1) * cfg.tile * 4 * arrays + cfg.tile * 4
-    by_shared = (227 * 1024) // shared
-    return max(1, min(by_regs, 2048 // threads, by_shared, _MAX_PROGRAMS_PER_SM))
-
-
-def candidate_configs(backward: bool) -> list[LaunchConfig]:
-    """Every config the autotuner may try, for all row lengths; `_prune` keeps those that fit one.
-
-    Single pass (block_n = n_cols rounded up to a power of two): one row per tile with 8, 16 (and,
-    forward only, 32) fp32 values per thread, or several rows stacked into a 2–4 K element tile for
-    short rows. The forward tries one program per tile and a persistent grid whose tile loop Triton
-    pipelines (3 stages); the backward is always persistent, with 2 or 4 stages. Chunked: 4–16 K
-    column chunks with 8 or 16 values per thread, chunk loops pipelined or not."""
-    shapes = []  # (block_n, rows, num_warps, chunked)
-    block_n = 16
-    while block_n <= _SINGLE_PASS_MAX[backward]:
-        rows = 1
-        while rows == 1 or rows * block_n <= 4096:
-            tile = rows * block_n
-            if rows == 1 or tile >= 2048:
-                for num_warps in (1, 2, 4, 8, 16, 32):
-                    per_thread = tile // (32 * num_warps)
-                    allowed = (8, 16) if (backward or rows > 1) else (8, 16, 32)
-                    fits_regs = _regs_per_thread(per_thread, rows, 2, backward) * num_warps <= 2048
-                    # a long row held whole by 32 warps: the backward's 16 K spills, the forward's 32 K
-                    # needs 63 registers (dev/check_sm90.py); each reads its inputs once where the
-                    # chunked path reads them twice, and the autotuner weighs the two
-                    whole_long_row = num_warps == 32 and block_n == (16384 if backward else 32768)
-                    if whole_long_row or (per_thread in allowed and fits_regs):
-                        shapes.append((block_n, rows, num_warps, False))
-            rows *= 2
-        block_n *= 2
-    for block_n in _CHUNK_BLOCKS:
-        for num_warps in (8, 16, 32):
-            if block_n // (32 * num_warps) in (8, 16):
-                shapes.append((block_n, 1, num_warps, True))
-    out = []
-    for block_n, rows, num_warps, chunked in shapes:
-        if chunked:
-            stage_choices = (1, 3)
-        elif backward:
-            stage_choices = (2, 4)
-        else:
-            stage_choices = (1, 3)  # 1: one program per tile; 3: persistent and pipelined
-        for num_stages in stage_choices:
-            cfg = LaunchConfig(block_n, rows, num_warps, 0, chunked, num_stages)
-            persistent = backward or (num_stages > 1 and not chunked)
-            per_sm = _resident_programs(cfg, backward) if persistent else 0
-            out.append(dataclasses.replace(cfg, programs_per_sm=per_sm))
-            if backward and chunked and num_stages == 1:  # the autotuner weighs L2 re-use against idle SMs
-                out.append(dataclasses.replace(cfg, programs_per_sm=per_sm, l2_cap=False))
-    return out
-
-
-def _fits(meta: dict, n_cols: int) -> bool:
-    if meta["SINGLE_PASS"]:
-        return meta["BLOCK_N"] == max(16, next_pow2(n_cols))
-    return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
-
-
-_SHARED_LIMIT = 220 * 1024  # of the H100/H200's 227 KiB per block, with room for reduction scratch
-
-
-def _pipelined_shared_bytes(meta: dict, bytes_per_col: int, partial_bytes: int) -> int:
-    """Shared memory the pipeliner takes: num_stages - 1 buffered tiles of every input the loop loads,
-    per pipelined loop (the chunked path has two; its backward's second also loads the dw partial)."""
-    buffers = meta["NUM_STAGES"] - 1
-    if meta["SINGLE_PASS"]:
-        return buffers * meta["ROWS"] * meta["BLOCK_N"] * bytes_per_col
-    return buffers * meta["BLOCK_N"] * (2 * bytes_per_col + partial_bytes)
-
-
-def _prune(configs, named_args, **kwargs):
-    """triton.autotune's early_config_prune: the candidates for this row length whose pipelined tiles
-    fit in shared memory for these dtypes (and, for few rows, no more rows per tile than there are)."""
-    n_cols, row_bucket = named_args["n_cols"], named_args["row_bucket"]
-    x = named_args.get("X")
-    dy = named_args.get("DY")
-    bytes_per_col = (x.element_size() if x is not None else 2) + (dy.element_size() if dy is not None else 0)
-    partial_bytes = 4 if dy is not None else 0
-    fitting = [c for c in configs if _fits(c.kwargs, n_cols)
-               and _pipelined_shared_bytes(c.kwargs, bytes_per_col, partial_bytes) <= _SHARED_LIMIT]
-    fitting = fitting or [c for c in configs if _fits(c.kwargs, n_cols)]
-    few_rows = [c for c in fitting if c.kwargs["ROWS"] <= row_bucket]
-    if few_rows:
-        return few_rows
-    least = min(c.kwargs["ROWS"] for c in fitting)
-    return [c for c in fitting if c.kwargs["ROWS"] == least]
-
-
-def _row_bucket(n_rows: int) -> int:
-    """Part of the autotuning key: the row count rounded up to a power of two (16 .. 65536), so that
-    the choice is remade when the grid's size class changes, not for every new batch shape."""
-    return min(max(16, next_pow2(n_rows)), 65536)
-
-
-def _programs(rows: int, per_sm: float, chunked: bool, n_rows: int, n_cols: int, bytes_per_col: int,
-              sm_count: int, l2_cap: bool = True) -> int:
-    """Grid size: one program per tile when per_sm is 0, else a persistent grid of about per_sm
-    programs per SM (never more than tiles; chunked backward: capped by the L2 budget, unless not)."""
-    n_tiles = cdiv(n_rows, rows)
-    if per_sm <= 0:
-        return n_tiles
-    programs = max(1, int(per_sm * sm_count))
-    if chunked and bytes_per_col and l2_cap:
-        programs = min(programs, max(1, L2_BUDGET_BYTES // (n_cols * bytes_per_col)))
-    programs = min(programs, n_tiles)
-    # Same number of sweeps with fewer programs where possible (fewer dw partial rows to sum).
-    return cdiv(n_tiles, cdiv(n_tiles, programs))
-
-
-def backward_programs(cfg: LaunchConfig, n_rows: int, n_cols: int, bytes_per_col: int, sm_count: int) -> int:
-    """How many persistent backward programs to launch (each owns one fp32 dw partial row)."""
-    return _programs(cfg.rows, cfg.programs_per_sm, cfg.chunked, n_rows, n_cols, bytes_per_col, sm_count,
-                     cfg.l2_cap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -682,21 +337,6 @@ def _rms_norm_bwd_split_kernel(
         tl.store(DW_PARTIAL + group.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
 
-# dw's last step: the sum over the backward's fp32 partial rows, cast to the weight's dtype, one column
-# block per program: one launch where torch takes two (a reduce, then the cast). Rows: (largest n_cols,
-# columns per program, partial rows per load, num_warps); narrow blocks give enough programs.
-_DW_SUM_TABLE = (
-    (16384, 32, 16, 8),
-    (None, 64, 16, 1),  # e.g. the cluster backward's 64 partial rows of 65536
-)
-
-
-def dw_sum_config(n_cols: int) -> tuple[int, int, int]:
-    """(columns per program, partial rows per load, num_warps) of _dw_sum_kernel for a row length."""
-    for max_cols, block_n, parts, num_warps in _DW_SUM_TABLE:
-        if max_cols is None or n_cols <= max_cols:
-            return block_n, parts, num_warps
-    raise AssertionError("the table's last row takes every width")
 
 
 @triton.jit
@@ -809,14 +449,14 @@ def _forward_impl(
     aligned = cluster_shape(n_cols, False) is not None and _gpu.aligned_rows(x2, y2) and _gpu.aligned_weight(weight)
 
     def plan_now() -> Plan:
-        return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward", device=facts,
-                    aligned=aligned, interpreted=_INTERPRETED)
+        return plan(Call(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "forward",
+                         aligned=aligned), facts)
 
     p = plan_now()
-    if p.path == "cluster":
+    if p.path == Path.CLUSTER:
         cfg, kernels = p.config, _cluster_kernels()
         key = (n_cols, x2.dtype, y2.dtype, cfg.shape, casting_mode, offset != 0.0, weight is not None)
-        if _dispatch.run_path(_OP["forward"], "cluster", key, lambda: kernels.launch_forward(
+        if _dispatch.run_path(OP_NAMES["forward"], "cluster", key, lambda: kernels.launch_forward(
                 x2, weight, y2, rstd.view(n_rows), shape=cfg.shape, grid=cfg.clusters, eps=eps, offset=offset,
                 casting_id=_CASTING_ID[casting_mode]), instead="the Triton forward"):
             return y, rstd
@@ -873,31 +513,39 @@ def _backward_impl(
     aligned = cluster_shape(n_cols, True) is not None and _gpu.aligned_rows(x2, dy2) and _gpu.aligned_weight(weight)
 
     def plan_now() -> Plan:
-        return plan(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward", device=facts,
-                    dy_dtype=dy2.dtype, from_output=from_output, aligned=aligned,
-                    deterministic=torch.are_deterministic_algorithms_enabled(), interpreted=_INTERPRETED)
+        return plan(Call(n_rows, n_cols, x.dtype, None if weight is None else weight.dtype, "backward",
+                         dy_dtype=dy2.dtype, from_output=from_output, aligned=aligned,
+                         deterministic=torch.are_deterministic_algorithms_enabled()), facts)
 
     p = plan_now()
-    if p.path == "cluster":
+    if p.path == Path.CLUSTER:
         cfg, kernels = p.config, _cluster_kernels()
         partial = _new_output((cfg.clusters, n_cols) if compute_dw else (1, 1), torch.float32, device)
         key = (n_cols, x2.dtype, cfg.shape, casting_mode, offset != 0.0, compute_dw)
-        if _dispatch.run_path(_OP["backward"], "cluster", key, lambda: kernels.launch_backward(
+        if _dispatch.run_path(OP_NAMES["backward"], "cluster", key, lambda: kernels.launch_backward(
                 dy2, x2, weight, rstd.contiguous().reshape(-1), dx, partial, shape=cfg.shape, grid=cfg.clusters,
                 offset=offset, casting_id=_CASTING_ID[casting_mode], compute_dw=compute_dw),
                 instead="the Triton backward"):
             programs = cfg.clusters
         else:
             p = _dispatch.planned_again("rms_norm", "cluster", plan_now())
-    if p.path == "split":
+    if p.path == Path.SPLIT:
         partial, programs = _split_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw, from_output,
                                             p.config, facts.sm_count)
-    elif p.path == "triton":
+    elif p.path == Path.TRITON:
         partial, programs = _one_kernel_backward(dy2, x2, weight, rstd, dx, offset, casting_mode, compute_dw,
                                                  from_output, p.config, facts.sm_count)
     if compute_dw:
         return dx, _sum_partial_rows(partial, programs, weight)
     return dx, partial.new_empty(0)
+
+
+def _cluster_kernels():
+    """fused_kernels.ops.norm_smem, the cluster launchers (a name tests replace): imported on a first cluster
+    launch, since no plan picks a cluster under the CPU interpreter, which has no Gluon."""
+    from fused_kernels.ops import norm_smem
+
+    return norm_smem
 
 
 def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode: str, compute_dw: bool,
