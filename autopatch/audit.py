@@ -61,6 +61,8 @@ def _kernel_index(session: Session) -> dict[tuple[str, str, str], str]:
 def _ours(value, installed) -> bool:
     """`value` is what we set, or a wrapper that still calls it (accelerate's hook keeps the patched
     forward as `_old_forward`; a decorator keeps it as __wrapped__)."""
+    if value is installed:
+        return True
     seen = 0
     while value is not None and seen < 8:
         if value is installed or patching.replacement(value) is patching.replacement(installed):

@@ -272,3 +272,11 @@ def _after(step, model) -> None:
 
 def _say(message: str) -> None:
     print(f"autopatch: {message}", file=sys.stderr, flush=True)
+
+
+def active_settings():
+    """TRANSITIONAL, for rule modules written before the Session: the process session's settings."""
+    from autopatch import session
+
+    current = session.started()
+    return None if current is None else current.settings
