@@ -47,6 +47,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
+from autopatch import session  # noqa: E402
+
 KINDS = ("rms_norm", "layer_norm", "rope", "glu", "gelu_mlp", "experts", "loss")
 KIND_OF_KERNEL = {
     "rms_norm": "rms_norm",
@@ -164,7 +166,7 @@ def _patch(model, kinds: set[str]):
     skip = frozenset() if "experts" in kinds else frozenset({EXPERTS_RULE})
     records = []
     for module in modules_of(model):
-        records.extend(rules.patch_module(module, enabled, skip=skip))
+        records.extend(rules.patch_module(module, session.current(), enabled, skip=skip))
     if "layer_norm" in kinds and any(r.kernel == "layer_norm" and r.patched and r.target.startswith("torch.nn.")
                                      for r in records):
         from autopatch.rules import layer_norm
@@ -959,7 +961,7 @@ def check_vlm_loss(arch) -> dict:
         if model is not None:
             ref = _run_vlm(model, inputs)
             row["vision_grads"] = sum(1 for n in ref[2] if _is_vision(n))
-        records = [r for r in loss.RULE.patch_module(module, lambda kernel: True)
+        records = [r for r in loss.RULE.patch_module(module, session.current(), lambda kernel: True)
                    if r.target in (f"{arch.class_name}.forward", f"{arch.class_name}.loss_function")]
         flce = [r for r in records if r.kernel == "fused_linear_cross_entropy"]
         ce = [r for r in records if r.kernel == "cross_entropy"]
@@ -1038,9 +1040,9 @@ def rope_column(module, config_cls=None) -> dict:
         parts.append(f"multimodal sections folded into cos/sin in {', '.join(sections)}")
     for fn_name, fn in sorted(own.items()):
         if fn_name in rope.TARGETS:
-            verdict = rope._verdicts.get(fn) or rope.detect(fn)
+            verdict = rope.RULE.verdict(rope.Candidate(fn_name, fn, (module, fn_name)), module)
             if verdict.variant is not None:
-                parts.append(f"{fn_name}: patched by the rope rule ({verdict.describe()})")
+                parts.append(f"{fn_name}: patched by the rope rule ({verdict.variant.describe()})")
                 verdicts.append("patched")
             else:
                 parts.append(f"{fn_name}: left alone by the rope rule ({verdict.reason})")
@@ -1239,7 +1241,7 @@ def check_vision_attention(names) -> list[dict]:
                 module = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 - an optional dependency missing: not a model we can build
             continue
-        records = vision_attention.RULE.patch_module(module, lambda kernel: True)
+        records = vision_attention.RULE.patch_module(module, session.current(), lambda kernel: True)
         patching.restore_all()
         if not records:
             continue
@@ -1256,8 +1258,8 @@ def check_vision_attention(names) -> list[dict]:
                 continue
             try:
                 ref = _with_deadline(_run_vlm, model, inputs)
-                report.reset_runs()
-                report.add(vision_attention.RULE.patch_module(module, lambda kernel: True))
+                session.current().reset_runs()
+                session.current().add(vision_attention.RULE.patch_module(module, session.current(), lambda kernel: True))
                 got = _with_deadline(_run_vlm, model, inputs)
                 ok, detail = _compare(ref, got)
                 ran = report.runs().get(vision_attention.KERNEL, {}).get("calls") or 0
@@ -1267,7 +1269,7 @@ def check_vision_attention(names) -> list[dict]:
                 head["numbers"] = f"error: {type(exc).__name__}: {str(exc)[:160]}"
             finally:
                 patching.restore_all()
-                report.clear()
+                session.current().clear()
             row["heads"].append(head)
         rows.append(row)
     return rows
@@ -1394,9 +1396,9 @@ def check_masked_attention(arch) -> dict:
             ref64 = _run(copy.deepcopy(model).double(), inputs)
         except Exception:  # noqa: BLE001 - some architectures do not run in float64
             ref64 = None
-        records = [r for m in modules_of(model) for r in masked_attention.RULE.patch_module(m, lambda kernel: True)]
-        report.reset_runs()
-        report.add(records)
+        records = [r for m in modules_of(model) for r in masked_attention.RULE.patch_module(m, session.current(), lambda kernel: True)]
+        session.current().reset_runs()
+        session.current().add(records)
         got = _run(model, inputs)
         ran = report.runs().get(masked_attention.KERNEL, {}).get("calls") or 0
         ok, detail = _compare(ref, got, ref64)
@@ -1412,7 +1414,7 @@ def check_masked_attention(arch) -> dict:
     finally:
         masked_attention.QUERY_BLOCK = saved
         _restore(model)
-        report.clear()
+        session.current().clear()
     return row
 
 

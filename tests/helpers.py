@@ -139,11 +139,12 @@ def check_class_verdict(rule, model: str, cls_name: str, variant, reason, kernel
     original kept, a second run idempotent), or with variant None left alone with `reason` in its
     record (the forward untouched). Returns the record."""
     from autopatch import patching
+    from autopatch.session import current
 
     module = modeling(model)
     cls = getattr(module, cls_name)
     before = cls.forward
-    record = verdict_of(rule.patch_module(module, everything), cls_name)
+    record = verdict_of(rule.patch_module(module, current(), everything), cls_name)
     assert record.module == module.__name__ and (kernel is None or record.kernel == kernel), record
     if variant is None:
         assert not record.patched and reason in record.reason, record
@@ -151,9 +152,9 @@ def check_class_verdict(rule, model: str, cls_name: str, variant, reason, kernel
     else:
         assert record.patched and record.variant == variant, record
         assert cls.forward is not before and patching.original(cls, "forward") is before
-        patched = cls.forward
-        assert verdict_of(rule.patch_module(module, everything), cls_name) == record  # idempotent
-        assert cls.forward is patched
+        patched = vars(cls)["forward"]  # (cls.forward of a wrapt swap is a fresh bound wrapper each time)
+        assert verdict_of(rule.patch_module(module, current(), everything), cls_name) == record  # idempotent
+        assert vars(cls)["forward"] is patched
     return record
 
 

@@ -15,8 +15,9 @@ import stack_worker
 from helpers import assert_close
 
 from autopatch import patching
-from autopatch.rules import _causal_lm_loss as loss_runtime
-from autopatch.rules._causal_lm_loss import LazyLogits
+from autopatch.config import load_settings
+from autopatch.rules._lazy_logits import LazyLogits
+from autopatch.session import current
 
 F32 = torch.float32
 
@@ -68,9 +69,10 @@ def test_kernel_stats_reduction_none_keeps_its_own_copy():
 @pytest.fixture
 def mode(monkeypatch):
     def set_mode(value):
-        monkeypatch.setattr(loss_runtime, "return_logits_mode", lambda: value)
+        # apply() keeps the settings of a session that has them
+        monkeypatch.setattr(current(), "settings", load_settings({"AUTOPATCH_RETURN_LOGITS": value}))
 
-    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    current().reset_runs()  # notices are once per session
     set_mode("auto")
     yield set_mode
     patching.restore_all()

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from autopatch import patching  # noqa: E402
 from autopatch.rules import causal_mask  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = causal_mask.RULE
 FP32 = torch.float32
@@ -85,10 +86,10 @@ def test_detects_the_models_that_build_the_mask():
     module = modeling("qwen3")
     assert causal_mask.candidate(module.Qwen3Model) is not None
     assert causal_mask.candidate(module.Qwen3ForCausalLM) is None  # its forward calls the model's
-    record = verdict_of(RULE.patch_module(module, everything), "Qwen3Model.forward")
+    record = verdict_of(RULE.patch_module(module, current(), everything), "Qwen3Model.forward")
     assert record.patched and record.kernel == "causal_mask", record
-    assert verdict_of(RULE.patch_module(module, everything), "Qwen3Model.forward") == record  # idempotent
-    disabled = RULE.patch_module(modeling("llama"), lambda k: False)
+    assert verdict_of(RULE.patch_module(module, current(), everything), "Qwen3Model.forward") == record  # idempotent
+    disabled = RULE.patch_module(modeling("llama"), current(), lambda k: False)
     assert disabled and all(not r.patched and "disabled" in r.reason for r in disabled)
 
 
@@ -98,7 +99,7 @@ def test_compiled_model_keeps_is_causal_and_gqa(sdpa_calls):
     ref = step(model, model, **inputs)  # unpatched eager
     assert sdpa_calls and all(none and heads == 2 for none, heads in sdpa_calls), sdpa_calls  # eager skips the mask
 
-    RULE.patch_module(modeling("qwen3"), everything)
+    RULE.patch_module(modeling("qwen3"), current(), everything)
     sdpa_calls.clear()
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # the wrapper breaks no graph
     for _ in range(2):
@@ -116,7 +117,7 @@ def test_given_positions_or_padding_go_to_transformers(sdpa_calls):
     padding[1, :4] = 0
     padded = dict(ids_and_labels(2), attention_mask=padding)
     refs = [step(model, model, **packed), step(model, model, **padded)]
-    RULE.patch_module(modeling("qwen3"), everything)
+    RULE.patch_module(modeling("qwen3"), current(), everything)
     compiled = torch.compile(model, backend="eager")
     for inputs, ref, what in ((packed, refs[0], "packed"), (padded, refs[1], "padded")):
         sdpa_calls.clear()
@@ -128,7 +129,7 @@ def test_eager_results_unchanged_and_flag_scoped():
     model = tiny_qwen3()
     inputs = ids_and_labels()
     ref = step(model, model, **inputs)
-    RULE.patch_module(modeling("qwen3"), everything)
+    RULE.patch_module(modeling("qwen3"), current(), everything)
     got = step(model, model, **inputs)
     assert torch.equal(got[0], ref[0])
     seen = []
@@ -162,7 +163,7 @@ def test_sliding_window(sdpa_calls, window, skipped):
     model = transformers.MistralForCausalLM._from_config(config, attn_implementation="sdpa").float().train()
     inputs = ids_and_labels()
     ref = step(model, model, **inputs)
-    RULE.patch_module(modeling("mistral"), everything)
+    RULE.patch_module(modeling("mistral"), current(), everything)
     sdpa_calls.clear()
     assert_same(step(torch.compile(model, backend="eager"), model, **inputs), ref, f"window {window}")
     assert sdpa_calls and all(none == skipped for none, _ in sdpa_calls), sdpa_calls
@@ -181,6 +182,6 @@ def test_architectures_compiled_match_eager(arch):
     inputs = tiny_models.smoke_inputs(model, seq=12)
     ref = step(model, model, **inputs)
     module = modeling(spec.module_name.split(".")[-2])
-    records = [r for r in RULE.patch_module(module, everything) if r.patched]
+    records = [r for r in RULE.patch_module(module, current(), everything) if r.patched]
     assert records, f"{arch}: no model forward wrapped"
     assert_same(step(torch.compile(model, backend="eager"), model, **inputs), ref, arch)

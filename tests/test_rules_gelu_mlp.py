@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, tiny_models  # noqa: E402
 from autopatch.rules import gelu_mlp  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = gelu_mlp.RULE
 ARCHS = {a.class_name: a for a in tiny_models.causal_lm_architectures()}
@@ -51,9 +52,9 @@ def test_patched_model_matches(arch, mlp, launches):
     torch.manual_seed(0)
     ref = train_and_eval(model, inputs)
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
-    record = verdict_of(RULE.patch_module(module, everything), mlp)
+    record = verdict_of(RULE.patch_module(module, current(), everything), mlp)
     assert record.patched and record.kernel == "gelu_mlp", record
-    assert verdict_of(RULE.patch_module(module, everything), mlp) == record  # idempotent
+    assert verdict_of(RULE.patch_module(module, current(), everything), mlp) == record  # idempotent
     before = fused_kernels.launch_counts().get("gelu_bwd", 0)
     torch.manual_seed(0)
     got = train_and_eval(model, inputs)
@@ -72,13 +73,13 @@ def test_patched_model_matches(arch, mlp, launches):
 ])
 def test_left_alone_with_the_reason(model_dir, target, reason):
     module = modeling(model_dir)
-    record = verdict_of(RULE.patch_module(module, everything), target)
+    record = verdict_of(RULE.patch_module(module, current(), everything), target)
     assert not record.patched and reason in record.reason, record
     assert not patching.is_patched(getattr(module, target), "forward")
 
 
 def test_disabled_kernel_is_recorded():
-    record = verdict_of(RULE.patch_module(modeling("phi"), lambda k: k != "gelu_mlp"), "PhiMLP")
+    record = verdict_of(RULE.patch_module(modeling("phi"), current(), lambda k: k != "gelu_mlp"), "PhiMLP")
     assert not record.patched and "disabled" in record.reason
 
 
@@ -87,7 +88,7 @@ def test_clip_quick_gelu_instance():
     from transformers import CLIPVisionConfig
     from transformers.models.clip import modeling_clip
 
-    assert verdict_of(RULE.patch_module(modeling_clip, everything), "CLIPMLP").patched
+    assert verdict_of(RULE.patch_module(modeling_clip, current(), everything), "CLIPMLP").patched
     cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, hidden_act="quick_gelu")
     mlp = modeling_clip.CLIPMLP(cfg)
     x = torch.randn(2, 5, 32, requires_grad=True)
@@ -128,7 +129,7 @@ def test_a_dropout_before_the_second_projection_is_left_alone():
     for last in (True, False):
         module.FakeMLP = make(last)
         gelu_mlp._verdicts.pop(module.FakeMLP, None)
-        record = verdict_of(RULE.patch_module(module, everything), "FakeMLP")
+        record = verdict_of(RULE.patch_module(module, current(), everything), "FakeMLP")
         if last:
             assert record.patched and record.variant.startswith("dropout(fc2("), record
         else:

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, report  # noqa: E402
 from autopatch.rules import glu_mlp  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = glu_mlp.RULE
 
@@ -90,7 +91,7 @@ NUMERIC = [
 def test_patched_matches_original(model, cls_name, config_name, extra, op, dtype):
     module = modeling(model)
     cls = getattr(module, cls_name)
-    assert verdict_of(RULE.patch_module(module, everything), cls_name).patched
+    assert verdict_of(RULE.patch_module(module, current(), everything), cls_name).patched
     original = patching.original(cls, "forward")
     gen = torch.Generator().manual_seed(21)
     mlp = _build(cls, _config(module, config_name, **extra), gen, dtype)
@@ -116,7 +117,7 @@ def test_other_activation_or_disabled_kernel_runs_the_original():
     """A Llama MLP built with ReLU has no fused kernel: the original forward runs. With geglu off,
     a GELU-tanh Llama MLP runs the original too; the SiLU one still uses swiglu."""
     module = modeling("llama")
-    RULE.patch_module(module, lambda k: k == "swiglu")
+    RULE.patch_module(module, current(), lambda k: k == "swiglu")
     cls = module.LlamaMLP
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 32, generator=gen)
@@ -133,7 +134,7 @@ def test_other_activation_or_disabled_kernel_runs_the_original():
 
 def test_instance_with_other_submodules_runs_the_original():
     module = modeling("llama")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     gen = torch.Generator().manual_seed(6)
     mlp = _build(module.LlamaMLP, _config(module, "LlamaConfig"), gen, torch.float32)
     mlp.dropout = nn.Dropout(0.0)  # not in the probed instance: its forward is not what was proven
@@ -149,21 +150,21 @@ def test_instance_with_other_submodules_runs_the_original():
 def test_disabled_kernels_are_reported_not_patched():
     llama, gemma = modeling("llama"), modeling("gemma")
     only_geglu = lambda k: k == "geglu"  # noqa: E731
-    record = verdict_of(RULE.patch_module(llama, only_geglu), "LlamaMLP")
+    record = verdict_of(RULE.patch_module(llama, current(), only_geglu), "LlamaMLP")
     assert not record.patched and record.kernel == "swiglu" and "disabled" in record.reason
     assert not patching.is_patched(llama.LlamaMLP, "forward")
-    record = verdict_of(RULE.patch_module(gemma, only_geglu), "GemmaMLP")
+    record = verdict_of(RULE.patch_module(gemma, current(), only_geglu), "GemmaMLP")
     assert record.patched and record.kernel == "geglu"
 
 
 def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
     module = modeling("mistral")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     gen = torch.Generator().manual_seed(9)
     mlp = _build(module.MistralMLP, _config(module, "MistralConfig"), gen, torch.float32)
     x = torch.randn(4, 32, generator=gen)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(report, "_fallback_noticed", set())
+    current().reset_runs()  # the fallback notices are once per session
     before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
     with torch.no_grad():
         y, y2 = mlp(x), mlp(x)
@@ -178,7 +179,7 @@ def test_probing_leaves_the_global_rng_alone():
     glu_mlp._verdicts.pop(module.Qwen3MLP, None)
     torch.manual_seed(4321)
     state = torch.get_rng_state()
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -234,7 +235,7 @@ def test_look_alikes():
     for cls in classes:
         cls.__module__ = fake.__name__
         setattr(fake, cls.__name__, cls)
-    records = {r.target: r for r in RULE.patch_module(fake, everything)}
+    records = {r.target: r for r in RULE.patch_module(fake, current(), everything)}
     assert "matches no gated-MLP formula" in records["FakeSwappedMLP"].reason
     assert "has other submodules (dropout)" in records["FakeDropoutMLP"].reason
     assert "matches no gated-MLP formula" in records["FakeClippedMLP"].reason
@@ -262,7 +263,7 @@ def test_hooked_or_wrapped_down_proj_keeps_its_module_call():
     quantized layers) is still called as a module: the hook runs, glu_linear does not."""
     module = modeling("llama")
     cls = module.LlamaMLP
-    assert verdict_of(RULE.patch_module(module, everything), "LlamaMLP").patched
+    assert verdict_of(RULE.patch_module(module, current(), everything), "LlamaMLP").patched
     gen = torch.Generator().manual_seed(3)
     mlp = _build(cls, _config(module, "LlamaConfig"), gen, torch.float32)
     x = torch.randn(2, 3, 32, generator=gen)

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from autopatch import patching  # noqa: E402
 from autopatch.rules import _kernels, glu_mlp, loss, moe_gate, rms_norm, rope  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 REASON = "fused_kernels could not be imported"
 
@@ -46,6 +47,6 @@ def test_every_rule_leaves_its_target_alone(unimportable, rule, model, target, o
     module = modeling(model)
     holder = module if owner is None else getattr(module, owner)
     before = getattr(holder, attr)
-    record = verdict_of(rule.patch_module(module, everything), target)
+    record = verdict_of(rule.patch_module(module, current(), everything), target)
     assert not record.patched and record.reason.startswith(REASON), record
     assert getattr(holder, attr) is before

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, tiny_models  # noqa: E402
 from autopatch.rules import layer_norm  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = layer_norm.RULE
 
@@ -40,7 +41,7 @@ def test_class_verdicts(model, cls_name, variant, reason):
 def test_torch_layer_norm_is_proved_and_not_patched_process_wide():
     assert layer_norm.torch_layer_norm_problem() == ""
     module = modeling("gpt2")
-    records = RULE.patch_module(module, everything)
+    records = RULE.patch_module(module, current(), everything)
     hook = [r for r in records if r.target.startswith("torch.nn.LayerNorm instances")]
     assert len(hook) == 1 and hook[0].patched, records
     assert nn.LayerNorm.forward is not layer_norm.FusedLayerNorm.forward
@@ -49,7 +50,7 @@ def test_torch_layer_norm_is_proved_and_not_patched_process_wide():
 
 def test_disabled_kernel_hooks_nothing():
     module = modeling("gpt2")
-    records = RULE.patch_module(module, lambda k: False)
+    records = RULE.patch_module(module, current(), lambda k: False)
     assert all(not r.patched for r in records)
     assert not patching.is_patched(module.GPT2PreTrainedModel, "post_init")
 
@@ -105,7 +106,7 @@ def test_patched_model_matches_original(model_dir, cls_name):
     ref = _step(tiny_models.build_tiny(arch))
 
     module = modeling(model_dir)
-    records = RULE.patch_module(module, everything)
+    records = RULE.patch_module(module, current(), everything)
     assert any(r.patched for r in records), records
     model = tiny_models.build_tiny(arch)  # same seed: same weights; post_init sets FusedLayerNorm
     uses_class = patching.is_patched(getattr(module, "CohereLayerNorm", object), "forward")
@@ -144,7 +145,7 @@ def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
     from autopatch import report
 
     monkeypatch.setattr(fused_kernels, "triton_can_run", lambda *t: False)
-    monkeypatch.setattr(report, "_fallback_noticed", set())
+    current().reset_runs()  # the fallback notices are once per session
     ln = nn.LayerNorm(16)
     with torch.no_grad():
         ln.weight.uniform_(0.5, 1.5)
@@ -199,7 +200,7 @@ def test_look_alikes_are_left_alone():
     for cls in (TwoStepLayerNorm, ScaledLayerNorm):
         cls.__module__ = fake.__name__
         setattr(fake, cls.__name__, cls)
-    records = RULE.patch_module(fake, everything)
+    records = RULE.patch_module(fake, current(), everything)
     two = verdict_of(records, "TwoStepLayerNorm")
     scaled = verdict_of(records, "ScaledLayerNorm")
     assert not two.patched and "bfloat16" in two.reason, two

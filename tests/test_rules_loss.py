@@ -16,9 +16,10 @@ from helpers import assert_close, launches, tensors_with_history
 transformers = pytest.importorskip("transformers")
 
 from autopatch import patching, report  # noqa: E402
-from autopatch.rules import _causal_lm_loss as loss_runtime  # noqa: E402
+from autopatch.rules._lazy_logits import LazyLogits  # noqa: E402
 from autopatch.rules import loss as loss_rule  # noqa: E402
 from autopatch.rules._causal_lm_source import analyse_forward  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 FP32 = torch.float32
 VOCAB = 96
@@ -89,7 +90,7 @@ def _inputs(seed=1):
 def no_full_logits(x) -> bool:
     """The fused path's logits slot: None (AUTOPATCH_RETURN_LOGITS=false) or, by default, a LazyLogits
     whose values were never computed."""
-    return x is None or (isinstance(x, loss_runtime.LazyLogits) and x._value is None)
+    return x is None or (isinstance(x, LazyLogits) and x._value is None)
 
 
 def _train_step(model, **kwargs):
@@ -131,7 +132,7 @@ def test_patched_model_matches_original(arch, kernels):
         ref_eval = model(input_ids=ids, labels=labels)
         ref_eval_nolabels = model(input_ids=ids)
 
-    records = loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    records = loss_rule.RULE.patch_module(_module(arch), current(), ALL_ON)
     cls_name = ARCHS[arch][1]
     mine = {r.kernel: r for r in records if r.target.startswith(cls_name + ".")}
     assert mine["fused_linear_cross_entropy"].patched, mine
@@ -181,7 +182,7 @@ def test_llama_edges(kernels):
     labels_minus1 = torch.where(labels == -100, -1, labels)
     ref_ignore, ref_ignore_grads = _train_step(model, input_ids=ids, labels=labels_minus1, ignore_index=-1)
 
-    loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    loss_rule.RULE.patch_module(_module(arch), current(), ALL_ON)
 
     with torch.no_grad():
         # with grad disabled, the original path and the fused CE; logits returned
@@ -245,7 +246,7 @@ def test_tuple_output_keeps_every_position(arch, kernels):
     ids, labels = _inputs()
     model.train()
     ref = model(input_ids=ids, labels=labels, return_dict=False)
-    loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    loss_rule.RULE.patch_module(_module(arch), current(), ALL_ON)
     flce_before = _launches(kernels, "fused_linear_cross_entropy")
     out = model(input_ids=ids, labels=labels, return_dict=False)
     assert _launches(kernels, "fused_linear_cross_entropy") > flce_before, "fused kernel did not run"
@@ -273,7 +274,7 @@ def test_kernels_toggle_separately(kernels):
     ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
 
     # cross_entropy only: the forward is not wrapped; training computes logits and the fused CE
-    records = loss_rule.RULE.patch_module(module, lambda k: k == "cross_entropy")
+    records = loss_rule.RULE.patch_module(module, current(), lambda k: k == "cross_entropy")
     assert {r.kernel for r in records} == {"cross_entropy"}
     assert cls.forward is original_forward
     ce, flce = _launches(kernels, "cross_entropy"), _launches(kernels, "fused_linear_cross_entropy")
@@ -284,7 +285,7 @@ def test_kernels_toggle_separately(kernels):
     for pname, ref_grad in ref_grads.items():
         assert_close(grads[pname], ref_grad, FP32, f"CE-only grad {pname}")
     # a later call that also turns the fused linear CE on adds it to the same class
-    records = loss_rule.RULE.patch_module(module, ALL_ON)
+    records = loss_rule.RULE.patch_module(module, current(), ALL_ON)
     assert all(r.patched for r in records) and cls.forward is not original_forward
     out, _ = _train_step(model, input_ids=ids, labels=labels)
     assert no_full_logits(out.logits) and _launches(kernels, "fused_linear_cross_entropy") > flce
@@ -292,7 +293,7 @@ def test_kernels_toggle_separately(kernels):
     assert cls.forward is original_forward and "lm_head" not in vars(cls)
 
     # fused_linear_cross_entropy only: eval keeps transformers' own loss
-    records = loss_rule.RULE.patch_module(module, lambda k: k == "fused_linear_cross_entropy")
+    records = loss_rule.RULE.patch_module(module, current(), lambda k: k == "fused_linear_cross_entropy")
     assert {r.kernel for r in records} == {"fused_linear_cross_entropy"}
     model.eval()
     ce = _launches(kernels, "cross_entropy")
@@ -314,7 +315,7 @@ def test_finished_step_keeps_no_activations_without_a_full_collection(kernels):
     module = _module("llama")
     model = _build("llama")
     ids, labels = _inputs()
-    loss_rule.RULE.patch_module(module, ALL_ON)
+    loss_rule.RULE.patch_module(module, current(), ALL_ON)
     flce = _launches(kernels, "fused_linear_cross_entropy")
     gc.collect()
     before = tensors_with_history()
@@ -334,9 +335,9 @@ def test_records_idempotent_and_refusals(kernels):
     import importlib
 
     llama = _module("llama")
-    first = loss_rule.RULE.patch_module(llama, ALL_ON)
+    first = loss_rule.RULE.patch_module(llama, current(), ALL_ON)
     forward = llama.LlamaForCausalLM.forward
-    second = loss_rule.RULE.patch_module(llama, ALL_ON)
+    second = loss_rule.RULE.patch_module(llama, current(), ALL_ON)
     assert first == second
     assert llama.LlamaForCausalLM.forward is forward
     assert {r.target for r in first} == {"LlamaForCausalLM.loss_function", "LlamaForCausalLM.forward"}
@@ -345,7 +346,7 @@ def test_records_idempotent_and_refusals(kernels):
 
     variants = {}
     for name in ("gemma2", "cohere", "granite"):
-        for r in loss_rule.RULE.patch_module(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), ALL_ON):
+        for r in loss_rule.RULE.patch_module(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), current(), ALL_ON):
             if r.kernel == "fused_linear_cross_entropy":
                 variants[r.target] = r.variant
     assert variants["Gemma2ForCausalLM.forward"] == "logits: softcap_if_set(config.final_logit_softcapping)"
@@ -355,7 +356,7 @@ def test_records_idempotent_and_refusals(kernels):
     refused = {}
     for name in ("roberta", "bamba", "bart", "modernbert_decoder", "xlstm"):
         mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        for r in loss_rule.RULE.patch_module(mod, ALL_ON):
+        for r in loss_rule.RULE.patch_module(mod, current(), ALL_ON):
             refused[(r.target, r.kernel)] = r
     assert "not built as nn.Linear" in refused[("RobertaForCausalLM.forward", "fused_linear_cross_entropy")].reason
     assert "logits used after the loss" in refused[("BambaForCausalLM.forward", "fused_linear_cross_entropy")].reason
@@ -374,20 +375,20 @@ def test_patch_module_never_raises(kernels):
     def broken_enabled(kernel):
         raise RuntimeError("toggle lookup failed")
 
-    records = loss_rule.RULE.patch_module(_module("llama"), broken_enabled)
+    records = loss_rule.RULE.patch_module(_module("llama"), current(), broken_enabled)
     assert records and all(not r.patched and "toggle lookup failed" in r.reason for r in records)
     weird = types.ModuleType("not_transformers")
     weird.XForCausalLM = 42
-    assert loss_rule.RULE.patch_module(weird, ALL_ON) == []
+    assert loss_rule.RULE.patch_module(weird, current(), ALL_ON) == []
 
 
 def test_fallback_when_triton_cannot_run(kernels, monkeypatch, capsys):
     model = _build("llama")
     ids, labels = _inputs()
     ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     monkeypatch.setattr(kernels, "triton_can_run", lambda *tensors: False)
-    monkeypatch.setattr(report, "_fallback_noticed", set())
+    current().reset_runs()  # the fallback notices are once per session
     before = kernels.launch_counts()
     out, grads = _train_step(model, input_ids=ids, labels=labels)
     out, grads = _train_step(model, input_ids=ids, labels=labels)
@@ -403,11 +404,11 @@ def test_fallback_when_triton_cannot_run(kernels, monkeypatch, capsys):
 
 def test_float64_model_keeps_original_loss(kernels, capsys, monkeypatch):
     """The kernels take fp32/bf16/fp16; a float64 model (debugging, references) runs the original."""
-    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    current().reset_runs()
     model = _build("llama").double()
     ids, labels = _inputs()
     ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     before = kernels.launch_counts()
     out, grads = _train_step(model, input_ids=ids, labels=labels)
     assert kernels.launch_counts() == before and out.logits is not None
@@ -421,13 +422,13 @@ def test_float64_model_keeps_original_loss(kernels, capsys, monkeypatch):
 def test_lm_head_with_hooks_keeps_original_path(kernels, capsys, monkeypatch):
     """An lm_head that is not a plain nn.Linear call (here: a forward hook, as accelerate or FSDP
     add) is run as the model defines it; the loss is still the fused CE on the full logits."""
-    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    current().reset_runs()
     model = _build("llama")
     ids, labels = _inputs()
     seen = []
     model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
     ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     flce = _launches(kernels, "fused_linear_cross_entropy")
     out, grads = _train_step(model, input_ids=ids, labels=labels)
     assert _launches(kernels, "fused_linear_cross_entropy") == flce
@@ -442,11 +443,11 @@ def test_global_module_hook_keeps_original_lm_head_path(kernels, capsys, monkeyp
     """A global forward hook (nn.modules.module.register_module_forward_hook, as profilers and
     activation loggers use) must see lm_head's call too: the fused path, which skips that call, is
     not taken while one is registered, and is taken again once it is removed."""
-    monkeypatch.setattr(loss_runtime, "_noticed", set())
+    current().reset_runs()
     model = _build("llama")
     ids, labels = _inputs()
     ref, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda mod, args, out: seen.append(type(mod).__name__) if mod is model.lm_head else None)
@@ -557,7 +558,7 @@ def test_torch_compile_fullgraph(kernels):
     model.config.num_hidden_layers = 1
     model.model.layers = model.model.layers[:1]
     ids, labels = _inputs()
-    loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     eager, eager_grads = _train_step(model, input_ids=ids, labels=labels)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -602,7 +603,7 @@ def test_gpu_bf16_loss_grads_and_memory(arch, kernels, device):
         return out, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}, peak
 
     ref, ref_grads, ref_peak = step()
-    loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    loss_rule.RULE.patch_module(_module(arch), current(), ALL_ON)
     out, grads, peak = step()
     assert no_full_logits(out.logits)
     assert_close(out.loss, ref.loss, torch.bfloat16, f"{arch} bf16 loss")
@@ -619,16 +620,15 @@ def test_return_logits_setting(arch, kernels, monkeypatch, capsys):
     equal to the plain model's, with the same loss and gradients; "false" returns None; "auto" (the
     default) a LazyLogits whatever is imported (`trl` loaded or not), computed only when read, then equal
     to the plain model's, with one notice. Every mode keeps the loss and gradients."""
-    from autopatch.rules._causal_lm_loss import LazyLogits
 
-    monkeypatch.setattr(loss_runtime, "_noticed", set())  # notices are once per process
+    current().reset_runs()  # notices are once per session
     model = _build(arch)
     ids, labels = _inputs()
     ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    assert loss_rule.RULE.patch_module(_module(arch), ALL_ON)
+    assert loss_rule.RULE.patch_module(_module(arch), current(), ALL_ON)
     for mode, trl_loaded, expect in (("true", False, "real"), ("false", True, None),
                                      ("auto", False, "lazy"), ("auto", True, "lazy")):
-        monkeypatch.setattr(loss_runtime, "return_logits_mode", lambda mode=mode: mode)
+        monkeypatch.setattr(current(), "settings", types.SimpleNamespace(return_logits=mode))
         if trl_loaded:
             monkeypatch.setitem(__import__("sys").modules, "trl", types.ModuleType("trl"))
         else:
@@ -672,13 +672,13 @@ def test_flce_chunk_setting_reaches_the_kernel(kernels, monkeypatch):
     model = _build("llama")
     ids, labels = _inputs()
     ref_out, ref_grads = _train_step(model, input_ids=ids, labels=labels)
-    assert loss_rule.RULE.patch_module(_module("llama"), ALL_ON)
+    assert loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON)
     from fused_kernels.ops import fused_linear_cross_entropy as flce
     seen = []
     real = flce.chunk_rows
     monkeypatch.setattr(flce, "chunk_rows", lambda n, v, e, mb=None: seen.append(mb) or real(n, v, e, mb))
     for mb in (None, 1):
-        monkeypatch.setattr(loss_runtime, "flce_chunk_mb", lambda mb=mb: mb)
+        monkeypatch.setattr(current(), "settings", types.SimpleNamespace(flce_chunk_mb=mb))
         seen.clear()
         out, grads = _train_step(model, input_ids=ids, labels=labels)
         assert seen and all(x == (float(mb) if mb else None) for x in seen), (mb, seen)
@@ -780,10 +780,10 @@ def test_own_loss_modules_get_the_fused_torch_loss(kernels):
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss_ref, grads_ref = step()
-    records = [r for r in loss_rule.RULE.patch_module(bart, ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+    records = [r for r in loss_rule.RULE.patch_module(bart, current(), ALL_ON) if r.target == loss_rule.TORCH_LOSS]
     assert len(records) == 1 and records[0].patched and records[0].kernel == "cross_entropy", records
     assert bart.CrossEntropyLoss is FusedCrossEntropyLoss
-    assert [r for r in loss_rule.RULE.patch_module(bart, ALL_ON) if r.target == loss_rule.TORCH_LOSS] == records
+    assert [r for r in loss_rule.RULE.patch_module(bart, current(), ALL_ON) if r.target == loss_rule.TORCH_LOSS] == records
     before = kernels.launch_counts().get("cross_entropy_fwd", 0)
     loss, grads = step()
     assert kernels.launch_counts().get("cross_entropy_fwd", 0) > before
@@ -797,7 +797,7 @@ def test_own_loss_modules_get_the_fused_torch_loss(kernels):
             assert_close(grads[name], grads_ref[name], FP32, f"grad {name}")
     patching.restore_all()
     assert bart.CrossEntropyLoss is torch.nn.CrossEntropyLoss
-    assert not [r for r in loss_rule.RULE.patch_module(_module("llama"), ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+    assert not [r for r in loss_rule.RULE.patch_module(_module("llama"), current(), ALL_ON) if r.target == loss_rule.TORCH_LOSS]
 
 
 def test_own_loss_is_recognised_whatever_the_heads():
@@ -815,5 +815,5 @@ def test_own_loss_is_recognised_whatever_the_heads():
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
     analysis = analyse_forward(loss_rule._original_forward(llama.LlamaForCausalLM))
     assert analysis.ok and not analysis.computes_own_loss
-    records = [r for r in loss_rule.RULE.patch_module(musicgen, ALL_ON) if r.target == loss_rule.TORCH_LOSS]
+    records = [r for r in loss_rule.RULE.patch_module(musicgen, current(), ALL_ON) if r.target == loss_rule.TORCH_LOSS]
     assert len(records) == 1 and records[0].patched, records

@@ -23,8 +23,9 @@ coverage_matrix = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(coverage_matrix)
 
 from autopatch import patching  # noqa: E402
-from autopatch.rules import _causal_lm_loss as loss_runtime  # noqa: E402
+from autopatch.rules._lazy_logits import LazyLogits  # noqa: E402
 from autopatch.rules import loss as loss_rule  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 FP32 = torch.float32
 IMAGE = 90  # the image placeholder id of every tiny model (dev/coverage_matrix.py's TINY_VLMS)
@@ -93,7 +94,7 @@ def _train_step(model, kwargs):
 
 
 def _no_full_logits(x) -> bool:
-    return x is None or (isinstance(x, loss_runtime.LazyLogits) and x._value is None)
+    return x is None or (isinstance(x, LazyLogits) and x._value is None)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -110,7 +111,7 @@ def test_vlm_patched_matches_original(name, kernels):
         ref_eval = model(**scenarios["labels"])
         ref_eval_nolabels = model(**inputs)
 
-    records = loss_rule.RULE.patch_module(module, lambda kernel: True)
+    records = loss_rule.RULE.patch_module(module, current(), lambda kernel: True)
     for kernel, target in ((FLCE, f"{cls_name}.forward"), ("cross_entropy", f"{cls_name}.loss_function")):
         record = verdict_of([r for r in records if r.kernel == kernel], target)
         assert record.patched, record
@@ -158,7 +159,7 @@ def test_multimodal_heads_without_the_structure_are_left_alone():
         cls = getattr(module, cls_name)
         forward = cls.forward
         torch_loss = vars(module).get(loss_rule.TORCH_LOSS)
-        records = loss_rule.RULE.patch_module(module, lambda kernel: True)
+        records = loss_rule.RULE.patch_module(module, current(), lambda kernel: True)
         record = verdict_of([r for r in records if r.kernel == FLCE], f"{cls_name}.forward")
         assert not record.patched and reason in record.reason, record
         assert cls.forward is forward
@@ -182,7 +183,7 @@ def test_every_image_text_to_text_head_is_considered():
             continue
         if vars(module).get(cls_name) is None or vars(module)[cls_name].__module__ != module.__name__:
             continue
-        records = [r for r in loss_rule.RULE.patch_module(module, lambda kernel: kernel == FLCE)
+        records = [r for r in loss_rule.RULE.patch_module(module, current(), lambda kernel: kernel == FLCE)
                    if r.target == f"{cls_name}.forward"]
         assert len(records) == 1, (cls_name, records)
         assert records[0].patched or records[0].reason, records[0]

@@ -133,12 +133,12 @@ def test_same_loss_logits_and_gradients_with_fewer_keys(name, monkeypatch):
 
     loss0, logits0, grads0 = train_and_eval(model, inputs)
     keys0, area0 = training_forward_area()
-    records = rule.RULE.patch_module(module, everything)
+    records = rule.RULE.patch_module(module, current(), everything)
     attention = f"{'Gemma3' if name == 'gemma3' else 'Llama'}Attention.forward"
     assert verdict_of(records, attention).patched, records
-    report.clear()
-    report.reset_runs()
-    report.add(records)
+    current().clear()
+    current().reset_runs()
+    current().add(records)
     loss1, logits1, grads1 = train_and_eval(model, inputs)
     assert report.runs()[KERNEL]["calls"] > 0
     assert torch.isfinite(loss1) and loss1.item() == pytest.approx(loss0.item(), rel=1e-6, abs=0)
@@ -166,7 +166,7 @@ def test_gemma3_image_text_head_same_numbers(monkeypatch):
     seen = _KeysSeen(monkeypatch)
     loss0, logits0, grads0 = train_and_eval(model, inputs)
     assert min(seen.keys) == 12
-    records = rule.RULE.patch_module(modeling("gemma3"), everything)
+    records = rule.RULE.patch_module(modeling("gemma3"), current(), everything)
     assert verdict_of(records, "Gemma3Attention.forward").patched, records
     seen.keys = []
     loss1, logits1, grads1 = train_and_eval(model, inputs)
@@ -200,7 +200,7 @@ def test_dropout_and_unpatched_modules_get_transformers_sdpa(monkeypatch):
     only gemma3 is) never blocks, though the registry's wrapper is in place."""
     monkeypatch.setattr(rule, "QUERY_BLOCK", 8)
     gemma, _ = _gemma3_text()
-    rule.RULE.patch_module(gemma, everything)
+    rule.RULE.patch_module(gemma, current(), everything)
     _, llama = _llama()
     seen = _KeysSeen(monkeypatch)
     train_and_eval(llama, _inputs("llama"))
@@ -220,11 +220,11 @@ def test_disabled_idempotent_and_undone_by_apply(monkeypatch):
     from transformers.modeling_utils import AttentionInterface
 
     module, model = _gemma3_text()
-    off = rule.RULE.patch_module(module, lambda kernel: kernel != KERNEL)
+    off = rule.RULE.patch_module(module, current(), lambda kernel: kernel != KERNEL)
     assert off and not any(r.patched for r in off) and "disabled" in off[0].reason
     assert not patching.is_item_patched(AttentionInterface._global_mapping, "sdpa")
-    first = rule.RULE.patch_module(module, everything)
-    assert rule.RULE.patch_module(module, everything) == first and all(r.patched for r in first)
+    first = rule.RULE.patch_module(module, current(), everything)
+    assert rule.RULE.patch_module(module, current(), everything) == first and all(r.patched for r in first)
     patching.restore_all()
     autopatch.apply(model)
     assert rule._patched_for(model.model.layers[0].self_attn)
@@ -274,7 +274,7 @@ def test_compiling_gets_one_call(monkeypatch):
     """While torch.compile traces, the block plan (a host sync) is never made: transformers' one call."""
     module, model = _llama()
     monkeypatch.setattr(rule, "QUERY_BLOCK", 8)
-    rule.RULE.patch_module(module, everything)
+    rule.RULE.patch_module(module, current(), everything)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     seen = _KeysSeen(monkeypatch)
     model.train()
@@ -305,6 +305,7 @@ loss.backward()
 grad = sum(p.grad.double().norm() ** 2 for p in model.parameters()).sqrt().item()
 import autopatch
 from autopatch import report
+from autopatch.session import current  # noqa: E402
 rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "masked_attention"]
 print(json.dumps({"loss": loss.item(), "grad": grad, "keys": min(seen), "records": rows,
                   "runs": report.runs().get("masked_attention")}))

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, tiny_models  # noqa: E402
 from autopatch.rules import moe_experts  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = moe_experts.RULE
 FP32 = torch.float32
@@ -41,9 +42,9 @@ def test_patched_model_matches_and_runs_the_kernel(arch, experts_cls, implementa
     ref_loss, ref_logits, ref_grads = train_and_eval(model, inputs)
 
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
-    record = verdict_of(RULE.patch_module(module, everything), f"{experts_cls}.forward")
+    record = verdict_of(RULE.patch_module(module, current(), everything), f"{experts_cls}.forward")
     assert record.patched and record.kernel == "swiglu" and moe_experts.is_experts_record(record), record
-    assert verdict_of(RULE.patch_module(module, everything), f"{experts_cls}.forward") == record  # idempotent
+    assert verdict_of(RULE.patch_module(module, current(), everything), f"{experts_cls}.forward") == record  # idempotent
 
     before = fused_kernels.launch_counts()
     loss, logits, grads = train_and_eval(model, inputs)
@@ -59,17 +60,17 @@ def test_patched_model_matches_and_runs_the_kernel(arch, experts_cls, implementa
 
 
 def test_gates_and_layouts_of_their_own_are_left_alone_with_the_reason():
-    records = RULE.patch_module(modeling("gpt_oss"), everything)
+    records = RULE.patch_module(modeling("gpt_oss"), current(), everything)
     record = verdict_of(records, "GptOssExperts.forward")
     assert not record.patched and "biases" in record.reason and "gate of its own" in record.reason
     assert not patching.is_patched(modeling("gpt_oss").GptOssExperts, "forward")
-    record = verdict_of(RULE.patch_module(modeling("deepseek_v4"), everything), "DeepseekV4Experts.forward")
+    record = verdict_of(RULE.patch_module(modeling("deepseek_v4"), current(), everything), "DeepseekV4Experts.forward")
     assert not record.patched and "gate of its own" in record.reason
 
 
 def test_disabled_kernels_leave_the_experts_alone():
     module = modeling("qwen3_moe")
-    record = verdict_of(RULE.patch_module(module, lambda k: False), "Qwen3MoeExperts.forward")
+    record = verdict_of(RULE.patch_module(module, current(), lambda k: False), "Qwen3MoeExperts.forward")
     assert not record.patched and "disabled" in record.reason
     assert not patching.is_patched(module.Qwen3MoeExperts, "forward")
 
@@ -79,7 +80,7 @@ def test_runtime_hands_back_to_transformers():
     the config, expert parallelism, weights of another dtype than the hidden states."""
     model = tiny_models.build_tiny(ARCHS["Qwen3MoeForCausalLM"])
     module = modeling("qwen3_moe")
-    assert verdict_of(RULE.patch_module(module, everything), "Qwen3MoeExperts.forward").patched
+    assert verdict_of(RULE.patch_module(module, current(), everything), "Qwen3MoeExperts.forward").patched
     experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
     x = torch.randn(5, experts.gate_up_proj.shape[-1])
     idx = torch.randint(0, experts.num_experts, (5, 2))
@@ -119,7 +120,7 @@ def test_gpu_bf16_model_on_the_grouped_gemm_path():
     ref_loss, _, ref_grads = train_and_eval(fp32, inputs)
     model = fp32.to(torch.bfloat16)
     plain_loss, _, plain_grads = train_and_eval(model, inputs)
-    assert verdict_of(RULE.patch_module(modeling("qwen3_moe"), everything), "Qwen3MoeExperts.forward").patched
+    assert verdict_of(RULE.patch_module(modeling("qwen3_moe"), current(), everything), "Qwen3MoeExperts.forward").patched
     before = fused_kernels.launch_counts().get("moe_experts_bwd", 0)
     loss, _, grads = train_and_eval(model, inputs)
     assert fused_kernels.launch_counts().get("moe_experts_bwd", 0) > before

@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, tiny_models  # noqa: E402
 from autopatch.rules import glu_mlp, moe_gate  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = moe_gate.RULE
 FP32 = torch.float32
@@ -57,10 +58,10 @@ def test_patched_model_matches_and_runs_the_kernel(arch, experts_cls, implementa
 
     module = modeling(ARCHS[arch].module_name.split(".")[-2])
     cls = getattr(module, experts_cls)
-    record = verdict_of(RULE.patch_module(module, everything), f"{experts_cls}._apply_gate")
+    record = verdict_of(RULE.patch_module(module, current(), everything), f"{experts_cls}._apply_gate")
     assert record.patched and record.kernel == "swiglu", record
     assert patching.original(cls, "_apply_gate") is moe_gate.default_gate()
-    assert verdict_of(RULE.patch_module(module, everything), f"{experts_cls}._apply_gate") == record  # idempotent
+    assert verdict_of(RULE.patch_module(module, current(), everything), f"{experts_cls}._apply_gate") == record  # idempotent
 
     before = fused_kernels.launch_counts()
     kernel = "geglu" if act else "swiglu"
@@ -80,7 +81,7 @@ def test_eager_experts_never_call_the_gate():
     model.set_experts_implementation("eager")
     inputs = tiny_models.smoke_inputs(model)
     ref_loss, _ = _step(model, inputs)
-    RULE.patch_module(modeling("qwen3_moe"), everything)
+    RULE.patch_module(modeling("qwen3_moe"), current(), everything)
     before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
     loss, _ = _step(model, inputs)
     assert fused_kernels.launch_counts().get("swiglu_fwd", 0) == before  # the rule alone: no dense MLP patch
@@ -90,19 +91,19 @@ def test_eager_experts_never_call_the_gate():
 def test_custom_gate_is_not_a_candidate():
     """gpt-oss defines its own clamped gate: not this rule's (and glu_mlp says why it leaves it)."""
     module = modeling("gpt_oss")
-    assert not any(r.target.startswith("GptOssExperts") for r in RULE.patch_module(module, everything))
+    assert not any(r.target.startswith("GptOssExperts") for r in RULE.patch_module(module, current(), everything))
     assert vars(module.GptOssExperts)["_apply_gate"] is not moe_gate.default_gate()
-    record = verdict_of(glu_mlp.RULE.patch_module(module, everything), "GptOssExperts")
+    record = verdict_of(glu_mlp.RULE.patch_module(module, current(), everything), "GptOssExperts")
     assert not record.patched and "gate of its own" in record.reason
 
 
 def test_disabled_kernels_and_other_dtypes_run_the_original():
     module = modeling("qwen3_moe")
-    records = RULE.patch_module(module, lambda k: False)
+    records = RULE.patch_module(module, current(), lambda k: False)
     assert records and all(not r.patched and "disabled" in r.reason for r in records)
     assert "_apply_gate" not in [name for _, name, _ in patching._originals.values()]
     # patched, then a float64 input (the kernels take fp32/bf16/fp16): the original formula
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     experts = type("E", (), {"act_fn": torch.nn.SiLU()})()
     gate_up = torch.randn(5, 8, dtype=torch.float64)
     before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
@@ -123,7 +124,7 @@ def test_grouped_mm_on_cuda_bf16():
     experts = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts"]
     ref_loss, ref_grads = _step(model, inputs)
     assert torch.isfinite(ref_loss)
-    RULE.patch_module(modeling("qwen3_moe"), everything)
+    RULE.patch_module(modeling("qwen3_moe"), current(), everything)
     before = fused_kernels.launch_counts().get("swiglu_fwd", 0)
     loss, grads = _step(model, inputs)
     assert fused_kernels.launch_counts().get("swiglu_fwd", 0) - before >= len(experts)

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, report  # noqa: E402
 from autopatch.rules import rms_norm  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = rms_norm.RULE
 
@@ -84,7 +85,7 @@ NUMERIC = [
 def test_patched_matches_original(model, cls_name, shape, dtype):
     module = modeling(model)
     cls = getattr(module, cls_name)
-    assert verdict_of(RULE.patch_module(module, everything), cls_name).patched
+    assert verdict_of(RULE.patch_module(module, current(), everything), cls_name).patched
     original = patching.original(cls, "forward")
     gen = torch.Generator().manual_seed(7)
     norm = _make(cls, shape[-1], gen, weight_dtype=dtype)
@@ -108,8 +109,8 @@ def test_mixed_dtypes_follow_the_probe():
     """fp32 weight with bf16 input (autocast): Llama promotes to fp32 through the kernel; T5's norm
     (which casts to the weight's dtype instead) runs its own code."""
     llama, t5 = modeling("llama"), modeling("t5")
-    RULE.patch_module(llama, everything)
-    RULE.patch_module(t5, everything)
+    RULE.patch_module(llama, current(), everything)
+    RULE.patch_module(t5, current(), everything)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16)
     for cls, launches in ((llama.LlamaRMSNorm, True), (t5.T5LayerNorm, False)):
@@ -132,7 +133,7 @@ def test_instances_built_differently_run_the_original(model, cls_name, kwargs):
     proven equal, so it runs its own code. The default-built instance still takes the kernel."""
     module = modeling(model)
     cls = getattr(module, cls_name)
-    assert verdict_of(RULE.patch_module(module, everything), cls_name).patched
+    assert verdict_of(RULE.patch_module(module, current(), everything), cls_name).patched
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(3, 32, generator=gen)
     for extra, launches in ((kwargs, False), ({}, True)):
@@ -154,7 +155,7 @@ def test_probing_leaves_the_global_rng_alone():
     torch.manual_seed(1234)
     state = torch.get_rng_state()
     threads = torch.get_num_threads()
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.get_num_threads() == threads
 
@@ -162,18 +163,18 @@ def test_probing_leaves_the_global_rng_alone():
 def test_disabled_kernel_is_reported_not_patched():
     module = modeling("mistral")
     before = module.MistralRMSNorm.forward
-    record = verdict_of(RULE.patch_module(module, lambda k: False), "MistralRMSNorm")
+    record = verdict_of(RULE.patch_module(module, current(), lambda k: False), "MistralRMSNorm")
     assert not record.patched and "disabled" in record.reason and record.variant == "offset=0 casting=llama"
     assert module.MistralRMSNorm.forward is before
 
 
 def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
     module = modeling("llama")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     norm = _make(module.LlamaRMSNorm, 32, torch.Generator().manual_seed(5))
     x = torch.randn(3, 32, generator=torch.Generator().manual_seed(6))
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter
-    monkeypatch.setattr(report, "_fallback_noticed", set())
+    current().reset_runs()  # the fallback notices are once per session
     before = fused_kernels.launch_counts().get("rms_norm_fwd", 0)
     with torch.no_grad():
         y = norm(x)
@@ -236,7 +237,7 @@ def test_look_alikes_are_left_alone():
     for cls in classes:
         cls.__module__ = fake.__name__
         setattr(fake, cls.__name__, cls)
-    records = {r.target: r for r in RULE.patch_module(fake, everything)}
+    records = {r.target: r for r in RULE.patch_module(fake, current(), everything)}
     assert set(records) == {c.__name__ for c in classes}
     assert records["FakeGoodRMSNorm"].patched and records["FakeGoodRMSNorm"].variant == "offset=0 casting=llama"
     for cls in classes[1:]:
@@ -257,5 +258,5 @@ def test_never_raises():
 
     BrokenRMSNorm.__module__ = fake.__name__
     fake.BrokenRMSNorm = BrokenRMSNorm
-    (record,) = RULE.patch_module(fake, everything)
+    (record,) = RULE.patch_module(fake, current(), everything)
     assert not record.patched and "could not build" in record.reason

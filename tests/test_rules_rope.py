@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 import fused_kernels  # noqa: E402
 from autopatch import patching, report  # noqa: E402
 from autopatch.rules import rope  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 RULE = rope.RULE
 TARGET = "apply_rotary_pos_emb"
@@ -63,7 +64,7 @@ CASES = [
 def test_verdicts_on_real_modules(model, target, variant, reason):
     module = modeling(model)
     before = getattr(module, target)
-    records = RULE.patch_module(module, everything)
+    records = RULE.patch_module(module, current(), everything)
     record = record_for(records, target)
     assert record.kernel == "rope" and record.module == module.__name__
     if variant is None:
@@ -73,7 +74,7 @@ def test_verdicts_on_real_modules(model, target, variant, reason):
         assert record.patched and record.variant == variant, record
         patched = getattr(module, target)
         assert patched is not before and patching.original(module, target) is before
-        assert RULE.patch_module(module, everything) == records  # idempotent
+        assert RULE.patch_module(module, current(), everything) == records  # idempotent
         assert getattr(module, target) is patched
 
 
@@ -107,7 +108,7 @@ NUMERIC = [
 def test_rebound_function_matches_original(model, rotary, layout, dtype):
     module = modeling(model)
     target = INTERLEAVE if model == "deepseek_v3" else TARGET
-    assert record_for(RULE.patch_module(module, everything), target).patched
+    assert record_for(RULE.patch_module(module, current(), everything), target).patched
     original = patching.original(module, target)
     gen = torch.Generator().manual_seed(11)
     b, s, d = 2, 6, 16
@@ -138,7 +139,7 @@ def test_one_tensor_function_matches_original(model, layout, dtype):
     by position or by keyword: the kernel (x as q, a k of no heads) gives the original's output and
     gradient."""
     module = modeling(model)
-    assert record_for(RULE.patch_module(module, everything)).patched
+    assert record_for(RULE.patch_module(module, current(), everything)).patched
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(5)
     shape = (2, 3, 6, 16) if layout == 1 else (2, 6, 3, 16)
@@ -170,7 +171,7 @@ def test_sin_first_one_tensor_function_matches_original(model, dtype):
     heads, head_dim) tensors (the one layout the probe found it takes) and one cos/sin per channel pair;
     what the probe did not see goes to the original."""
     module = modeling(model)
-    assert record_for(RULE.patch_module(module, everything)).patched
+    assert record_for(RULE.patch_module(module, current(), everything)).patched
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 6, 3, 16, generator=gen).to(dtype)
@@ -200,7 +201,7 @@ def test_mixed_dtypes_follow_the_original(model, out_dtype):
     """bf16 q/k with fp32 cos/sin (autocast): Llama's maths promotes to fp32, Cohere's returns q's
     dtype; the patched function does the same, through the kernel."""
     module = modeling(model)
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(17)
     q = torch.randn(2, 4, 5, 16, generator=gen).to(torch.bfloat16)
@@ -223,7 +224,7 @@ def test_sizes_the_probe_did_not_see_run_the_original():
     """gpt_oss takes only half-size cos: a full-size cos goes to the original (which raises as it
     always did); float64 goes to the original too (the kernel does not take it)."""
     module = modeling("gpt_oss")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(2)
     q, k = torch.randn(1, 2, 3, 16, generator=gen), torch.randn(1, 1, 3, 16, generator=gen)
@@ -245,7 +246,7 @@ def test_cos_and_sin_with_a_gradient_run_the_original():
     """cos/sin made from a trainable parameter (Mistral Large 4's rotary alpha): the kernel gives them no
     gradient, so the original runs and the parameter gets its gradient, the same as unpatched."""
     module = modeling("llama")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen)
@@ -264,12 +265,12 @@ def test_cos_and_sin_with_a_gradient_run_the_original():
 
 def test_falls_back_where_triton_cannot_run(monkeypatch, capsys):
     module = modeling("llama")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     gen = torch.Generator().manual_seed(4)
     q, k, cos, sin = (torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 1, 3, 8, generator=gen),
                       torch.randn(1, 3, 8, generator=gen), torch.randn(1, 3, 8, generator=gen))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(report, "_fallback_noticed", set())
+    current().reset_runs()  # the fallback notices are once per session
     before = fused_kernels.launch_counts().get("rope_fwd", 0)
     out = module.apply_rotary_pos_emb(q, k, cos, sin)
     module.apply_rotary_pos_emb(q, k, cos, sin)
@@ -284,14 +285,14 @@ def test_probing_leaves_the_global_rng_alone():
     rope._verdicts.pop(patching.original(module, TARGET), None)
     torch.manual_seed(99)
     state = torch.get_rng_state()
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_disabled_kernel_is_reported_not_patched():
     module = modeling("mistral")
     before = module.apply_rotary_pos_emb
-    record = record_for(RULE.patch_module(module, lambda k: k != "rope"))
+    record = record_for(RULE.patch_module(module, current(), lambda k: k != "rope"))
     assert not record.patched and "disabled" in record.reason and record.variant == "half rot=full"
     assert module.apply_rotary_pos_emb is before
 
@@ -300,7 +301,7 @@ def test_signature_and_keywords_are_kept():
     import inspect
 
     module = modeling("glm")
-    RULE.patch_module(module, everything)
+    RULE.patch_module(module, current(), everything)
     assert list(inspect.signature(module.apply_rotary_pos_emb).parameters) == ["q", "k", "cos", "sin", "unsqueeze_dim"]
     gen = torch.Generator().manual_seed(8)
     q, k = torch.randn(3, 2, 4, 16, generator=gen), torch.randn(3, 2, 1, 16, generator=gen)  # (b, s, h, d)
@@ -322,7 +323,7 @@ def test_look_alikes_are_left_alone():
 
     apply_rotary_pos_emb.__module__ = fake.__name__
     fake.apply_rotary_pos_emb = apply_rotary_pos_emb
-    (record,) = RULE.patch_module(fake, everything)
+    (record,) = RULE.patch_module(fake, current(), everything)
     assert not record.patched and "matches no rotary variant" in record.reason
     assert fake.apply_rotary_pos_emb is apply_rotary_pos_emb
 
@@ -338,7 +339,7 @@ def test_look_alikes_are_left_alone():
 
     apply_rotary_pos_emb.__module__ = other.__name__
     other.apply_rotary_pos_emb = apply_rotary_pos_emb
-    (record,) = RULE.patch_module(other, everything)
+    (record,) = RULE.patch_module(other, current(), everything)
     assert not record.patched and record.reason == "uses position_ids"
 
 
@@ -375,7 +376,7 @@ def test_function_behind_a_hub_kernel_layer_is_patched_and_restored():
     layer = _hub_layer_of(_standard_rope)
     assert isinstance(layer, torch.nn.Module)
     fake.apply_rotary_pos_emb = layer
-    (record,) = RULE.patch_module(fake, everything)
+    (record,) = RULE.patch_module(fake, current(), everything)
     assert record.patched and record.variant == "half rot=full", record
     assert fake.apply_rotary_pos_emb is not layer and patching.original(fake, TARGET) is layer
     gen = torch.Generator().manual_seed(3)
@@ -427,7 +428,7 @@ def test_tiny_model_through_patched_attention(model, causal_lm, extra):
         return out.logits.detach(), {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
 
     logits_ref, grads_ref = step()
-    records = RULE.patch_module(module, everything)
+    records = RULE.patch_module(module, current(), everything)
     assert records and all(r.patched for r in records), records
     before = fused_kernels.launch_counts().get("rope_fwd", 0)
     logits, grads = step()
@@ -443,7 +444,7 @@ def test_q_only_calls_of_a_two_tensor_function_run_the_original():
     alone, called with keywords and no k. The probe vouched for q and k together: such a call goes to
     the original, exactly as called (one tensor back); q and k together still take the kernel."""
     module = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")  # transformers >= 5.2x
-    assert record_for(RULE.patch_module(module, everything), TARGET).patched
+    assert record_for(RULE.patch_module(module, current(), everything), TARGET).patched
     original = patching.original(module, TARGET)
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 1, 3, 16, generator=gen)

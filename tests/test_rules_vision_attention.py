@@ -94,11 +94,11 @@ def test_windows_batched_same_loss_and_gradients(name, monkeypatch):
     loss0, grads0 = _step(model, inputs)
     plain_calls = len(sdpa.batches)
 
-    records = rule.RULE.patch_module(module, lambda kernel: True)
+    records = rule.RULE.patch_module(module, current(), lambda kernel: True)
     attention = [r for r in records if r.target.endswith("VisionAttention.forward")]
     assert len(attention) == 1 and attention[0].patched, records
-    report.reset_runs()
-    report.add(records)
+    current().reset_runs()
+    current().add(records)
     sdpa.batches.clear()
     loss1, grads1 = _step(model, inputs)
 
@@ -156,8 +156,8 @@ def test_a_call_without_cu_seqlens_gets_plain_sdpa():
 
 def test_a_data_parallel_replica_runs_the_loop():
     module, model, inputs = _build("qwen2_5_vl")
-    report.reset_runs()
-    report.add(rule.RULE.patch_module(module, lambda kernel: True))
+    current().reset_runs()
+    current().add(rule.RULE.patch_module(module, current(), lambda kernel: True))
     for block in model.model.visual.blocks:
         block.attn._is_replica = True
     _step(model, inputs)
@@ -167,9 +167,9 @@ def test_a_data_parallel_replica_runs_the_loop():
 def test_eager_and_the_text_decoder_are_untouched(monkeypatch):
     module, model, inputs = _build("qwen2_5_vl", attn="eager")
     loss0, grads0 = _step(model, inputs)
-    records = rule.RULE.patch_module(module, lambda kernel: True)
-    report.reset_runs()
-    report.add(records)
+    records = rule.RULE.patch_module(module, current(), lambda kernel: True)
+    current().reset_runs()
+    current().add(records)
     loss1, grads1 = _step(model, inputs)
     assert loss1.item() == loss0.item()
     assert report.runs()[KERNEL]["calls"] == 0, "eager attention keeps its own loop"
@@ -183,16 +183,16 @@ def test_patches_while_a_model_is_built_under_another_default_device():
     the rule's probe runs on the CPU whatever the default device (here meta, which computes nothing)."""
     rule._numbers_agree.cache_clear()
     with torch.device("meta"):
-        records = rule.RULE.patch_module(modeling("qwen2_5_vl"), lambda kernel: True)
+        records = rule.RULE.patch_module(modeling("qwen2_5_vl"), current(), lambda kernel: True)
     assert verdict_of(records, "Qwen2_5_VLVisionAttention.forward").patched, records
 
 
 def test_disabled_and_idempotent():
     module = modeling("qwen2_5_vl")
-    off = verdict_of(rule.RULE.patch_module(module, lambda kernel: False), "Qwen2_5_VLVisionAttention.forward")
+    off = verdict_of(rule.RULE.patch_module(module, current(), lambda kernel: False), "Qwen2_5_VLVisionAttention.forward")
     assert not off.patched and off.reason == "vision_attention disabled"
-    first = rule.RULE.patch_module(module, lambda kernel: True)
-    second = rule.RULE.patch_module(module, lambda kernel: True)
+    first = rule.RULE.patch_module(module, current(), lambda kernel: True)
+    second = rule.RULE.patch_module(module, current(), lambda kernel: True)
     assert first == second and verdict_of(first, "Qwen2_5_VLVisionAttention.forward").patched
 
 
@@ -289,7 +289,7 @@ def test_paddleocr_vl_keeps_its_attention_weights_list():
     seen = []
     attention.register_forward_hook(lambda mod, args, out: seen.append(out[1]))
     loss0, grads0 = _step(model, inputs)
-    verdict = verdict_of(rule.RULE.patch_module(module, lambda kernel: True), "PaddleOCRVisionAttention.forward")
+    verdict = verdict_of(rule.RULE.patch_module(module, current(), lambda kernel: True), "PaddleOCRVisionAttention.forward")
     assert verdict.patched and "weights listed" in verdict.variant, verdict
     loss1, grads1 = _step(model, inputs)
     plain, patched = seen[0], seen[-1]
@@ -308,7 +308,7 @@ def test_gpu_bf16_qwen2_5_vl_tower():
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
     loss0, grads0 = _step(model, inputs)
-    rule.RULE.patch_module(module, lambda kernel: True)
+    rule.RULE.patch_module(module, current(), lambda kernel: True)
     loss1, grads1 = _step(model, inputs)
     assert torch.isfinite(loss1)
     torch.testing.assert_close(loss1.float(), loss0.float(), rtol=1e-2, atol=0)
@@ -324,9 +324,9 @@ def test_compiled_tower_same_numbers():
     the loop's does): the loss and every gradient as the eager loop's, and the batched attention ran."""
     module, model, inputs = _build("qwen2_5_vl uneven windows")
     loss0, grads0 = _step(model, inputs)
-    records = rule.RULE.patch_module(module, lambda kernel: True)
-    report.reset_runs()
-    report.add(records)
+    records = rule.RULE.patch_module(module, current(), lambda kernel: True)
+    current().reset_runs()
+    current().add(records)
     torch._dynamo.reset()
     model.model.visual = torch.compile(model.model.visual)
     loss1, grads1 = _step(model, inputs)
@@ -346,6 +346,7 @@ module, model, inputs = t._build("qwen2_5_vl uneven windows")
 loss, grads = t._step(model, inputs)
 import autopatch
 from autopatch import report
+from autopatch.session import current  # noqa: E402
 rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "vision_attention"]
 print(json.dumps({"loss": loss.item(), "records": rows, "runs": report.runs().get("vision_attention")}))
 '''

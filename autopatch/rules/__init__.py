@@ -1,41 +1,49 @@
-"""Rules: one module per component kind. A rule = the kernel names it serves + detect + patch.
+"""Rules: one module per component kind, each on the template of autopatch.rules._template.
 
-Each rule module defines `RULE`, an object with
+Each rule module defines `RULE`, a `_template.Rule` with
     name: str                      # "rms_norm", "rope", "glu_mlp", "moe_gate", "moe_experts", "loss", …
     kernels: tuple[str, ...]       # kernel names (autopatch.names) whose toggles govern it
-    patch_module(module, enabled) -> list[report.Record]
-where `module` is an imported transformers modeling module (e.g. transformers.models.llama.modeling_llama)
-and `enabled(kernel_name) -> bool` says whether that kernel is on for this module's model type.
-patch_module looks only at objects defined in that module (obj.__module__ == module.__name__),
-detects structurally then numerically (small CPU probes, float64/float32/bf16), patches through
-autopatch.patching.replace only on an unambiguous match, and returns one Record per candidate,
-patched or left alone with the reason. It must never raise (callers also guard it) and must be
-idempotent (a second call patches nothing again, returns the same verdicts).
+    patch_module(module, session, enabled) -> list[Record]
+where `module` is an imported transformers modeling module (e.g. transformers.models.llama.modeling_llama),
+`session` the autopatch.session.Session the patched code reports to, and `enabled(kernel_name) -> bool`
+says whether that kernel is on for this module's model type. A rule looks only at objects defined in
+that module, detects structurally then numerically (small CPU probes in the probes' own state,
+_probe.probing()), patches through autopatch.patching only on an unambiguous match, and returns one
+Record per candidate, patched or left alone with the reason. It never raises and is idempotent (a
+second call patches nothing again, returns the same verdicts).
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Callable
 
-RULE_MODULES: tuple[str, ...] = (
-    "autopatch.rules.rms_norm",
-    "autopatch.rules.layer_norm",
-    "autopatch.rules.rope",
-    "autopatch.rules.glu_mlp",
-    "autopatch.rules.gelu_mlp",
-    "autopatch.rules.moe_gate",
-    "autopatch.rules.moe_experts",
-    "autopatch.rules.loss",
-    "autopatch.rules.causal_mask",
-    "autopatch.rules.vision_attention",
-    "autopatch.rules.masked_attention",
+from autopatch import patching
+from autopatch.rules import (
+    causal_mask, gelu_mlp, glu_mlp, layer_norm, loss, masked_attention, moe_experts, moe_gate, rms_norm, rope,
+    vision_attention,
+)
+from autopatch.session import Record
+
+# In the order they run over a module: the experts rules after glu_mlp (which leaves expert containers
+# to them), the attention rules last.
+RULES: tuple = (
+    rms_norm.RULE,
+    layer_norm.RULE,
+    rope.RULE,
+    glu_mlp.RULE,
+    gelu_mlp.RULE,
+    moe_gate.RULE,
+    moe_experts.RULE,
+    loss.RULE,
+    causal_mask.RULE,
+    vision_attention.RULE,
+    masked_attention.RULE,
 )
 
 
 def all_rules() -> list:
-    return [importlib.import_module(name).RULE for name in RULE_MODULES]
+    return list(RULES)
 
 
 # (module name, rule name) -> (kernels of the records that call patched, patching keys it added): what
@@ -43,19 +51,17 @@ def all_rules() -> list:
 _made: dict[tuple[str, str], tuple[frozenset, set]] = {}
 
 
-def patch_module(module: ModuleType, enabled: Callable[[str], bool], skip: frozenset = frozenset()) -> list:
-    """Run every rule whose kernels are enabled over one modeling module (but the rules named in `skip`);
-    returns the records."""
-    from autopatch import patching
-    from autopatch.report import Record
-
+def patch_module(module: ModuleType, session, enabled: Callable[[str], bool],
+                 skip: frozenset = frozenset()) -> list[Record]:
+    """Run every rule whose kernels are enabled over one modeling module (but the rules named in `skip`),
+    the patched code reporting to `session`; returns the records."""
     records = []
     for rule in all_rules():
         if rule.name in skip or not any(enabled(k) for k in rule.kernels):
             continue
         before = patching.patched_keys()
         try:
-            found = rule.patch_module(module, enabled)
+            found = rule.patch_module(module, session, enabled)
             records.extend(found)
             added = patching.patched_keys() - before
             if added:
@@ -74,8 +80,6 @@ def unpatch(module: ModuleType, disabled: Callable[[str], bool]) -> list[str]:
     """Undo the patches the rules made in `module` for kernels now turned off (`disabled(kernel)`).
     A rule's patches in a module are undone together, so all the kernels they serve there must be off;
     ValueError names them otherwise. Returns the kernels whose patches were undone."""
-    from autopatch import patching
-
     undone: list[str] = []
     for (name, rule_name), (kernels, keys) in list(_made.items()):
         if name != module.__name__:

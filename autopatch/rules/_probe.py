@@ -7,7 +7,8 @@ Everything here runs while a user's program imports a modeling module, so it mus
 (milliseconds), must not leave any trace in global state — the global RNG above all: building a
 module runs its weight init on the global generator, so every build happens inside `probing()`,
 which restores the state afterwards — and must build on the CPU in float32 whatever default device or
-dtype the user has set.
+dtype the user has set: `probing()` is that state, and the rule template (autopatch.rules._template)
+runs every proof inside it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_hooks  # the global module hooks
+
+from autopatch.session import Record
 
 # Sizes of the probe components. Distinct numbers, so that a wrong axis or a swapped pair of
 # projections shows up as a shape error or a numerical mismatch rather than passing by accident.
@@ -63,8 +66,6 @@ def candidate_classes(module: ModuleType, kernel: str, text: str, keep: Callable
     """(classes, records): the classes defined in `module` for which keep(cls) holds, after one look at
     the module's source for `text` (a module without it has none: most modules are ruled out before any
     class's source is read); or ([], [a record of the error]) when reading the sources fails."""
-    from autopatch.report import Record
-
     if text not in source_text(module):
         return [], []
     try:
@@ -248,18 +249,52 @@ def quiet():
 
 @contextlib.contextmanager
 def probing():
-    """Restore the global CPU RNG afterwards (module construction draws from it), build on the CPU,
-    without autograd, quietly, on one thread: the probes' matrices are tiny, and a thread pool
-    waiting on busy cores costs 10-20 ms per op instead of microseconds."""
+    """The probes' own state, whatever the user's code is in when a modeling module is imported: the
+    CPU as default device (over `with torch.device("cuda")`, `"meta"` or torch.set_default_device),
+    float32 as default dtype (over torch.set_default_dtype(torch.bfloat16)), grad enabled and no
+    inference mode (over no_grad / inference_mode: the probes' tensors are plain ones), no autocast,
+    deterministic algorithms off, torch.compile not tracing (a probe is plain Python), quiet, on one
+    thread (the probes' matrices are tiny, and a thread pool waiting on busy cores costs 10-20 ms per
+    op instead of microseconds). The global CPU RNG is restored afterwards (module construction draws
+    from it), so a model's initial weights are the same with and without autopatch; every setting
+    changed here is restored on the way out."""
     threads = torch.get_num_threads()
+    dtype = torch.get_default_dtype()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         if threads != 1:
             torch.set_num_threads(1)
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), quiet():
+        if dtype != torch.float32:
+            torch.set_default_dtype(torch.float32)
+        if deterministic:
+            torch.use_deterministic_algorithms(False)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=[]))
+            stack.enter_context(torch.device("cpu"))
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.enable_grad())
+            for device_type in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(device_type):
+                    stack.enter_context(torch.autocast(device_type, enabled=False))
+            stack.enter_context(quiet())
             yield
     finally:
+        if deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=warn_only)
+        if torch.get_default_dtype() != dtype:
+            torch.set_default_dtype(dtype)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+
+def sealed(fn, *args):
+    """fn(*args) inside probing(), kept out of a torch.compile trace (a rule can run while a compiled
+    function's first call imports a modeling module: its probe is plain Python, not part of a graph)."""
+    if torch.compiler.is_compiling():
+        fn = torch.compiler.disable(fn, recursive=True)
+    with probing():
+        return fn(*args)
 
 
 def build_norm(cls: type, module: ModuleType, attempts: list):
@@ -302,7 +337,7 @@ def try_build(cls: type, attempts: Iterable[Callable[[], tuple[tuple, dict]]]):
             # built under a meta-device context (accelerate's init_empty_weights patches parameter
             # registration): give it CPU storage; the probes overwrite every value they read
             instance = instance.to_empty(device="cpu")
-        return instance.float().eval(), None
+        return instance.float().eval().requires_grad_(False), None
     reason = errors[0] if errors else "no way to build it"
     return None, f"could not build a probe instance ({reason[:160]})"
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from autopatch.report import fallback_notice
+from autopatch.rules._kernels import fallback
+from autopatch.session import current
 
 KERNEL = "cross_entropy"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -25,7 +26,11 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 class FusedCrossEntropyLoss(torch.nn.CrossEntropyLoss):
     """torch.nn.CrossEntropyLoss through fused_kernels.cross_entropy where the call allows (module
-    docstring); isinstance checks against torch.nn.CrossEntropyLoss still hold."""
+    docstring); isinstance checks against torch.nn.CrossEntropyLoss still hold. `session`: where its
+    fallbacks are recorded, set by the loss rule when it rebinds a module's CrossEntropyLoss (a class
+    attribute: the class is what the modules' globals name)."""
+
+    session = None
 
     def _takes(self, input: torch.Tensor, target: torch.Tensor) -> bool:
         return (self.weight is None and self.reduction in ("mean", "sum", "none")
@@ -38,7 +43,7 @@ class FusedCrossEntropyLoss(torch.nn.CrossEntropyLoss):
             return super().forward(input, target)
         import fused_kernels as fk  # loaded by the loss rule before it rebinds the class: a dict lookup
         if not fk.triton_can_run(input, target):
-            fallback_notice(KERNEL, f"CrossEntropyLoss got {input.device.type} tensors")
+            fallback(FusedCrossEntropyLoss.session or current(), KERNEL, f"CrossEntropyLoss got {input.device.type} tensors")
             return super().forward(input, target)
         if self.reduction == "mean":  # torch divides by the non-ignored rows: 0 / 0 = NaN when there are none
             total = fk.cross_entropy(input, target, ignore_index=self.ignore_index, reduction="sum",
@@ -48,3 +53,9 @@ class FusedCrossEntropyLoss(torch.nn.CrossEntropyLoss):
             loss = fk.cross_entropy(input, target, ignore_index=self.ignore_index, reduction=self.reduction,
                                     label_smoothing=self.label_smoothing)
         return loss.to(input.dtype)
+
+
+def installed(session) -> type:
+    """FusedCrossEntropyLoss, reporting to `session` (what the loss rule binds)."""
+    FusedCrossEntropyLoss.session = session
+    return FusedCrossEntropyLoss

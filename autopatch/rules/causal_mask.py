@@ -37,8 +37,8 @@ from typing import Callable
 import torch
 
 from autopatch import patching
-from autopatch.report import Record
 from autopatch.rules import _probe
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
 
 KERNEL = "causal_mask"
 VARIANT = "no positions, mask or cache given: positions are the model's arange (unpacked, unpadded)"
@@ -128,35 +128,31 @@ def candidate(cls: type) -> dict[str, int] | None:
     return {name: i - 1 for i, name in enumerate(params) if i > 0}
 
 
-class _Rule:
+class _Rule(Rule):
     name = "causal_mask"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        masking_utils = _masking_utils()
-        if masking_utils is None:
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        if _masking_utils() is None:
             return []
-        try:
-            classes = [(c, candidate(c)) for c in _probe.defined_classes(module)]
-            classes = [(c, index) for c, index in classes if index is not None]
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        records = []
-        for cls, index in classes:
-            target = f"{cls.__name__}.forward"
-            if not enabled(KERNEL):
-                records.append(Record(KERNEL, module.__name__, target, False, VARIANT, "causal_mask disabled"))
-                continue
-            # The two mask functions are patched once per process; they change nothing unless a
-            # wrapped forward set the flag.
-            for name, make in (("find_packed_sequence_indices", _make_find_packed),
-                               ("_ignore_causal_mask_sdpa", _make_ignore_causal)):
-                if not patching.is_patched(masking_utils, name):
-                    patching.replace(masking_utils, name, make(getattr(masking_utils, name)))
-            if not patching.is_patched(cls, "forward"):
-                patching.replace(cls, "forward", _make_forward(vars(cls)["forward"], index))
-            records.append(Record(KERNEL, module.__name__, target, True, VARIANT))
-        return records
+        found = [(c, candidate(c)) for c in _probe.defined_classes(module)]
+        return [Candidate(f"{c.__name__}.forward", c, index) for c, index in found if index is not None]
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        return Verdict(candidate.target, VARIANT)  # the structure candidate() read is the proof
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        # The two mask functions are patched once per process; they change nothing unless a wrapped
+        # forward set the flag.
+        masking_utils = _masking_utils()
+        cls = candidate.key
+        return [
+            Swap(masking_utils, "find_packed_sequence_indices",
+                 lambda: _make_find_packed(masking_utils.find_packed_sequence_indices)),
+            Swap(masking_utils, "_ignore_causal_mask_sdpa",
+                 lambda: _make_ignore_causal(masking_utils._ignore_causal_mask_sdpa)),
+            Swap(cls, "forward", lambda: _make_forward(vars(cls)["forward"], candidate.subject)),
+        ]
 
 
 RULE = _Rule()

@@ -31,17 +31,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autopatch import patching
-from autopatch.report import Record, fallback_notice
-from autopatch.rules import _probe, glu_mlp
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules import _gated, _probe, glu_mlp
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict, input_name
 
 KERNEL = "gelu_mlp"
 PAIRS = (("fc1", "fc2"), ("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"), ("linear_fc1", "linear_fc2"))
 GATES = ("gate_proj", "gate_up_proj", "gate")
 REFERENCES = {
-    "gelu_tanh": glu_mlp._gelu_tanh,
-    "gelu_erf": glu_mlp._gelu_erf,
+    "gelu_tanh": _gated._gelu_tanh,
+    "gelu_erf": _gated._gelu_erf,
     "gelu_quick": lambda t: t * torch.sigmoid(1.702 * t),
 }
 APPROXIMATE = {"gelu_tanh": "tanh", "gelu_erf": "none", "gelu_quick": "quick"}
@@ -103,65 +102,65 @@ def pair_of(cls: type):
 
 
 def detect(cls: type, module: ModuleType):
-    """(Variant, "") when cls is a plain GELU MLP the probe proves, else (None, reason)."""
+    """(Variant, "") when cls is a plain GELU MLP the probe proves, else (None, reason). Call inside
+    _probe.probing() (the template does)."""
     pair = pair_of(cls)
     extra = _probe.forward_extra_args(cls)
     if extra:
         return None, extra
     forward_source = _probe.source_text(cls.forward)
-    with _probe.probing():
-        instance, why = _probe.build_mlp(cls, module)
-        if instance is None:
-            return None, why
-        first, second = (getattr(instance, name, None) for name in pair)
-        for name, proj in zip(pair, (first, second)):
-            if not _projection_ok(proj):
-                return None, f"{name} is {type(proj).__name__}, not a plain nn.Linear or Conv1D"
-        act_attr = next((a for a in glu_mlp.ACT_ATTRS if getattr(instance, a, None) is not None), "")
-        if not act_attr:
-            return None, f"no activation attribute ({', '.join(glu_mlp.ACT_ATTRS)})"
-        dropout = next((("module", n) for n in DROPOUT_MODULES if type(getattr(instance, n, None)) is nn.Dropout),
-                       next((("float", n) for n in DROPOUT_FLOATS
-                             if isinstance(getattr(instance, n, None), (int, float)) and n in forward_source), ()))
-        if "dropout" in forward_source and not dropout:
-            return None, "its forward applies a dropout this rule does not know"
-        extra_children = [n for n, _ in instance.named_children()
-                          if n not in pair and n != act_attr and (not dropout or n != dropout[1])]
-        if extra_children:
-            return None, f"has other submodules ({', '.join(extra_children)})"
-        own = [n for n, _ in instance.named_parameters(recurse=False)] + [n for n, _ in instance.named_buffers(recurse=False)]
-        if own:
-            return None, f"has its own parameters/buffers ({', '.join(own)})"
-        kind = glu_mlp.activation_kind(getattr(instance, act_attr), REFERENCES)
-        if kind is None:
-            # The tiny config chose another activation (Qwen2-VL's vision MLP built from the text config's
-            # silu): prove the formula with a GELU in its place; each instance's own is read at run time.
-            try:
-                setattr(instance, act_attr, nn.GELU(approximate="tanh"))
-            except Exception as exc:  # noqa: BLE001
-                return None, f"activation {act_attr} cannot be probed ({_probe.describe_exc(exc)})"
-            kind = "gelu_tanh"
-        state = _probe.instance_state(instance)
-        gen = _probe.generator(0)
-        instance.double()
-        for p in instance.parameters():
-            p.copy_(_probe.randn(tuple(p.shape), gen, torch.float64, scale=0.3))
-        x = _probe.randn((2, 3, _in_features(first)), gen, torch.float64)
-        instance.eval()  # the formula first, dropout off
+    instance, why = _probe.build_mlp(cls, module)
+    if instance is None:
+        return None, why
+    first, second = (getattr(instance, name, None) for name in pair)
+    for name, proj in zip(pair, (first, second)):
+        if not _projection_ok(proj):
+            return None, f"{name} is {type(proj).__name__}, not a plain nn.Linear or Conv1D"
+    act_attr = next((a for a in glu_mlp.ACT_ATTRS if getattr(instance, a, None) is not None), "")
+    if not act_attr:
+        return None, f"no activation attribute ({', '.join(glu_mlp.ACT_ATTRS)})"
+    dropout = next((("module", n) for n in DROPOUT_MODULES if type(getattr(instance, n, None)) is nn.Dropout),
+                   next((("float", n) for n in DROPOUT_FLOATS
+                         if isinstance(getattr(instance, n, None), (int, float)) and n in forward_source), ()))
+    if "dropout" in forward_source and not dropout:
+        return None, "its forward applies a dropout this rule does not know"
+    extra_children = [n for n, _ in instance.named_children()
+                      if n not in pair and n != act_attr and (not dropout or n != dropout[1])]
+    if extra_children:
+        return None, f"has other submodules ({', '.join(extra_children)})"
+    own = [n for n, _ in instance.named_parameters(recurse=False)] + [n for n, _ in instance.named_buffers(recurse=False)]
+    if own:
+        return None, f"has its own parameters/buffers ({', '.join(own)})"
+    kind = _gated.activation_kind(getattr(instance, act_attr), REFERENCES)
+    if kind is None:
+        # The tiny config chose another activation (Qwen2-VL's vision MLP built from the text config's
+        # silu): prove the formula with a GELU in its place; each instance's own is read at run time.
         try:
-            out = cls.forward(instance, x)
+            setattr(instance, act_attr, nn.GELU(approximate="tanh"))
         except Exception as exc:  # noqa: BLE001
-            return None, f"probe failed ({_probe.describe_exc(exc)})"
-        matches = [k for k, act in REFERENCES.items()
-                   if isinstance(out, torch.Tensor) and _probe.rel_err(out, second(act(first(x)))) <= glu_mlp.PROBE_TOL]
-        if matches != [kind]:
-            return None, (f"matches no formula {pair[1]}(gelu({pair[0]}(x)))" if not matches else
-                          f"forward computes {', '.join(matches)} but {act_attr} is {kind}")
-        if dropout:
-            why = _probe_trailing_dropout(cls, instance, x, dropout, lambda t: second(getattr(instance, act_attr)(first(t))))
-            if why:
-                return None, why
-        return Variant(kind, pair[0], pair[1], act_attr, state, dropout), ""
+            return None, f"activation {act_attr} cannot be probed ({_probe.describe_exc(exc)})"
+        kind = "gelu_tanh"
+    state = _probe.instance_state(instance)
+    gen = _probe.generator(0)
+    instance.double()
+    for p in instance.parameters():
+        p.copy_(_probe.randn(tuple(p.shape), gen, torch.float64, scale=0.3))
+    x = _probe.randn((2, 3, _in_features(first)), gen, torch.float64)
+    instance.eval()  # the formula first, dropout off
+    try:
+        out = cls.forward(instance, x)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"probe failed ({_probe.describe_exc(exc)})"
+    matches = [k for k, act in REFERENCES.items()
+               if isinstance(out, torch.Tensor) and _probe.rel_err(out, second(act(first(x)))) <= _gated.PROBE_TOL]
+    if matches != [kind]:
+        return None, (f"matches no formula {pair[1]}(gelu({pair[0]}(x)))" if not matches else
+                      f"forward computes {', '.join(matches)} but {act_attr} is {kind}")
+    if dropout:
+        why = _probe_trailing_dropout(cls, instance, x, dropout, lambda t: second(getattr(instance, act_attr)(first(t))))
+        if why:
+            return None, why
+    return Variant(kind, pair[0], pair[1], act_attr, state, dropout), ""
 
 
 def _probe_trailing_dropout(cls, instance, x, dropout, formula) -> str:
@@ -178,7 +177,7 @@ def _probe_trailing_dropout(cls, instance, x, dropout, formula) -> str:
         out = cls.forward(instance, x)
         torch.manual_seed(1234)
         want = _dropped(formula(x), dropout, instance)
-    if _probe.rel_err(out, want) > glu_mlp.PROBE_TOL:
+    if _probe.rel_err(out, want) > _gated.PROBE_TOL:
         return f"its dropout ({name}) is not the last step after the second projection"
     return ""
 
@@ -186,10 +185,10 @@ def _probe_trailing_dropout(cls, instance, x, dropout, formula) -> str:
 def _fusable_conv1d(module, h: torch.Tensor) -> bool:
     """A Conv1D called as Conv1D.forward (no hooks, no forward of its own) whose weights fit h."""
     conv = _conv1d_type()
-    return conv is not None and type(module) is conv and _probe.plain_call(module, conv) and glu_mlp.weights_fit(module, h)
+    return conv is not None and type(module) is conv and _probe.plain_call(module, conv) and _gated.weights_fit(module, h)
 
 
-def make_forward(original_forward: Callable, variant: Variant, input_name: str):
+def make_forward(original_forward: Callable, variant: Variant, input_name: str, session):
     first_name, second_name, act_attr, state = variant.first, variant.second, variant.act_attr, variant.state
     dropout = variant.dropout
 
@@ -197,15 +196,15 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
         x = args[0] if args else kwargs.get(input_name)
         if not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1 or not _probe.same_state(self, state):
             return original_forward(self, *args, **kwargs)
-        kind = glu_mlp.activation_kind(getattr(self, act_attr, None), REFERENCES)
+        kind = _gated.activation_kind(getattr(self, act_attr, None), REFERENCES)
         if kind is None:
             return original_forward(self, *args, **kwargs)
         fk = kernels()
         if not fk.triton_can_run(x):
-            fallback_notice(KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
+            fallback(session, KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
         h = getattr(self, first_name)(x)
-        if h.dtype not in glu_mlp._FLOAT_DTYPES:
+        if h.dtype not in _gated.FLOAT_DTYPES:
             return original_forward(self, *args, **kwargs)
         second = getattr(self, second_name)
         if glu_mlp._fusable_down_proj(second, h):
@@ -219,46 +218,21 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
     return _probe.dressed_forward(forward, original_forward, variant.describe())
 
 
-_verdicts: dict[type, tuple] = {}  # class -> (Variant or None, reason): probed once, the patch is idempotent
-
-
-class _Rule:
+class _Rule(Rule):
     name = "gelu_mlp"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        try:
-            classes = [c for c in _probe.defined_classes(module) if pair_of(c) is not None]
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        records = []
-        for cls in classes:
-            try:
-                records.append(self._patch_class(cls, module, enabled))
-            except Exception as exc:  # noqa: BLE001
-                records.append(Record(KERNEL, module.__name__, cls.__name__, False,
-                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
-        return records
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        return [Candidate(c.__name__, c) for c in _probe.defined_classes(module) if pair_of(c) is not None]
 
-    def _patch_class(self, cls, module, enabled) -> Record:
-        if cls not in _verdicts:
-            _verdicts[cls] = detect(cls, module)
-        variant, why = _verdicts[cls]
-        if variant is None:
-            return Record(KERNEL, module.__name__, cls.__name__, False, reason=why)
-        record = lambda patched, reason="": Record(  # noqa: E731
-            KERNEL, module.__name__, cls.__name__, patched, variant.describe(), reason)
-        if patching.is_patched(cls, "forward"):
-            return record(True)
-        if not enabled(KERNEL):
-            return record(False, f"kernel {KERNEL} disabled")
-        problem = import_problem()
-        if problem:
-            return record(False, problem)
-        params = _probe.positional_params(cls.forward) or []
-        input_name = params[0].name if params else "hidden_states"
-        patching.replace(cls, "forward", make_forward(cls.forward, variant, input_name))
-        return record(True)
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        variant, why = detect(candidate.key, module)
+        return Verdict(candidate.target, variant, why)
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        cls = candidate.key
+        return [Swap(cls, "forward", lambda: make_forward(cls.forward, verdict.variant, input_name(cls.forward), session))]
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts

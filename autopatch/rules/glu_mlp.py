@@ -27,87 +27,23 @@ original forward, with one notice per process.
 from __future__ import annotations
 
 import dataclasses
-import math
 from types import ModuleType
 from typing import Callable
 
 import torch
 from torch import nn
 
-from autopatch import patching
-from autopatch.report import Record, fallback_notice
-from autopatch.rules import _probe
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules import _probe, moe_gate
+from autopatch.rules._gated import (  # noqa: F401 - the activation table, used by the MoE and GELU rules too
+    ACT_REFERENCES, FLOAT_DTYPES, GLU_LINEAR_ACTIVATION, KINDS, _gelu_erf, _gelu_tanh, activation_kind,
+    classify_activation, gated, weights_fit,
+)
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict as _Verdict, input_name
 
 ACT_ATTRS = ("act_fn", "activation_fn", "act")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take
+_FLOAT_DTYPES = FLOAT_DTYPES
 PROBE_TOL = 1e-6  # float64 probe; gelu tanh vs erf differ by ~1e-4 here, a wrong layout by O(1)
-
-# activation kind -> (kernel name, keyword arguments of the kernel call)
-KINDS = {
-    "silu": ("swiglu", {}),
-    "gelu_tanh": ("geglu", {"approximate": "tanh"}),
-    "gelu_erf": ("geglu", {"approximate": "none"}),
-}
-
-
-def _gelu_tanh(t):
-    return 0.5 * t * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (t + 0.044715 * t.pow(3))))
-
-
-def _gelu_erf(t):
-    return 0.5 * t * (1.0 + torch.erf(t / math.sqrt(2.0)))
-
-
-ACT_REFERENCES = {"silu": lambda t: t * torch.sigmoid(t), "gelu_tanh": _gelu_tanh, "gelu_erf": _gelu_erf}
-
-
-# --- activations --------------------------------------------------------------------------------
-
-_act_kinds: dict[object, str | None] = {}
-
-
-def _act_key(act):
-    """What decides an activation's behaviour: a plain function is itself; a module is its type and
-    its simple settings (nn.GELU's `approximate`, a clipped GELU's min/max, ...)."""
-    if isinstance(act, nn.Module):
-        settings = tuple(sorted(
-            (k, v) for k, v in vars(act).items()
-            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, type(None)))
-        ))
-        return (type(act), settings)
-    return act
-
-
-def classify_activation(act, references: dict | None = None) -> str | None:
-    """'silu' | 'gelu_tanh' | 'gelu_erf' | None (the keys of `references`, ACT_REFERENCES by default), by
-    running `act` on a fixed float64 grid (wide enough that a clipped GELU shows its clip)."""
-    references = ACT_REFERENCES if references is None else references
-    if isinstance(act, nn.Module) and (any(True for _ in act.parameters()) or any(True for _ in act.buffers())):
-        return None
-    if not callable(act):
-        return None
-    t = torch.cat((torch.linspace(-6.0, 6.0, 97, dtype=torch.float64, device="cpu"),
-                   torch.tensor([-30.0, -15.0, 15.0, 30.0], dtype=torch.float64, device="cpu")))
-    try:
-        with torch.no_grad(), _probe.quiet():
-            out = act(t.clone())
-    except Exception:  # noqa: BLE001 - not an elementwise activation we know
-        return None
-    found = [kind for kind, ref in references.items() if _probe.rel_err(out, ref(t)) <= PROBE_TOL]
-    return found[0] if len(found) == 1 else None
-
-
-def activation_kind(act, references: dict | None = None) -> str | None:
-    """classify_activation, cached by the activation's type and settings (per reference set)."""
-    try:
-        key = (_act_key(act), id(references))
-        hash(key)
-    except Exception:  # noqa: BLE001 - unhashable settings: classify every time
-        return classify_activation(act, references)
-    if key not in _act_kinds:
-        _act_kinds[key] = classify_activation(act, references)
-    return _act_kinds[key]
 
 
 # --- detection ----------------------------------------------------------------------------------
@@ -133,12 +69,9 @@ class Variant:
         return text
 
 
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    target: str
-    variant: Variant | None
-    reason: str = ""
-    kernel: str = "swiglu"  # the kernel a refusal is recorded under: the one its activation would use
+def Verdict(target: str, variant: Variant | None, reason: str = "", kernel: str = "swiglu") -> _Verdict:
+    """The template's Verdict; a refusal is recorded under the kernel its activation would use."""
+    return _Verdict(target, variant, reason, kernel)
 
 
 def looks_like_glu_mlp(cls: type) -> bool:
@@ -150,19 +83,18 @@ def looks_like_glu_mlp(cls: type) -> bool:
 def detect(cls: type, module: ModuleType) -> Verdict:
     target = cls.__name__
     extra = _probe.forward_extra_args(cls)
-    with _probe.probing():
-        instance, why = _probe.build_mlp(cls, module)
-        if instance is None:
-            return Verdict(target, None, extra or why)
-        if _is_expert_container(instance):
-            if callable(getattr(cls, "_apply_gate", None)):
-                return Verdict(target, None, "MoE expert container with a gate of its own (_apply_gate); the "
-                                             "moe_gate rule takes transformers' default expert gate only")
-            return Verdict(target, None, "MoE expert container with 3-D parameters outside transformers' experts "
-                                         "interface (no _apply_gate)")
-        if extra:
-            return Verdict(target, None, extra)
-        return _probe_instance(target, cls, instance)
+    instance, why = _probe.build_mlp(cls, module)
+    if instance is None:
+        return Verdict(target, None, extra or why)
+    if _is_expert_container(instance):
+        if callable(getattr(cls, "_apply_gate", None)):
+            return Verdict(target, None, "MoE expert container with a gate of its own (_apply_gate); the "
+                                         "moe_gate rule takes transformers' default expert gate only")
+        return Verdict(target, None, "MoE expert container with 3-D parameters outside transformers' experts "
+                                     "interface (no _apply_gate)")
+    if extra:
+        return Verdict(target, None, extra)
+    return _probe_instance(target, cls, instance)
 
 
 def _is_expert_container(instance) -> bool:
@@ -239,14 +171,6 @@ def _probe_instance(target, cls, instance) -> Verdict:
 # --- the patched forward ------------------------------------------------------------------------
 
 
-def gated(kind: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up through the fused kernel of activation kind `kind` (a KINDS key)."""
-    fk = kernels()
-    kernel, kernel_kwargs = KINDS[kind]
-    return fk.swiglu(gate, up) if kernel == "swiglu" else fk.geglu(gate, up, **kernel_kwargs)
-
-
-GLU_LINEAR_ACTIVATION = {"silu": "silu", "gelu_tanh": "gelu_tanh", "gelu_erf": "gelu"}
 # Gate and down projection as one node (fused_kernels.glu_linear) where down_proj allows it.
 # benchmarks/bench_e2e.py's "ours_keep_input" peer turns it off to measure the difference.
 FUSE_DOWN_PROJ = True
@@ -260,17 +184,6 @@ def _fusable_down_proj(down, gate: torch.Tensor) -> bool:
     return _probe.plain_linear(down) and weights_fit(down, gate)
 
 
-def weights_fit(module, x: torch.Tensor) -> bool:
-    """Whether `module`'s weight and bias may go straight into a kernel call on `x`: plain tensors (no
-    DTensor) of x's dtype and device, and no autocast (which would recast them inside the module)."""
-    weight, bias = module.weight, module.bias
-    if weight.dtype != x.dtype or weight.device != x.device or hasattr(weight, "device_mesh"):
-        return False
-    if bias is not None and (bias.dtype != x.dtype or hasattr(bias, "device_mesh")):
-        return False
-    return not torch.is_autocast_enabled(x.device.type)
-
-
 def _unobserved(mlp, fused: bool) -> bool:
     """Whether the projections' outputs are private to this forward: no forward hooks on them (a hook
     could keep the output), so the backward may write gradients over them."""
@@ -282,7 +195,7 @@ def _unobserved(mlp, fused: bool) -> bool:
     return all(not getattr(mlp, n)._forward_hooks for n in names)
 
 
-def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str):
+def make_forward(original_forward: Callable, variant: Variant, kernels_on: frozenset, input_name: str, session):
     fused, gate_first, act_attr, state = variant.fused, variant.gate_first, variant.act_attr, variant.state
 
     def forward(self, *args, **kwargs):
@@ -295,7 +208,7 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
             return original_forward(self, *args, **kwargs)
         fk = kernels()
         if not fk.triton_can_run(x):
-            fallback_notice(KINDS[kind][0], f"{type(self).__name__} got {x.device.type} tensors")
+            fallback(session, KINDS[kind][0], f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
         if fused:
             a, b = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -318,52 +231,25 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
 
 # --- the rule -----------------------------------------------------------------------------------
 
-_verdicts: dict[type, Verdict] = {}
 
-
-class _Rule:
+class _Rule(Rule):
     name = "glu_mlp"
     kernels = ("swiglu", "geglu")
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        from autopatch.rules import moe_gate  # (imports this module: not at the top)
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        # An expert container with transformers' default gate is the moe_gate rule's.
+        return [Candidate(c.__name__, c) for c in _probe.defined_classes(module)
+                if looks_like_glu_mlp(c) and not moe_gate.handles(c)]
 
-        try:
-            # An expert container with transformers' default gate is the moe_gate rule's.
-            classes = [c for c in _probe.defined_classes(module) if looks_like_glu_mlp(c) and not moe_gate.handles(c)]
-        except Exception as exc:  # noqa: BLE001
-            return [Record("swiglu", module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        records = []
-        for cls in classes:
-            try:
-                records.append(self._patch_class(cls, module, enabled))
-            except Exception as exc:  # noqa: BLE001 - never raise into an import
-                records.append(Record("swiglu", module.__name__, cls.__name__, False,
-                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
-        return records
+    def prove(self, candidate: Candidate, module: ModuleType) -> _Verdict:
+        return detect(candidate.key, module)
 
-    def _patch_class(self, cls, module, enabled) -> Record:
-        verdict = _verdicts.get(cls)
-        if verdict is None:
-            verdict = _verdicts[cls] = detect(cls, module)
-        if verdict.variant is None:
-            return Record(verdict.kernel, module.__name__, verdict.target, False, reason=verdict.reason)
-        variant = verdict.variant
-        record = lambda patched, reason="": Record(  # noqa: E731
-            variant.kernel, module.__name__, verdict.target, patched, variant.describe(), reason)
-        if patching.is_patched(cls, "forward"):
-            return record(True)
-        if not enabled(variant.kernel):
-            return record(False, f"kernel {variant.kernel} disabled")
-        problem = import_problem()
-        if problem:
-            return record(False, problem)
+    def swaps(self, candidate: Candidate, verdict: _Verdict, session, enabled) -> list[Swap]:
+        cls = candidate.key
         kernels_on = frozenset(k for k in self.kernels if enabled(k))
-        original = cls.forward
-        params = _probe.positional_params(original) or []
-        input_name = params[0].name if params else "hidden_state"
-        patching.replace(cls, "forward", make_forward(original, variant, kernels_on, input_name))
-        return record(True)
+        return [Swap(cls, "forward", lambda: make_forward(cls.forward, verdict.variant, kernels_on,
+                                                          input_name(cls.forward, "hidden_state"), session))]
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from autopatch import patching
-from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
-from autopatch.rules._class_forward import ClassForwardRule, Verdict
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict, input_name
+from autopatch.session import current
 
 KERNEL = "layer_norm"
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -186,17 +186,16 @@ def detect(cls: type, module: ModuleType) -> Verdict:
     if extra:
         return Verdict(target, None, extra)
     forward = patching.original(cls, "forward") if patching.is_patched(cls, "forward") else cls.forward
-    with _probe.probing():
-        instance, why = _build(cls, module)
-        if instance is None:
-            return Verdict(target, None, why)
-        return probe_instance(target, instance, forward)
+    instance, why = _build(cls, module)
+    if instance is None:
+        return Verdict(target, None, why)
+    return probe_instance(target, instance, forward)
 
 
 # --- the fused call shared by both kinds of target ------------------------------------------
 
 
-def _fused_or_none(norm, x, weight, bias, eps, mixed_ok: bool):
+def _fused_or_none(norm, x, weight, bias, eps, mixed_ok: bool, session):
     """fused_kernels.layer_norm(x, weight, bias, eps), or None where the original code must run."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return None
@@ -209,12 +208,12 @@ def _fused_or_none(norm, x, weight, bias, eps, mixed_ok: bool):
         return None  # torch runs layer_norm in fp32 under autocast and returns fp32
     fk = kernels()
     if not fk.triton_can_run(x, *(p for p in (weight, bias) if p is not None)):
-        fallback_notice(KERNEL, f"{type(norm).__name__} got {x.device.type} tensors")
+        fallback(session, KERNEL, f"{type(norm).__name__} got {x.device.type} tensors")
         return None
     return fk.layer_norm(x, weight, bias, eps)
 
 
-def make_forward(original_forward: Callable, variant: Variant, input_name: str):
+def make_forward(original_forward: Callable, variant: Variant, input_name: str, session):
     """A forward for a modeling module's LayerNorm class: the kernel where Triton runs, else the original."""
     eps_attr, eps_const, state = variant.eps_attr, variant.eps, variant.state
 
@@ -227,7 +226,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
         if (variant.weight and weight is None) or (variant.bias and bias is None):
             return original_forward(self, *args, **kwargs)
         eps = getattr(self, eps_attr) if eps_attr is not None else eps_const
-        out = _fused_or_none(self, x, weight, bias, eps, variant.mixed_ok)
+        out = _fused_or_none(self, x, weight, bias, eps, variant.mixed_ok, session)
         return original_forward(self, *args, **kwargs) if out is None else out
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
@@ -235,11 +234,16 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
 
 class FusedLayerNorm(nn.LayerNorm):
     """An nn.LayerNorm instance whose forward runs fused_kernels.layer_norm (set as `__class__` of the
-    instances of a patched model; no state of its own, so isinstance, parameters and state_dict stay)."""
+    instances of a patched model; no state of its own, so isinstance, parameters and state_dict stay).
+    `session`: the Session of the latest patch that set instances to this class (where its fallbacks
+    are recorded); a class attribute, so that instances stay picklable."""
+
+    session = None
 
     def forward(self, input):  # noqa: A002 - nn.LayerNorm's parameter name
         if len(self.normalized_shape) == 1:
-            out = _fused_or_none(self, input, self.weight, self.bias, self.eps, _torch_mixed_ok())
+            session = FusedLayerNorm.session or current()
+            out = _fused_or_none(self, input, self.weight, self.bias, self.eps, _torch_mixed_ok(), session)
             if out is not None:
                 return out
         return super().forward(input)
@@ -263,23 +267,29 @@ def _torch_mixed_ok() -> bool:
 def torch_layer_norm_problem() -> str:
     """"" when nn.LayerNorm matches the reference in every configuration FusedLayerNorm serves."""
     if not _torch_verdict:
-        reasons, mixed = [], []
-        with _probe.probing():
-            for affine, bias in ((True, True), (True, False), (False, False)):
-                ln = nn.LayerNorm(_probe.HIDDEN, eps=_probe.EPS, elementwise_affine=affine, bias=bias).float()
-                verdict = probe_instance("nn.LayerNorm", ln, nn.LayerNorm.forward)
-                if verdict.variant is None or verdict.variant.eps_attr != "eps":
-                    reasons.append(f"elementwise_affine={affine} bias={bias}: {verdict.reason or 'eps not read'}")
-                else:
-                    mixed.append(verdict.variant.mixed_ok)
-        _torch_mixed.append(bool(mixed) and all(mixed))
-        _torch_verdict.append("; ".join(reasons))
+        _probe.sealed(_prove_torch_layer_norm)
     return _torch_verdict[0]
 
 
-def patch_instances(model) -> int:
+def _prove_torch_layer_norm() -> None:
+    reasons, mixed = [], []
+    for affine, bias in ((True, True), (True, False), (False, False)):
+        ln = nn.LayerNorm(_probe.HIDDEN, eps=_probe.EPS, elementwise_affine=affine, bias=bias)
+        verdict = probe_instance("nn.LayerNorm", ln.float().requires_grad_(False), nn.LayerNorm.forward)
+        if verdict.variant is None or verdict.variant.eps_attr != "eps":
+            reasons.append(f"elementwise_affine={affine} bias={bias}: {verdict.reason or 'eps not read'}")
+        else:
+            mixed.append(verdict.variant.mixed_ok)
+    _torch_mixed.append(bool(mixed) and all(mixed))
+    _torch_verdict.append("; ".join(reasons))
+
+
+def patch_instances(model, session=None) -> int:
     """Set FusedLayerNorm as the class of every nn.LayerNorm (exactly) over one dimension in `model`;
-    returns how many were set (instances already set count too)."""
+    returns how many were set (instances already set count too). `session`: where their fallbacks are
+    recorded (default: the process's)."""
+    if session is not None:
+        FusedLayerNorm.session = session
     count = 0
     for m in _submodules(model):
         if type(m) is FusedLayerNorm:
@@ -296,11 +306,11 @@ def _submodules(model):
     return modules_fn() if callable(modules_fn) else ()
 
 
-def _post_init_hook(original_post_init):
+def _post_init_hook(original_post_init, session):
     def post_init(self, *args, **kwargs):
         result = original_post_init(self, *args, **kwargs)
         try:
-            patch_instances(self)
+            patch_instances(self, session)
         except Exception:  # noqa: BLE001 - a failed swap leaves the originals running
             pass
         return result
@@ -334,51 +344,41 @@ def _uses_torch_layer_norm(module: ModuleType) -> bool:
 
 # --- the rule --------------------------------------------------------------------------------
 
-_verdicts: dict[type, Verdict] = {}
-_CLASSES = ClassForwardRule(KERNEL, detect, make_forward, _verdicts)
 
+class _Rule(Rule):
+    """Two kinds of candidate: the LayerNorm classes of the module (their forward swapped), and the
+    module's root model classes (their post_init swapped, which sets the nn.LayerNorm instances of
+    each model built to FusedLayerNorm), one candidate for them all."""
 
-class _Rule:
     name = "layer_norm"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        try:
-            classes = [c for c in _probe.defined_classes(module) if looks_like_layer_norm(c)]
-            classes = [c for c in classes if not _is_model_class(c)]
-        except Exception as exc:  # noqa: BLE001
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        records = _CLASSES.patch_classes(module, classes, enabled)
-        try:
-            record = self._hook_models(module, enabled)
-        except Exception as exc:  # noqa: BLE001
-            record = Record(KERNEL, module.__name__, _TORCH_TARGET, False, reason=f"rule error: {_probe.describe_exc(exc)}")
-        if record is not None:
-            records.append(record)
-        return records
-
-    def _hook_models(self, module, enabled) -> Record | None:
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        found = [Candidate(c.__name__, c) for c in _probe.defined_classes(module)
+                 if looks_like_layer_norm(c) and not _is_model_class(c)]
         roots = _root_model_classes(module)
-        if not roots or not _uses_torch_layer_norm(module):
-            return None
-        target = f"{_TORCH_TARGET} ({', '.join(c.__name__ for c in roots)} models)"
-        record = lambda patched, variant="", reason="": Record(  # noqa: E731
-            KERNEL, module.__name__, target, patched, variant, reason)
-        variant = "instances set to FusedLayerNorm at post_init"
+        if roots and _uses_torch_layer_norm(module):
+            target = f"{_TORCH_TARGET} ({', '.join(c.__name__ for c in roots)} models)"
+            found.append(Candidate(target, ("post_init", module.__name__), tuple(roots)))
+        return found
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        if isinstance(candidate.key, type):
+            return detect(candidate.key, module)
         problem = torch_layer_norm_problem()
         if problem:
-            return record(False, reason=f"nn.LayerNorm matches no LayerNorm formula here ({problem})")
-        if all(patching.is_patched(c, "post_init") for c in roots):
-            return record(True, variant)
-        if not enabled(KERNEL):
-            return record(False, variant, "kernel layer_norm disabled")
-        missing = import_problem()
-        if missing:
-            return record(False, variant, missing)
-        for cls in roots:
-            if not patching.is_patched(cls, "post_init"):
-                patching.replace(cls, "post_init", _post_init_hook(cls.post_init))
-        return record(True, variant)
+            return Verdict(candidate.target, None, f"nn.LayerNorm matches no LayerNorm formula here ({problem})")
+        return Verdict(candidate.target, POST_INIT_VARIANT)
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        if isinstance(candidate.key, type):
+            cls = candidate.key
+            return [Swap(cls, "forward",
+                         lambda: make_forward(cls.forward, verdict.variant, input_name(cls.forward), session))]
+        return [Swap(cls, "post_init", lambda c=cls: _post_init_hook(c.post_init, session)) for cls in candidate.subject]
+
+
+POST_INIT_VARIANT = "instances set to FusedLayerNorm at post_init"
 
 
 def _is_model_class(cls: type) -> bool:
@@ -390,6 +390,7 @@ def _is_model_class(cls: type) -> bool:
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts
 
 
 def unpatch_instances(model) -> int:

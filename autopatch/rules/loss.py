@@ -1,121 +1,110 @@
-"""The loss rule: `*ForCausalLM` classes whose loss is transformers' ForCausalLMLoss, and the
-multimodal heads AutoModelForImageTextToText builds (`*ForConditionalGeneration` of Qwen2-VL, Gemma 3,
-LLaVA, ...) whose forward has the same lm_head -> logits -> self.loss_function structure.
-
-Kernels:
-  cross_entropy               the class gets a `loss_function` property that returns
-                              `fused_causal_lm_loss` (ForCausalLMLoss through fused_kernels.cross_entropy)
-                              wherever transformers would have returned ForCausalLMLoss: per class,
-                              never process-wide, never torch.nn.functional rebound. A loss set by the
-                              user (`model.loss_function = f`) or another `config.loss_type` is kept.
-  fused_linear_cross_entropy  the class's forward is wrapped so that in training with labels the
-                              lm_head + loss run as fused_kernels.fused_linear_cross_entropy without
-                              full logits (see autopatch.rules._causal_lm_loss for the mechanism;
-                              the logits slot holds a LazyLogits or None). Only for forwards whose logits
-                              transformations are all in the LOGIT_STEPS table
-                              (autopatch.rules._causal_lm_source) and whose lm_head is built as nn.Linear.
-With both on: the fused linear CE in training with labels, the fused CE wherever logits exist anyway.
-
-A multimodal head is taken on the same proof as a causal LM: its forward is analysed the same way
-(autopatch.rules._causal_lm_source), and the fused loss computes what the ForCausalLMLoss it calls
-would, from the same arguments (labels with -100 on image and pad tokens, num_items_in_batch,
-shift_labels, logits_to_keep through the sliced hidden states; the `vocab_size` it passes, e.g.
-`config.text_config.vocab_size`, is the lm_head's out_features). Heads that fail the analysis
-(Q-Former heads without lm_head, encoder-decoders computing their own loss, logits post-processing
-outside LOGIT_STEPS) are left alone with the reason.
-
-A module whose *ForCausalLM forward computes its own loss with `CrossEntropyLoss()` (imported from
-torch.nn: Bart, Marian, Pegasus, ... decoders) gets that global rebound to a torch.nn.CrossEntropyLoss
-subclass running fused_kernels.cross_entropy (kernel cross_entropy; autopatch.rules._torch_ce).
-
-Detection is structural only: the numbers are those of the reference loss by construction (same
-targets, same reduction); the tests compare patched and unpatched models per architecture.
-"""
-
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from types import ModuleType
 
+import torch
+
 from autopatch import patching
-from autopatch.report import Record
-from autopatch.rules import _causal_lm_loss as runtime
+from autopatch.rules import _flce_call, _loss_ce, _torch_ce
 from autopatch.rules._causal_lm_source import analyse_forward, lm_head_built_as_linear
-from autopatch.rules._kernels import import_problem
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
 
 CE = "cross_entropy"
 FLCE = "fused_linear_cross_entropy"
+TORCH_LOSS = "CrossEntropyLoss"  # the module global a causal LM computing its own loss instantiates
+CE_VARIANT = "ForCausalLMLoss -> fused_kernels.cross_entropy"
+TORCH_LOSS_VARIANT = "torch.nn.CrossEntropyLoss -> fused_kernels.cross_entropy"
 
 # class -> LossPatch; the class's properties and forward read it, so a later call can switch more on
-_patches: dict[type, runtime.LossPatch] = {}
+_patches: dict[type, _loss_ce.LossPatch] = {}
 
 
-class _LossRule:
+@dataclasses.dataclass(frozen=True)
+class LossVariant:
+    """What the source analysis proved for one class and kernel."""
+
+    text: str
+    base: property  # the loss_function property the class inherits (PreTrainedModel's)
+    forward: object  # the class's own forward (unpatched)
+    transforms: tuple = ()
+
+    def describe(self) -> str:
+        return self.text
+
+
+class _LossRule(Rule):
+    """Candidates per causal-LM class: its loss_function (cross_entropy) and its forward
+    (fused_linear_cross_entropy), each recorded only when its kernel is on; and a module's
+    CrossEntropyLoss global where a causal LM computes its own loss with it (cross_entropy)."""
+
     name = "loss"
     kernels = (CE, FLCE)
 
-    def patch_module(self, module: ModuleType, enabled) -> list[Record]:
-        records: list[Record] = []
-        try:
-            classes = _causal_lm_classes(module)
-        except Exception as exc:  # never raise out of a rule
-            return [Record(kernel=self.name, module=module.__name__, target="*", patched=False,
-                           reason=f"could not list *ForCausalLM classes: {type(exc).__name__}: {exc}")]
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        classes = _causal_lm_classes(module)
+        found = []
         for cls in classes:
-            for kernel in self.kernels:
-                try:
-                    if enabled(kernel):
-                        records.append(_patch_class(module, cls, kernel))
-                except Exception as exc:
-                    records.append(Record(kernel=kernel, module=module.__name__, target=cls.__name__,
-                                          patched=False, reason=f"rule raised {type(exc).__name__}: {exc}"))
-        try:
-            if enabled(CE):
-                # the torch-loss rebinding is for causal LMs only: a multimodal head computing its own
-                # loss (BLIP, Pix2Struct, UDOP) keeps its module's CrossEntropyLoss
-                causal = set(_causal_lm_classes(module, multimodal=False))
-                records.extend(_patch_torch_loss(module, [c for c in classes if c in causal]))
-        except Exception as exc:
-            records.append(Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False,
-                                  reason=f"rule raised {type(exc).__name__}: {exc}"))
-        return records
+            found.append(Candidate(f"{cls.__name__}.loss_function", (cls, CE), cls, kernel=CE))
+            found.append(Candidate(f"{cls.__name__}.forward", (cls, FLCE), cls, kernel=FLCE))
+        # the torch-loss rebinding is for causal LMs only: a multimodal head computing its own loss
+        # (BLIP, Pix2Struct, UDOP) keeps its module's CrossEntropyLoss
+        causal = set(_causal_lm_classes(module, multimodal=False))
+        if _computes_own_loss(module, [c for c in classes if c in causal]):
+            found.append(Candidate(TORCH_LOSS, (module.__name__, TORCH_LOSS), module, kernel=CE))
+        return found
+
+    def wants(self, candidate: Candidate, enabled) -> bool:
+        return enabled(candidate.kernel)
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        if candidate.target == TORCH_LOSS:
+            return Verdict(candidate.target, LossVariant(TORCH_LOSS_VARIANT, None, None))
+        return _prove_class(candidate.subject, candidate.kernel, candidate.target)
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        if candidate.target == TORCH_LOSS:
+            return [Swap(candidate.subject, TORCH_LOSS, lambda: _torch_ce.installed(session))]
+        cls, variant = candidate.subject, verdict.variant
+        patch = _patch_for(cls, variant, session)
+        swaps = [Swap(cls, _loss_ce.CALL_ATTR, lambda: None),
+                 Swap(cls, "loss_function", lambda: _loss_ce.make_loss_function_property(patch))]
+        if candidate.kernel == FLCE:
+            swaps += [Swap(cls, "lm_head", lambda: _flce_call.make_lm_head_property(session)),
+                      Swap(cls, "forward", lambda: _flce_call.make_forward(variant.forward, patch))]
+        return swaps
+
+    def patched(self, candidate: Candidate, verdict: Verdict) -> None:
+        patch = _patches.get(candidate.subject) if candidate.target != TORCH_LOSS else None
+        if patch is not None:
+            if candidate.kernel == CE:
+                patch.cross_entropy = True
+            else:
+                patch.fused_linear = True
 
 
 RULE = _LossRule()
 
 
-TORCH_LOSS = "CrossEntropyLoss"  # the module global a causal LM computing its own loss instantiates
+def _patch_for(cls, variant: LossVariant, session) -> _loss_ce.LossPatch:
+    """The class's LossPatch: the one its patched properties read, or a new one (a class restored by
+    patching.restore_all() starts again from a fresh LossPatch)."""
+    patch = _patches.get(cls) if patching.is_patched(cls, "loss_function") else None
+    if patch is None:
+        patch = _loss_ce.LossPatch(base_loss_property=variant.base, session=session, transforms=variant.transforms)
+        _patches[cls] = patch
+    return patch
 
 
-def _patch_torch_loss(module: ModuleType, classes: list[type]) -> list[Record]:
-    """Modules whose *ForCausalLM forward computes its own loss with `CrossEntropyLoss()` imported from
-    torch.nn: that global rebound to _torch_ce.FusedCrossEntropyLoss (its docstring). One record, or
-    none for a module without such a class or without the import."""
-    import torch
-
-    from autopatch.rules._torch_ce import FusedCrossEntropyLoss
-
-    own_loss = [cls for cls in classes if analyse_forward(_original_forward(cls)).computes_own_loss]
+def _computes_own_loss(module: ModuleType, classes: list[type]) -> bool:
+    """Whether a causal LM of `module` computes its own loss with `CrossEntropyLoss()` imported from
+    torch.nn (that global is then rebound to _torch_ce.FusedCrossEntropyLoss, its docstring)."""
+    if not any(analyse_forward(_original_forward(cls)).computes_own_loss for cls in classes):
+        return False
     current = vars(module).get(TORCH_LOSS)
-    if not own_loss or (current is not torch.nn.CrossEntropyLoss and current is not FusedCrossEntropyLoss):
-        return []
-    variant = "torch.nn.CrossEntropyLoss -> fused_kernels.cross_entropy"
-    if current is not FusedCrossEntropyLoss:
-        problem = import_problem()
-        if problem:
-            return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=False, reason=problem)]
-        patching.replace(module, TORCH_LOSS, FusedCrossEntropyLoss)
-    return [Record(kernel=CE, module=module.__name__, target=TORCH_LOSS, patched=True, variant=variant)]
-
-
-def _watch_runs() -> None:
-    """A loss is patched: count optimizer steps and, at exit, say so if it never ran in a process that
-    trained (autopatch.report.exit_verdict)."""
-    from autopatch import report
-
-    report.watch_training()
-    report.check_at_exit()
+    return current is torch.nn.CrossEntropyLoss or current is _torch_ce.FusedCrossEntropyLoss
 
 
 def _causal_lm_classes(module: ModuleType, multimodal: bool = True) -> list[type]:
@@ -183,52 +172,24 @@ def _original_forward(cls):
     return getattr(forward, "__autopatch_original__", forward)
 
 
-def _patch_class(module: ModuleType, cls: type, kernel: str) -> Record:
+def _prove_class(cls: type, kernel: str, target: str) -> Verdict:
+    """The structural proof for one class and kernel (the module docstring)."""
     from transformers.loss.loss_utils import ForCausalLMLoss, LOSS_MAPPING
-
-    def left_alone(target, reason):
-        return Record(kernel=kernel, module=module.__name__, target=target, patched=False, reason=reason)
-
-    loss_target = f"{cls.__name__}.loss_function"
-    forward_target = f"{cls.__name__}.forward"
-    target = loss_target if kernel == CE else forward_target
 
     loss_type = _resolved_loss_type(cls)
     if LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
-        return left_alone(target, f"loss type {loss_type!r} is not transformers' ForCausalLMLoss")
+        return Verdict(target, None, f"loss type {loss_type!r} is not transformers' ForCausalLMLoss")
     base = _base_loss_property(cls)
     if base is None:
-        return left_alone(target, "the class defines its own loss_function")
+        return Verdict(target, None, "the class defines its own loss_function")
     forward = _original_forward(cls)
     analysis = analyse_forward(forward)
-    if kernel == CE and analysis.computes_own_loss:
-        return left_alone(target, "forward does not call self.loss_function (it computes its own loss)")
-    if kernel == FLCE:
-        if not analysis.ok:
-            return left_alone(target, analysis.reason)
-        if not lm_head_built_as_linear(cls):
-            return left_alone(target, "lm_head is not built as nn.Linear in __init__")
-    problem = import_problem()
-    if problem:
-        return left_alone(target, problem)
-
-    # a class restored by patching.restore_all() starts again from a fresh LossPatch
-    patch = _patches.get(cls) if patching.is_patched(cls, "loss_function") else None
-    if patch is None:
-        patch = runtime.LossPatch(base_loss_property=base, transforms=analysis.transforms)
-        _patches[cls] = patch
-    patching.replace(cls, runtime.CALL_ATTR, None)
-    patching.replace(cls, "loss_function", runtime.make_loss_function_property(patch))
     if kernel == CE:
-        patch.cross_entropy = True
-        _watch_runs()
-        return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
-                      variant="ForCausalLMLoss -> fused_kernels.cross_entropy")
-    patch.fused_linear = True
-    _watch_runs()
-    runtime.return_logits_mode()  # read the settings now, eagerly, not first inside a compiled forward
-    runtime.flce_chunk_mb()
-    patching.replace(cls, "lm_head", runtime.make_lm_head_property())
-    patching.replace(cls, "forward", runtime.make_forward(forward, patch))
-    return Record(kernel=kernel, module=module.__name__, target=target, patched=True,
-                  variant=analysis.variant())
+        if analysis.computes_own_loss:
+            return Verdict(target, None, "forward does not call self.loss_function (it computes its own loss)")
+        return Verdict(target, LossVariant(CE_VARIANT, base, forward, analysis.transforms))
+    if not analysis.ok:
+        return Verdict(target, None, analysis.reason)
+    if not lm_head_built_as_linear(cls):
+        return Verdict(target, None, "lm_head is not built as nn.Linear in __init__")
+    return Verdict(target, LossVariant(analysis.variant(), base, forward, analysis.transforms))

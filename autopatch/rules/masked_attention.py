@@ -40,9 +40,11 @@ from typing import Callable
 
 import torch
 
-from autopatch import patching, report
-from autopatch.report import Record
+import dataclasses
+
 from autopatch.rules import _probe
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
+from autopatch.session import current
 
 KERNEL = "masked_attention"
 VARIANT = "SDPA under a boolean mask: one call per query block over the keys its mask allows"
@@ -134,11 +136,12 @@ def _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner
 
 
 def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = True,
-                     block: int | None = None) -> Callable:
+                     block: int | None = None, session=None) -> Callable:
     """An attention interface with sdpa_attention_forward's signature and results, built on `sdpa`
     (transformers' own): the query blocks of plan() one SDPA call each, else `sdpa` unchanged. With
     `check_owner` (the registry's wrapper) only for attention modules of patched modeling modules; each
-    blocked call counted as a run of the toggle unless `count` is False (the rule's probe). `block`:
+    blocked call counted as a run of the toggle in `session` (default: the process's) unless `count` is
+    False (the rule's probe). `block`:
     queries per call (QUERY_BLOCK, read at each call, when None)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -157,7 +160,7 @@ def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = Tru
                      **kwargs)[0]
                 for q0, q1, k0, k1 in chunks]
         if count:
-            report.count_call(KERNEL)
+            (session or current()).count_call(KERNEL)
         return torch.cat(outs, dim=1), None
 
     attention.__wrapped__ = sdpa
@@ -222,35 +225,40 @@ def _uses_registry(cls: type) -> bool:
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
-class _Rule:
+@dataclasses.dataclass(frozen=True)
+class RegistryVariant:
+    mapping: dict  # transformers' shared attention-function mapping
+    sdpa: Callable  # its sdpa_attention_forward
+
+    def describe(self) -> str:
+        return VARIANT
+
+
+class _Rule(Rule):
+    """Candidates: the attention classes of a module that look up the registry; their swaps, the same
+    for all: the registry's "sdpa" (once per process) and the module's marker."""
+
     name = "masked_attention"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        classes, failed = _probe.candidate_classes(module, KERNEL, "ALL_ATTENTION_FUNCTIONS", _uses_registry)
-        if not classes:
-            return failed
-        found, why = self._registry_for(module, enabled)
-        if found:
-            mapping, sdpa = found
-            if not patching.is_item_patched(mapping, "sdpa"):
-                patching.replace_item(mapping, "sdpa", masked_attention(sdpa))
-            if not patching.is_patched(module, _MARK):
-                patching.replace(module, _MARK, True)
-        return [Record(KERNEL, module.__name__, f"{c.__name__}.forward", not why, VARIANT, why) for c in classes]
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        if "ALL_ATTENTION_FUNCTIONS" not in _probe.source_text(module):
+            return []
+        return [Candidate(f"{c.__name__}.forward", c, module) for c in _probe.defined_classes(module)
+                if _uses_registry(c)]
 
-    @staticmethod
-    def _registry_for(module: ModuleType, enabled: Callable[[str], bool]) -> tuple[tuple | None, str]:
-        """(the registry and transformers' sdpa, "") when the module's attention can be patched, else
-        (None, why not)."""
-        if not enabled(KERNEL):
-            return None, "masked_attention disabled"
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
         local = getattr(getattr(module, "ALL_ATTENTION_FUNCTIONS", None), "_local_mapping", None) or {}
         if "sdpa" in local:
-            return None, "the module registers an 'sdpa' of its own"
+            return Verdict(candidate.target, None, "the module registers an 'sdpa' of its own")
         found, why = _registry()
         why = why or _numbers_agree() or ""
-        return (None, why) if why else (found, "")
+        return Verdict(candidate.target, None, why) if why else Verdict(candidate.target, RegistryVariant(*found))
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        variant = verdict.variant
+        return [Swap(variant.mapping, "sdpa", lambda: masked_attention(variant.sdpa, session=session), item=True),
+                Swap(candidate.subject, _MARK, lambda: True)]
 
 
 RULE = _Rule()

@@ -24,6 +24,7 @@ states (transformers casts there), DTensor weights, and tensors the Triton kerne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from types import ModuleType
@@ -32,9 +33,9 @@ from typing import Callable
 import torch
 
 from autopatch import patching
-from autopatch.report import Record, fallback_notice
-from autopatch.rules import _probe, glu_mlp, moe_gate
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules import _gated, _probe
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
 
 METHOD = "forward"
 TAG = "fused experts"  # every record of this rule starts its variant or reason with it (the coverage matrix's column)
@@ -96,8 +97,10 @@ def _stand_in(cls: type, flags: dict, n_experts: int, hidden: int, width: int, g
     down = torch.randn(n_experts, hidden, width, generator=g, dtype=torch.float64)
     if transposed:
         gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
-    inst.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
-    inst.down_proj = torch.nn.Parameter(down, requires_grad=False)
+    # straight into _parameters: accelerate's init_empty_weights patches register_parameter to move
+    # every new parameter to the meta device
+    inst._parameters["gate_up_proj"] = torch.nn.Parameter(gate_up, requires_grad=False)
+    inst._parameters["down_proj"] = torch.nn.Parameter(down, requires_grad=False)
     inst.act_fn = torch.nn.SiLU()
     inst.num_experts = n_experts
     inst.hidden_dim = inst.hidden_size = hidden
@@ -126,7 +129,7 @@ def prove(cls: type) -> str:
     why = []
     if off:
         why.append(f"layout with {', '.join(off)} (the fused experts take gated, concatenated, bias-free experts)")
-    if not moe_gate.handles(cls):
+    if not _gated.handles(cls):
         why.append(f"{cls.__name__} has a gate of its own (_apply_gate), not act(gate) * up")
     if why:
         return f"{TAG}: " + "; ".join(why)
@@ -152,24 +155,24 @@ def prove(cls: type) -> str:
     return ""
 
 
-def make_forward(original: Callable, kernels_on: frozenset) -> Callable:
+def make_forward(original: Callable, kernels_on: frozenset, session) -> Callable:
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        kind = glu_mlp.activation_kind(getattr(self, "act_fn", None))
+        kind = _gated.activation_kind(getattr(self, "act_fn", None))
         gate_up, down = getattr(self, "gate_up_proj", None), getattr(self, "down_proj", None)
         impl = getattr(getattr(self, "config", None), "_experts_implementation", None)
-        if (args or kwargs or kind is None or glu_mlp.KINDS[kind][0] not in kernels_on or impl not in IMPLEMENTATIONS
+        if (args or kwargs or kind is None or _gated.KINDS[kind][0] not in kernels_on or impl not in IMPLEMENTATIONS
                 or getattr(self, "_is_expert_parallel", False)
                 or any(bool(getattr(self, name, want)) != want for name, want in LAYOUT.items())
                 or not isinstance(hidden_states, torch.Tensor) or not isinstance(gate_up, torch.Tensor)
-                or not isinstance(down, torch.Tensor) or hidden_states.dtype not in glu_mlp._FLOAT_DTYPES
+                or not isinstance(down, torch.Tensor) or hidden_states.dtype not in _gated.FLOAT_DTYPES
                 or gate_up.dtype != hidden_states.dtype or down.dtype != hidden_states.dtype
                 or any(hasattr(t, "device_mesh") for t in (hidden_states, gate_up, down))):  # DTensor: torch's ops
             return original(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         if not kernels().triton_can_run(hidden_states, gate_up, down):
-            fallback_notice(glu_mlp.KINDS[kind][0], f"{type(self).__name__} got {hidden_states.device.type} tensors")
+            fallback(session, _gated.KINDS[kind][0], f"{type(self).__name__} got {hidden_states.device.type} tensors")
             return original(self, hidden_states, top_k_index, top_k_weights)
         return kernels().moe_experts(hidden_states, top_k_index, top_k_weights, gate_up, down,
-                                     activation=glu_mlp.GLU_LINEAR_ACTIVATION[kind],
+                                     activation=_gated.GLU_LINEAR_ACTIVATION[kind],
                                      transposed=bool(getattr(self, "is_transposed", False)))
 
     forward.__name__ = forward.__qualname__ = METHOD
@@ -184,31 +187,34 @@ def is_experts_record(record) -> bool:
     return (record.variant or "").startswith(TAG) or (record.reason or "").startswith(TAG)
 
 
-class _Rule:
+@dataclasses.dataclass(frozen=True)
+class ExpertsVariant:
+    kernel: str  # the kernel of the activation the architecture's instances hold (swiglu / geglu)
+
+    def describe(self) -> str:
+        return VARIANT
+
+
+class _Rule(Rule):
     name = "moe_experts"
     kernels = ("swiglu", "geglu")
+    tag = TAG
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        try:
-            classes = candidates(module)
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record("swiglu", module.__name__, "*", False, reason=f"{TAG}: {_probe.describe_exc(exc)}")]
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        return [Candidate(f"{c.__name__}.{METHOD}", c) for c in candidates(module)]
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        kernel = _gated.default_activation_kernel(candidate.key, module) or "swiglu"
+        why = prove(candidate.key)
+        if why:
+            return Verdict(candidate.target, None, why, kernel)
+        return Verdict(candidate.target, ExpertsVariant(kernel))
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        cls = candidate.key
         kernels_on = frozenset(k for k in self.kernels if enabled(k))
-        records = []
-        for cls in classes:
-            target = f"{cls.__name__}.{METHOD}"
-            if not kernels_on:
-                records.append(Record("swiglu", module.__name__, target, False, reason=f"{TAG}: kernels swiglu "
-                                                                                      "and geglu disabled"))
-                continue
-            why = import_problem() or prove(cls)
-            if why:
-                records.append(Record("swiglu", module.__name__, target, False,
-                                      reason=why if why.startswith(TAG) else f"{TAG}: {why}"))
-                continue
-            patching.replace(cls, METHOD, make_forward(_dispatcher(cls), kernels_on))  # False when done already
-            records.append(Record("swiglu", module.__name__, target, True, VARIANT))
-        return records
+        return [Swap(cls, METHOD, lambda: make_forward(_dispatcher(cls), kernels_on, session))]
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts

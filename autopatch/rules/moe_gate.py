@@ -22,51 +22,41 @@ per-expert loop) never calls `_apply_gate`; there the experts run as written.
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Callable
 
 import torch
 
-from autopatch import patching
-from autopatch.report import Record, fallback_notice
-from autopatch.rules import _probe, glu_mlp
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules import _gated, _probe
+from autopatch.rules._gated import default_gate, handles  # noqa: F401 - this rule's candidates
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
 
-METHOD = "_apply_gate"
-
-
-def default_gate():
-    """transformers' shared gate function, or None where this transformers has none."""
-    try:
-        from transformers.integrations import moe
-    except Exception:  # noqa: BLE001 - older transformers, or an import problem: no candidates
-        return None
-    return getattr(moe, "_default_apply_gate", None)
+METHOD = _gated.GATE_METHOD
+VARIANT = "experts gate: act(gate) * up of gate_up_out.chunk(2); swiglu/geglu by the instance's act_fn"
 
 
-def handles(cls: type) -> bool:
-    """Whether `cls` is a candidate: its own _apply_gate is transformers' default gate (or was,
-    before this rule patched it)."""
-    gate_fn = default_gate()
-    if gate_fn is None:
-        return False
-    if patching.is_patched(cls, METHOD):
-        return patching.original(cls, METHOD) is gate_fn
-    return vars(cls).get(METHOD) is gate_fn
+@dataclasses.dataclass(frozen=True)
+class GateVariant:
+    kernel: str  # the kernel of the activation the architecture's instances hold (swiglu / geglu)
+
+    def describe(self) -> str:
+        return VARIANT
 
 
-def make_apply_gate(original: Callable, kernels_on: frozenset) -> Callable:
+def make_apply_gate(original: Callable, kernels_on: frozenset, session) -> Callable:
     def _apply_gate(self, gate_up_out):
-        kind = glu_mlp.activation_kind(getattr(self, "act_fn", None))
-        if (kind is None or glu_mlp.KINDS[kind][0] not in kernels_on or not isinstance(gate_up_out, torch.Tensor)
-                or gate_up_out.dtype not in glu_mlp._FLOAT_DTYPES or gate_up_out.shape[-1] % 2
+        kind = _gated.activation_kind(getattr(self, "act_fn", None))
+        if (kind is None or _gated.KINDS[kind][0] not in kernels_on or not isinstance(gate_up_out, torch.Tensor)
+                or gate_up_out.dtype not in _gated.FLOAT_DTYPES or gate_up_out.shape[-1] % 2
                 or hasattr(gate_up_out, "device_mesh")):  # a DTensor (tensor parallel): torch's own ops
             return original(self, gate_up_out)
         if not kernels().triton_can_run(gate_up_out):
-            fallback_notice(glu_mlp.KINDS[kind][0], f"{type(self).__name__} got {gate_up_out.device.type} tensors")
+            fallback(session, _gated.KINDS[kind][0], f"{type(self).__name__} got {gate_up_out.device.type} tensors")
             return original(self, gate_up_out)
         gate, up = gate_up_out.chunk(2, dim=-1)
-        return glu_mlp.gated(kind, gate, up)
+        return _gated.gated(kind, gate, up)
 
     _apply_gate.__name__ = _apply_gate.__qualname__ = METHOD
     _apply_gate.__doc__ = getattr(original, "__doc__", None)
@@ -75,35 +65,25 @@ def make_apply_gate(original: Callable, kernels_on: frozenset) -> Callable:
     return _apply_gate
 
 
-VARIANT = "experts gate: act(gate) * up of gate_up_out.chunk(2); swiglu/geglu by the instance's act_fn"
-
-
-class _Rule:
+class _Rule(Rule):
     name = "moe_gate"
     kernels = ("swiglu", "geglu")
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        gate_fn = default_gate()
-        if gate_fn is None:
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        if default_gate() is None:
             return []
-        try:
-            classes = [c for c in _probe.defined_classes(module) if handles(c)]
-        except Exception as exc:  # noqa: BLE001 - never raise into an import
-            return [Record("swiglu", module.__name__, "*", False, reason=_probe.describe_exc(exc))]
+        return [Candidate(f"{c.__name__}.{METHOD}", c) for c in _probe.defined_classes(module) if handles(c)]
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        # No probe of the formula (the gate is transformers' own function); the record's kernel is the
+        # one the architecture's activation runs on.
+        kernel = _gated.default_activation_kernel(candidate.key, module) or "swiglu"
+        return Verdict(candidate.target, GateVariant(kernel))
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
         kernels_on = frozenset(k for k in self.kernels if enabled(k))
-        records = []
-        for cls in classes:
-            target = f"{cls.__name__}.{METHOD}"
-            if not kernels_on:
-                records.append(Record("swiglu", module.__name__, target, False, VARIANT, "kernels swiglu and geglu disabled"))
-                continue
-            problem = import_problem()
-            if problem:
-                records.append(Record("swiglu", module.__name__, target, False, VARIANT, problem))
-                continue
-            patching.replace(cls, METHOD, make_apply_gate(gate_fn, kernels_on))  # False when done already
-            records.append(Record("swiglu", module.__name__, target, True, VARIANT))
-        return records
+        return [Swap(candidate.key, METHOD, lambda: make_apply_gate(default_gate(), kernels_on, session))]
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts

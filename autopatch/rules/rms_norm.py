@@ -32,10 +32,9 @@ from typing import Callable
 
 import torch
 
-from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
-from autopatch.rules._class_forward import ClassForwardRule, Verdict
-from autopatch.rules._kernels import kernels
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict, class_candidates, input_name
 
 KERNEL = "rms_norm"
 # What the patched norms keep for the backward (fused_kernels.rms_norm's `keep`): "output" frees the
@@ -108,16 +107,16 @@ def _build(cls: type, module: ModuleType):
 
 
 def detect(cls: type, module: ModuleType) -> Verdict:
-    """Which (offset, casting) variant `cls` computes, or why it is left alone. Pure torch, CPU."""
+    """Which (offset, casting) variant `cls` computes, or why it is left alone. Pure torch, CPU; call
+    inside _probe.probing() (the template does)."""
     target = cls.__name__
     extra = _probe.forward_extra_args(cls)
     if extra:
         return Verdict(target, None, extra)
-    with _probe.probing():
-        instance, why = _build(cls, module)
-        if instance is None:
-            return Verdict(target, None, why)
-        return _probe_instance(target, cls, instance)
+    instance, why = _build(cls, module)
+    if instance is None:
+        return Verdict(target, None, why)
+    return _probe_instance(target, cls, instance)
 
 
 def _probe_instance(target: str, cls: type, instance) -> Verdict:
@@ -196,7 +195,7 @@ def _probe_instance(target: str, cls: type, instance) -> Verdict:
 # --- the patched forward ---------------------------------------------------------------------
 
 
-def make_forward(original_forward: Callable, variant: Variant, input_name: str):
+def make_forward(original_forward: Callable, variant: Variant, input_name: str, session):
     """A forward for the class: the fused kernel where Triton runs, the original code elsewhere."""
     offset, casting = variant.offset, variant.casting
     weight_attr, eps_attr, mixed_ok, state = variant.weight_attr, variant.eps_attr, variant.mixed_ok, variant.state
@@ -218,7 +217,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
             return original_forward(self, *args, **kwargs)
         fk = kernels()
         if not fk.triton_can_run(x, *(() if weight is None else (weight,))):
-            fallback_notice(KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
+            fallback(session, KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
         if weight is not None and weight.dtype != x.dtype:
             if not mixed_ok:
@@ -236,20 +235,21 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str):
 
 # --- the rule --------------------------------------------------------------------------------
 
-_verdicts: dict[type, Verdict] = {}
-_CLASSES = ClassForwardRule(KERNEL, detect, make_forward, _verdicts)
 
-
-class _Rule:
+class _Rule(Rule):
     name = "rms_norm"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        try:
-            classes = [c for c in _probe.defined_classes(module) if looks_like_rms_norm(c)]
-        except Exception as exc:  # noqa: BLE001
-            return [Record(KERNEL, module.__name__, "*", False, reason=_probe.describe_exc(exc))]
-        return _CLASSES.patch_classes(module, classes, enabled)
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        return class_candidates(module, looks_like_rms_norm)
+
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        return detect(candidate.key, module)
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        cls = candidate.key
+        return [Swap(cls, "forward", lambda: make_forward(cls.forward, verdict.variant, input_name(cls.forward), session))]
 
 
 RULE = _Rule()
+_verdicts = RULE.verdicts

@@ -43,9 +43,9 @@ from typing import Callable
 import torch
 
 from autopatch import patching
-from autopatch.report import Record, fallback_notice
 from autopatch.rules import _probe
-from autopatch.rules._kernels import import_problem, kernels
+from autopatch.rules._kernels import fallback, kernels
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict as RuleVerdict
 
 KERNEL = "rope"
 TARGETS = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
@@ -258,36 +258,35 @@ def detect(fn) -> Verdict:
     gen = _probe.generator(0)
     taken: dict[str, list] = {}  # size class -> [(inputs, outputs), ...]
     errors = []
-    with _probe.probing():
-        for rotary, unsqueeze_dim in _probe_calls():
-            q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim, "unsqueeze_dim" in rest)
+    for rotary, unsqueeze_dim in _probe_calls():
+        q, k, cos, sin, kwargs = _inputs(gen, rotary, unsqueeze_dim, "unsqueeze_dim" in rest)
+        try:
+            out = _call(fn, form, q, k, cos, sin, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a size it does not take
+            errors.append(_probe.describe_exc(exc))
+            continue
+        if out is None:
+            return Verdict(None, reason="does not return a tensor" if single else "does not return (q, k)")
+        if "position_ids" in rest:
+            kw = dict(kwargs, position_ids=torch.arange(5).expand(2, 5) + 3)
             try:
-                out = _call(fn, form, q, k, cos, sin, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - a size it does not take
-                errors.append(_probe.describe_exc(exc))
-                continue
-            if out is None:
-                return Verdict(None, reason="does not return a tensor" if single else "does not return (q, k)")
-            if "position_ids" in rest:
-                kw = dict(kwargs, position_ids=torch.arange(5).expand(2, 5) + 3)
-                try:
-                    with_pos = _call(fn, form, q, k, cos, sin, **kw)
-                except Exception as exc:  # noqa: BLE001
-                    return Verdict(None, reason=f"fails when given position_ids ({_probe.describe_exc(exc)})")
-                if with_pos is None or any(_probe.rel_err(a, b) > PROBE_TOL for a, b in zip(with_pos, out)):
-                    return Verdict(None, reason="uses position_ids")
-            key = size_class(rotary, q.shape[-1])
-            taken.setdefault(key, []).append(((q, k, cos, sin, unsqueeze_dim), out))
-            layouts.add(unsqueeze_dim)
-        if not taken:
-            return Verdict(None, reason=f"probe failed at every size ({errors[0] if errors else '?'})")
-        if "unsqueeze_dim" not in rest and len(layouts) > 1:
-            return Verdict(None, reason="runs in both head layouts without an unsqueeze_dim to tell them apart")
-        matches = []
-        for spec in _VARIANTS:
-            if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
-                matches.append(spec)
-        mixed = _mixed_dtype_behaviour(fn, form, rest, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
+                with_pos = _call(fn, form, q, k, cos, sin, **kw)
+            except Exception as exc:  # noqa: BLE001
+                return Verdict(None, reason=f"fails when given position_ids ({_probe.describe_exc(exc)})")
+            if with_pos is None or any(_probe.rel_err(a, b) > PROBE_TOL for a, b in zip(with_pos, out)):
+                return Verdict(None, reason="uses position_ids")
+        key = size_class(rotary, q.shape[-1])
+        taken.setdefault(key, []).append(((q, k, cos, sin, unsqueeze_dim), out))
+        layouts.add(unsqueeze_dim)
+    if not taken:
+        return Verdict(None, reason=f"probe failed at every size ({errors[0] if errors else '?'})")
+    if "unsqueeze_dim" not in rest and len(layouts) > 1:
+        return Verdict(None, reason="runs in both head layouts without an unsqueeze_dim to tell them apart")
+    matches = []
+    for spec in _VARIANTS:
+        if all(_matches(spec, args, out) for cases in taken.values() for args, out in cases):
+            matches.append(spec)
+    mixed = _mixed_dtype_behaviour(fn, form, rest, next(iter(taken.values()))[0]) if len(matches) == 1 else ""
     sizes = frozenset(taken)
     if len(matches) == 1:
         return Verdict(matches[0], sizes, "", rest, defaults, mixed, form, min(layouts))
@@ -358,7 +357,7 @@ def _unsqueeze_dim(verdict: Verdict, args: tuple, kwargs: dict):
     return values.get("unsqueeze_dim", verdict.layout)
 
 
-def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
+def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim, session):
     """(q_out, k_out) from fused_kernels.rope for a call the probe vouched for, or None where the original
     function must run instead."""
     spec, mixed = verdict.variant, verdict.mixed
@@ -370,7 +369,7 @@ def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
         return None
     fk = kernels()
     if not fk.triton_can_run(q, k, cos, sin):
-        fallback_notice(KERNEL, f"{name} got {q.device.type} tensors")
+        fallback(session, KERNEL, f"{name} got {q.device.type} tensors")
         return None
     if mixed == "promote" and cos.dtype != q.dtype:
         # the original computes, and returns, in torch's promoted dtype (bf16 q, fp32 cos -> fp32)
@@ -384,29 +383,29 @@ def _through_kernel(verdict: Verdict, name: str, q, k, cos, sin, unsqueeze_dim):
     return fk.rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, interleaved=spec.interleaved)
 
 
-def _one_tensor(verdict: Verdict, name: str, x, cos, sin, args, kwargs):
+def _one_tensor(verdict: Verdict, name: str, x, cos, sin, args, kwargs, session):
     """x rotated by the kernel (as q, with a k of no heads), or None where the original must run."""
     unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
     if unsqueeze_dim not in (1, 2) or not isinstance(x, torch.Tensor) or x.dim() != 4:
         return None
-    out = _through_kernel(verdict, name, x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, unsqueeze_dim)
+    out = _through_kernel(verdict, name, x, x.narrow(unsqueeze_dim, 0, 0), cos, sin, unsqueeze_dim, session)
     return None if out is None else out[0]
 
 
 _UNSET = object()  # an argument the caller left out (to call the original exactly as it was called)
 
 
-def make_wrapper(original: Callable, verdict: Verdict):
+def make_wrapper(original: Callable, verdict: Verdict, session):
     name = original.__name__
     if verdict.form == "x, cos, sin":
         @functools.wraps(original)
         def apply_rotary_pos_emb(x, cos, sin, *args, **kwargs):
-            out = _one_tensor(verdict, name, x, cos, sin, args, kwargs)
+            out = _one_tensor(verdict, name, x, cos, sin, args, kwargs, session)
             return original(x, cos, sin, *args, **kwargs) if out is None else out
     elif verdict.form == "tensor, sin, cos":
         @functools.wraps(original)
         def apply_rotary_pos_emb(tensor, sin, cos, *args, **kwargs):
-            out = _one_tensor(verdict, name, tensor, cos, sin, args, kwargs)
+            out = _one_tensor(verdict, name, tensor, cos, sin, args, kwargs, session)
             return original(tensor, sin, cos, *args, **kwargs) if out is None else out
     else:
         @functools.wraps(original)
@@ -419,7 +418,8 @@ def make_wrapper(original: Callable, verdict: Verdict):
             if k is None or cos is None or sin is None:
                 return original(q, k, cos, sin, *args, **kwargs)
             unsqueeze_dim = _unsqueeze_dim(verdict, args, kwargs)
-            out = None if unsqueeze_dim is None else _through_kernel(verdict, name, q, k, cos, sin, unsqueeze_dim)
+            out = None if unsqueeze_dim is None else _through_kernel(verdict, name, q, k, cos, sin, unsqueeze_dim,
+                                                                         session)
             return original(q, k, cos, sin, *args, **kwargs) if out is None else out
 
     apply_rotary_pos_emb._autopatch_variant = verdict.describe()
@@ -428,46 +428,34 @@ def make_wrapper(original: Callable, verdict: Verdict):
 
 # --- the rule -----------------------------------------------------------------------------------
 
-_verdicts: dict[object, Verdict] = {}
 
+class _Rule(Rule):
+    """Candidates: the module's own rotary functions (TARGETS), the verdict cached per function."""
 
-class _Rule:
     name = "rope"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
-        records = []
+    def candidates(self, module: ModuleType) -> list[Candidate]:
+        found = []
         for target in TARGETS:
-            try:
-                records.extend(self._patch(module, target, enabled))
-            except Exception as exc:  # noqa: BLE001 - never raise into an import
-                records.append(Record(KERNEL, module.__name__, target, False,
-                                      reason=f"rule error: {_probe.describe_exc(exc)}"))
-        return records
+            if patching.is_patched(module, target):
+                fn = _probe.hub_function(patching.original(module, target))
+            else:
+                fn = _probe.module_function(module, target)
+            if fn is not None:  # else nothing of ours to look at (absent, or imported from another module)
+                found.append(Candidate(target, fn, (module, target)))
+        return found
 
-    def _patch(self, module, target, enabled) -> list[Record]:
-        name = module.__name__
-        if patching.is_patched(module, target):
-            fn = _probe.hub_function(patching.original(module, target))
-        else:
-            fn = _probe.module_function(module, target)
-            if fn is None:
-                return []  # nothing of ours to look at (absent, or imported from another module)
-        verdict = _verdicts.get(fn)
-        if verdict is None:
-            verdict = _verdicts[fn] = detect(fn)
-        if verdict.variant is None:
-            return [Record(KERNEL, name, target, False, reason=verdict.reason)]
-        variant = verdict.describe()
-        if patching.is_patched(module, target):
-            return [Record(KERNEL, name, target, True, variant)]
-        if not enabled(KERNEL):
-            return [Record(KERNEL, name, target, False, variant, "kernel rope disabled")]
-        problem = import_problem()
-        if problem:
-            return [Record(KERNEL, name, target, False, variant, problem)]
-        patching.replace(module, target, make_wrapper(fn, verdict))
-        return [Record(KERNEL, name, target, True, variant)]
+    def prove(self, candidate: Candidate, module: ModuleType) -> RuleVerdict:
+        verdict = detect(candidate.key)
+        return RuleVerdict(candidate.target, verdict if verdict.variant is not None else None, verdict.reason)
+
+    def swaps(self, candidate: Candidate, verdict: RuleVerdict, session, enabled) -> list[Swap]:
+        module, target = candidate.subject
+        return [Swap(module, target, lambda: make_wrapper(candidate.key, verdict.variant, session))]
 
 
 RULE = _Rule()
+
+
+_verdicts = RULE.verdicts  # function -> the template Verdict (its variant: this module's Verdict)

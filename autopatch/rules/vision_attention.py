@@ -44,9 +44,12 @@ from typing import Callable
 
 import torch
 
-from autopatch import patching, report
-from autopatch.report import Record
+import dataclasses
+
+from autopatch import patching
 from autopatch.rules import _probe
+from autopatch.rules._template import Candidate, Rule, Swap, Verdict
+from autopatch.session import current
 
 KERNEL = "vision_attention"
 VARIANT = "windows of one length batched into one SDPA call (the cu_seqlens branch under sdpa)"
@@ -77,12 +80,12 @@ def _as_windows(t: torch.Tensor, start: int, windows: int, length: int) -> torch
     return t[0, :, start:start + windows * length].unflatten(1, (windows, length)).transpose(0, 1)
 
 
-def window_attention(sdpa: Callable, count: bool = True, weights_per_window: bool = False) -> Callable:
+def window_attention(sdpa: Callable, count: bool = True, weights_per_window: bool = False, session=None) -> Callable:
     """An attention interface over cu_seqlens windows, built on `sdpa` (transformers' sdpa_attention_forward):
     query, key, value [1, heads, tokens, head_dim] -> ([1, tokens, heads, head_dim], None), or with
     `weights_per_window` a list of each window's attention weights second (what a loop that collects them
-    holds: None each under SDPA). Each call is counted as a run of the toggle unless `count` is False (the
-    rule's own probe)."""
+    holds: None each under SDPA). Each call is counted as a run of the toggle in `session` (default: the
+    process's) unless `count` is False (the rule's own probe)."""
 
     def attention(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, is_causal=None,
                   cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
@@ -105,7 +108,7 @@ def window_attention(sdpa: Callable, count: bool = True, weights_per_window: boo
             outs.append(out.reshape(1, windows * length, *out.shape[2:]))
             weights += [None] * windows if w is None else list(w.split(1))
         if count:
-            report.count_call(KERNEL)
+            (session or current()).count_call(KERNEL)
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), (weights if weights_per_window else None)
 
     attention.__wrapped__ = sdpa
@@ -117,11 +120,12 @@ class _Interfaces:
     """The modeling module's ALL_ATTENTION_FUNCTIONS as transformers has it, except that "sdpa" is the
     window attention while a patched attention forward runs."""
 
-    def __init__(self, registry):
+    def __init__(self, registry, session=None):
         self._registry = registry
+        self._session = session
 
     def _window_attention(self):
-        return window_attention(self._registry["sdpa"], weights_per_window=_ACTIVE[0][1])
+        return window_attention(self._registry["sdpa"], weights_per_window=_ACTIVE[0][1], session=self._session)
 
     def get_interface(self, name, default=None, *args, **kwargs):
         if name == "sdpa" and _ACTIVE[0] is not None:
@@ -232,7 +236,7 @@ def _numbers_agree() -> str | None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
     except Exception as exc:  # noqa: BLE001
         return f"transformers' sdpa_attention_forward is not importable: {_probe.describe_exc(exc)}"
-    with _probe.probing():  # on the CPU, whatever default device the model is being built under
+    with _probe.probing():  # lru-cached: the first call may come from a test, outside the template
         gen = _probe.generator(7)
         q, k, v = (_probe.randn((1, 2, 16, 8), gen) for _ in range(3))
         cu = torch.tensor([0, 3, 6, 11, 13, 15, 16], dtype=torch.int32)
@@ -253,45 +257,45 @@ def _has_split_loop(forward) -> bool:
     return "is_flash_attention_requested(self.config)" in text and "lengths.tolist()" in text
 
 
-class _Rule:
+@dataclasses.dataclass(frozen=True)
+class WindowVariant:
+    form: str  # "comprehension" or "weights" (branch_form)
+    forward: Callable  # the attention forward proved (the class's own)
+
+    def describe(self) -> str:
+        return VARIANT + ("; each window's attention weights listed" if self.form == "weights" else "")
+
+
+class _Rule(Rule):
     name = "vision_attention"
     kernels = (KERNEL,)
 
-    def patch_module(self, module: ModuleType, enabled: Callable[[str], bool]) -> list[Record]:
+    def candidates(self, module: ModuleType) -> list[Candidate]:
         # Every modeling module passes through here as it is imported: one look at the module's source
         # rules out the ones with no split loop before any class's source is read.
-        classes, failed = _probe.candidate_classes(module, KERNEL, "lengths.tolist()",
-                                                   lambda c: _has_split_loop(vars(c).get("forward")))
-        if failed:
-            return failed
-        records = []
-        for cls in classes:
-            target = f"{cls.__name__}.forward"
-            forward = patching.original(cls, "forward") if patching.is_patched(cls, "forward") else vars(cls)["forward"]
-            form, why = self._form(module, forward, enabled)
-            if why:
-                records.append(Record(KERNEL, module.__name__, target, False, VARIANT, why))
-                continue
-            for name, make in (("is_flash_attention_requested", _make_is_flash), ("ALL_ATTENTION_FUNCTIONS", _Interfaces)):
-                if not patching.is_patched(module, name):
-                    patching.replace(module, name, make(getattr(module, name)))
-            if not patching.is_patched(cls, "forward"):
-                patching.replace(cls, "forward", _make_forward(forward, weights_per_window=form == "weights"))
-            records.append(Record(KERNEL, module.__name__, target, True,
-                                  VARIANT + ("; each window's attention weights listed" if form == "weights" else "")))
-        return records
+        if "lengths.tolist()" not in _probe.source_text(module):
+            return []
+        return [Candidate(f"{c.__name__}.forward", c, module) for c in _probe.defined_classes(module)
+                if _has_split_loop(vars(c).get("forward"))]
 
-    @staticmethod
-    def _form(module: ModuleType, forward: Callable, enabled: Callable[[str], bool]) -> tuple[str | None, str]:
-        """(the loop's form, "") when the class can be patched, else (None, why not)."""
-        if not enabled(KERNEL):
-            return None, "vision_attention disabled"
+    def prove(self, candidate: Candidate, module: ModuleType) -> Verdict:
+        cls = candidate.key
+        forward = patching.original(cls, "forward") if patching.is_patched(cls, "forward") else vars(cls)["forward"]
         missing = [n for n in ("is_flash_attention_requested", "ALL_ATTENTION_FUNCTIONS") if not hasattr(module, n)]
         if missing:
-            return None, f"the module has no {', '.join(missing)} of its own to answer for the forward"
+            return Verdict(candidate.target, None,
+                           f"the module has no {', '.join(missing)} of its own to answer for the forward")
         form, why = branch_form(forward)
         why = why or _numbers_agree()
-        return (None, why) if why else (form, "")
+        return Verdict(candidate.target, None, why) if why else Verdict(candidate.target, WindowVariant(form, forward))
+
+    def swaps(self, candidate: Candidate, verdict: Verdict, session, enabled) -> list[Swap]:
+        variant, module = verdict.variant, candidate.subject
+        return [
+            Swap(module, "is_flash_attention_requested", lambda: _make_is_flash(module.is_flash_attention_requested)),
+            Swap(module, "ALL_ATTENTION_FUNCTIONS", lambda: _Interfaces(module.ALL_ATTENTION_FUNCTIONS, session)),
+            Swap(candidate.key, "forward", lambda: _make_forward(variant.forward, variant.form == "weights")),
+        ]
 
 
 RULE = _Rule()
