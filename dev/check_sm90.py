@@ -80,6 +80,7 @@ def rms_norm_signature(dtype: str, backward: bool) -> dict:
 
 def rms_norm_cases(cols: list[int], dtype: str):
     from fused_kernels.ops import rms_norm_config as rms_cfg
+    from fused_kernels.ops import rms_norm as rms
     for backward in (False, True):
         configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
                    for c in rms_cfg.candidate_configs(backward)]
@@ -99,6 +100,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
 def rms_norm_split_cases(cols: list[int], dtype: str):
     """The split backward's two kernels (rows longer than SPLIT_BACKWARD_FROM) with the default config."""
     from fused_kernels.ops import rms_norm_config as rms_cfg
+    from fused_kernels.ops import rms_norm as rms
     cfg = rms_cfg.SplitBackwardConfig()
     dot_sig = {"DY": f"*{dtype}", "X": f"*{dtype}", "W": f"*{dtype}", "RSTD": "*fp32", "DOT": "*fp32",
                "n_cols": "i32", "stride_dy": "i32", "stride_x": "i32", "offset": "fp32", "n_dot_blocks": "i32"}
@@ -201,7 +203,7 @@ def norm_smem_cases(cols: list[int], dtype: str):
     """The long-row backward read once (norm_smem) for each length rms_norm dispatches to it, in every
     casting mode, with an offset and without dw, and the long-row forward likewise (with an offset and
     without a weight); their launches cap registers (maxnreg) for per_sm CTAs."""
-    from fused_kernels.ops import rms_norm as rms
+    from fused_kernels.ops import rms_norm_config as rms_cfg
     from fused_kernels.ops import layer_norm as ln
     from fused_kernels.ops import norm_smem as smem
     t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
