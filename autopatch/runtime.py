@@ -58,19 +58,25 @@ def note_not_provided(session: Session, kernels, source: str) -> list[Record]:
     return out
 
 
-def watch_training(session: Session) -> None:
+def watch_training(session: Session, optimizer_module=None) -> bool:
     """Count optimizer steps (any torch.optim optimizer, through torch's global post-step hook), so
-    the exit check knows whether this process trained. Once per session; never raises."""
+    the exit check knows whether this process trained. Once per session; never raises. Only where
+    torch.optim is imported already (or given): importing torch costs a second, and
+    `import transformers` does not import it; the hooks call this again when torch.optim is imported.
+    Returns whether the hook is in place."""
+    module = optimizer_module or sys.modules.get("torch.optim.optimizer")
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if register is None:
+        return False
     with session.lock:
         if "optimizer" in session.installed:
-            return
+            return True
         session.installed.add("optimizer")
     try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: session.count_optimizer_step())
+        register(lambda optimizer, args, kwargs: session.count_optimizer_step())
     except Exception:  # noqa: BLE001 - an old torch without the global hook: training calls still count
-        pass
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- one modeling module
@@ -185,9 +191,28 @@ def model_built(model) -> None:
     message = strict_refusals(session, new)
     if message:
         stop(message, session)
+    if _inside_another(model, "__init__"):
+        return  # a base model built inside a bigger one: the outer model's post_init audits both
     session.note_model(model, getattr(model, "training", None))
     check_model(model, session)
     _watch_first_training_forward(model)
+
+
+def _inside_another(model, method: str) -> bool:
+    """Whether `model` is reached from another transformers model's `method` (LlamaModel built inside
+    LlamaForCausalLM.__init__, or set to train by its train()): a frame up the stack runs that method
+    of another PreTrainedModel. The outer model's own step covers the inner one, in one line."""
+    base = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+    if base is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == method:
+            other = frame.f_locals.get("self")
+            if other is not model and isinstance(other, base):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def check_model(model, session: Session) -> list:
@@ -201,7 +226,7 @@ def check_model(model, session: Session) -> list:
 def model_mode_set(model) -> None:
     """model.train()/eval() ran (transformers re-kernelizes there): audit again when the mode changed."""
     session = sessions.started()
-    if session is None or session.settings is None:
+    if session is None or session.settings is None or _inside_another(model, "train"):
         return
     if session.note_model(model, getattr(model, "training", None)):
         check_model(model, session)
