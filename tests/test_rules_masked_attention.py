@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from autopatch import patching, report  # noqa: E402
 from autopatch.rules import masked_attention as rule  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_patches")
 KERNEL = "masked_attention"
@@ -305,7 +306,6 @@ loss.backward()
 grad = sum(p.grad.double().norm() ** 2 for p in model.parameters()).sqrt().item()
 import autopatch
 from autopatch import report
-from autopatch.session import current  # noqa: E402
 rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "masked_attention"]
 print(json.dumps({"loss": loss.item(), "grad": grad, "keys": min(seen), "records": rows,
                   "runs": report.runs().get("masked_attention")}))

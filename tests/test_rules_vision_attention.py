@@ -25,6 +25,7 @@ _spec.loader.exec_module(coverage_matrix)
 
 from autopatch import report  # noqa: E402
 from autopatch.rules import vision_attention as rule  # noqa: E402
+from autopatch.session import current  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("restore_patches")
 IMAGE, START, END = coverage_matrix.IMAGE, coverage_matrix.START, coverage_matrix.END
@@ -190,7 +191,7 @@ def test_patches_while_a_model_is_built_under_another_default_device():
 def test_disabled_and_idempotent():
     module = modeling("qwen2_5_vl")
     off = verdict_of(rule.RULE.patch_module(module, current(), lambda kernel: False), "Qwen2_5_VLVisionAttention.forward")
-    assert not off.patched and off.reason == "vision_attention disabled"
+    assert not off.patched and off.reason == "kernel vision_attention disabled"  # the template's wording
     first = rule.RULE.patch_module(module, current(), lambda kernel: True)
     second = rule.RULE.patch_module(module, current(), lambda kernel: True)
     assert first == second and verdict_of(first, "Qwen2_5_VLVisionAttention.forward").patched
@@ -346,7 +347,6 @@ module, model, inputs = t._build("qwen2_5_vl uneven windows")
 loss, grads = t._step(model, inputs)
 import autopatch
 from autopatch import report
-from autopatch.session import current  # noqa: E402
 rows = [r.as_dict() for r in autopatch.applied() if r.kernel == "vision_attention"]
 print(json.dumps({"loss": loss.item(), "records": rows, "runs": report.runs().get("vision_attention")}))
 '''
