@@ -41,8 +41,28 @@ def begin(settings, *, source: str = "FUSED_KERNELS") -> Session:
         import atexit
 
         atexit.register(at_exit, session)
+        _say_strict_errors_in_one_line()
     watch_training(session)
     return session
+
+
+def _say_strict_errors_in_one_line() -> None:
+    """An uncaught StrictModeError (a patched component that had to fall back, a certain bypass) ends
+    the program with its one line and exit code 2, not a traceback through autopatch's code; every
+    other exception goes to the hook that was there."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        if isinstance(value, StrictModeError):
+            say(str(value))
+            session = sessions.started()
+            if session is not None:
+                session.exit_status = EXIT_CODE
+                write_report(session)
+            exit_now(EXIT_CODE)
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
 
 
 def note_not_provided(session: Session, kernels, source: str) -> list[Record]:

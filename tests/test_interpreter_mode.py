@@ -75,3 +75,50 @@ def test_unset_after_import_warns_and_falls_back():
     assert len(out["warnings"]) == 1, out["warnings"]
     assert out["warnings"][0].startswith("RuntimeWarning: TRITON_INTERPRET was on when triton and the fused "
                                          "kernels were imported and is off now")
+
+
+TRAINS_ON_CPU = """
+import torch
+import transformers.models.bloom.modeling_bloom      # what peft's import does: no Bloom model is built
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = LlamaForCausalLM(config)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ids = torch.randint(0, 64, (2, 8))
+model(input_ids=ids, labels=ids).loss.backward()
+opt.step()
+print("TRAINED")
+"""
+
+
+def run_training(env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TRITON_INTERPRET", "FUSED_KERNELS") and not k.startswith("AUTOPATCH_")}
+    env.update(PYTHONPATH=str(REPO), TRITON_INTERPRET="0", **env_extra)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(TRAINS_ON_CPU)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU without the interpreter")
+def test_cpu_without_interpreter_exit_line_gives_the_real_cause():
+    """CPU tensors, TRITON_INTERPRET off: every patched component runs the original code. The exit
+    check names only the model built (Llama, not the imported Bloom) and the real cause."""
+    proc = run_training({"FUSED_KERNELS": "all"})
+    assert proc.returncode == 0 and "TRAINED" in proc.stdout, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "never ran" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("autopatch: patched loss kernel") and "(LlamaForCausalLM)" in lines[0], lines[0]
+    assert "Bloom" not in lines[0], lines[0]
+    assert ": the original code ran: CPU tensors without TRITON_INTERPRET" in lines[0], lines[0]
+    assert "no patched model was called" not in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU without the interpreter")
+def test_cpu_without_interpreter_strict_mode_is_one_line():
+    proc = run_training({"FUSED_KERNELS": "all", "AUTOPATCH_STRICT": "true"})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "TRAINED" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr
+    strict = [ln for ln in proc.stderr.splitlines() if "AUTOPATCH_STRICT" in ln]
+    assert len(strict) == 1 and "the original code would run instead" in strict[0], proc.stderr
+    assert "unset AUTOPATCH_STRICT" in strict[0]

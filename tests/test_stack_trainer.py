@@ -102,3 +102,38 @@ def test_trainer_model_with_apply_liger_kernel_config(plain, tmp_path):
     assert "fused_linear_cross_entropy_fwd" not in launches, "fused_linear_cross_entropy=False in the config"
     for kernel in ("rms_norm", "rope", "swiglu"):
         assert launches.get(f"{kernel}_fwd", 0) > 0, (kernel, launches)
+
+
+LIGER_TRAINER = """
+import sys
+sys.path.insert(0, {tests!r})
+import stack_worker
+from transformers import Trainer, TrainingArguments
+args = TrainingArguments(output_dir={out!r}, use_cpu=True, report_to=[], save_strategy="no", max_steps=1,
+                         per_device_train_batch_size=2, use_liger_kernel=True, disable_tqdm=True,
+                         remove_unused_columns=False)
+trainer = Trainer(model=stack_worker.tiny_llama(), args=args, train_dataset=stack_worker.VariableLengthDataset(),
+                  data_collator=stack_worker.pad_collate)
+print("TRAINING", file=sys.stderr, flush=True)
+try:
+    trainer.train()
+except Exception as exc:  # Liger's own kernels on this CPU are not what this test is about
+    print("liger training:", type(exc).__name__, file=sys.stderr)
+"""
+
+
+def test_trainer_use_liger_kernel_with_fused_kernels_all_says_who_wins(tmp_path):
+    """TrainingArguments(use_liger_kernel=True) under FUSED_KERNELS=all: Trainer patches the built
+    model's instances with Liger's code; before the first training forward one line says which layers
+    run Liger's code and how to choose."""
+    script = tmp_path / "liger_trainer.py"
+    script.write_text(LIGER_TRAINER.format(tests=str(REPO / "tests"), out=str(tmp_path / "run")))
+    proc = subprocess.run([sys.executable, str(script)], env=clean_env(FUSED_KERNELS="all"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("autopatch:") and "Liger" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert proc.stderr.index("TRAINING") < proc.stderr.index(lines[0])
+    assert "Liger's code runs for " in lines[0] and "rms_norm (LlamaRMSNorm)" in lines[0], lines[0]
+    assert "unset use_liger_kernel" in lines[0] and "AUTOPATCH_RMS_NORM=false" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
