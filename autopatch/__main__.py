@@ -4,6 +4,7 @@
     autopatch run [...] -m module args...
     autopatch doctor [--kernels LIST] [--env-file F] [--all] [model_type ...]
     autopatch list
+    autopatch kernel-repo
 
 `run` behaves like `python script.py args...` (sys.argv, __main__, sys.path[0], exit code, uncaught
 exceptions and their traceback) with the import hooks set. Its flags reach the script's process and
@@ -43,7 +44,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         epilog="Variables: FUSED_KERNELS, AUTOPATCH_<KERNEL>, AUTOPATCH_MODELS__<model_type>__<KERNEL>, "
         "AUTOPATCH_ENV_FILE, AUTOPATCH_REPORT, AUTOPATCH_STRICT (see README, Configuration).",
     )
-    sub = top.add_subparsers(dest="command", metavar="{run,doctor,list}")
+    sub = top.add_subparsers(dest="command", metavar="{run,doctor,list,kernel-repo}")
     kernels_help = f"comma list of kernels: {', '.join(KERNEL_NAMES)}; or all, none, all,-rope"
 
     run = sub.add_parser(
@@ -78,6 +79,12 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     sub.add_parser("list", help="print the kernel names and what each replaces",
                    description="Print the kernel names (for FUSED_KERNELS, AUTOPATCH_<KERNEL>, apply()) "
                    "and what each replaces.")
+    sub.add_parser("kernel-repo", help="print the directory of autopatch's Hugging Face `kernels` layer repository",
+                   description="Write (if needed) and print the directory of a local Hugging Face `kernels` layer "
+                   "repository serving autopatch's kernels under the layer names transformers decorates "
+                   "(RMSNorm, RMSNormZeroCentered, rotary_pos_emb), for KernelConfig(kernel_mapping={'RMSNorm': "
+                   "f'{repo}:RMSNorm'}, use_local_kernel=True) or LOCAL_KERNELS. Directory: $AUTOPATCH_KERNEL_REPO, "
+                   "else ~/.cache/autopatch/kernel-repo.")
     return top, {"run": run, "doctor": doctor}
 
 
@@ -117,8 +124,21 @@ def _command(top: argparse.ArgumentParser, argv: list[str]):
         return _doctor(args)
     if args.command == "list":
         return _list()
+    if args.command == "kernel-repo":
+        return _kernel_repo()
     top.print_help()
     return USAGE_ERROR
+
+
+# --------------------------------------------------------------------------- kernel-repo
+def _kernel_repo() -> int:
+    from autopatch import hub
+
+    try:
+        print(hub.ensure_repo())
+    except hub.RepoError as exc:
+        _fail("kernel-repo", str(exc))
+    return 0
 
 
 # --------------------------------------------------------------------------- list
