@@ -7,6 +7,7 @@ gate (the moe_gate rule's candidates, which the glu_mlp rule leaves to it)."""
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 from torch import nn
@@ -132,14 +133,27 @@ def handles(cls: type) -> bool:
 
 
 def default_activation_kernel(cls: type, module) -> str:
-    """The kernel (swiglu / geglu) of the activation an instance of `cls` built from a tiny config of
-    its architecture holds (`act_fn`), or "" when none can be built or it is neither. What a MoE
-    experts record is labelled with: the kernel that runs for the architecture's checkpoints. Call
-    inside _probe.probing()."""
-    for config in _probe.probe_configs(cls, module):
+    """The kernel (swiglu / geglu) of the activation the instances of `cls` built from its
+    architecture's default config hold, or "" when it cannot be told or is neither: what a MoE experts
+    record is labelled with (the kernel that runs for the architecture's checkpoints). Read from the
+    config attribute its __init__ names in `ACT2FN[config.<name>]` (an experts class often cannot be
+    built from a default config: no experts there), else from an instance built from a tiny config.
+    Call inside _probe.probing()."""
+    configs = _probe.probe_configs(cls, module)
+    names = re.findall(r"ACT2FN\[\s*config\.(\w+)\s*\]", _probe.init_source(cls))
+    if names:
+        try:
+            from transformers.activations import ACT2FN
+        except Exception:  # noqa: BLE001 - no activation table: build an instance instead
+            ACT2FN = None
+        for config in configs if ACT2FN is not None else ():
+            value = getattr(config, names[0], None)
+            if isinstance(value, str) and value in ACT2FN:
+                kind = activation_kind(ACT2FN[value])
+                return KINDS[kind][0] if kind else ""
+    for config in configs:
         instance, _ = _probe.try_build(cls, [lambda c=config: ((c,), {})])
-        if instance is None:
-            continue
-        kind = activation_kind(getattr(instance, "act_fn", None))
-        return KINDS[kind][0] if kind else ""
+        if instance is not None:
+            kind = activation_kind(getattr(instance, "act_fn", None))
+            return KINDS[kind][0] if kind else ""
     return ""
