@@ -138,13 +138,14 @@ def _unpatch_layer_norm_instances(model) -> None:
 
 
 def _session_for_apply():
-    """The process session, begun with the environment's settings if nothing began one (for
-    AUTOPATCH_STRICT and AUTOPATCH_REPORT; a bad environment raises ConfigError here)."""
+    """The process session: the import hooks' when they began it (their settings hold), else begun
+    here with the environment's settings as they are now (for AUTOPATCH_STRICT and AUTOPATCH_REPORT;
+    a bad environment raises ConfigError here)."""
     from autopatch import runtime
     from autopatch import session as sessions
 
     session = sessions.started()
-    if session is not None and session.settings is not None:
+    if session is not None and session.settings is not None and "hooks" in session.installed:
         return session
     from autopatch.config import load_settings
 

@@ -187,6 +187,7 @@ def _on_transformers() -> None:
             runtime.stop(f"configuration error: {exc}")
             return
         session = runtime.begin(settings)
+        session.installed.add("hooks")  # the settings of start-up hold for apply() too
         if not settings.active():
             return  # nothing on for any model: leave transformers alone
         import wrapt

@@ -11,7 +11,9 @@ pytest.importorskip("transformers")
 
 import autopatch  # noqa: E402
 import fused_kernels  # noqa: E402
-from autopatch import _api, patching, report, rules, tiny_models  # noqa: E402
+import tiny_models  # noqa: E402
+from autopatch import _api, patching, rules  # noqa: E402
+from autopatch import session as sessions  # noqa: E402
 from autopatch.config import load_settings, parse_kernel_list  # noqa: E402
 from autopatch.names import KERNEL_NAMES, NOT_PROVIDED  # noqa: E402
 
@@ -21,7 +23,9 @@ LIGER_KEYS = ("rope", "cross_entropy", "fused_linear_cross_entropy", "rms_norm",
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    monkeypatch.setattr(report, "_records", [])
+    fresh = sessions.Session()
+    fresh.installed.update({"exit", "optimizer"})  # no exit check from a unit test
+    monkeypatch.setattr(sessions, "_current", fresh)
     yield
     patching.restore_all()
 
@@ -59,10 +63,7 @@ def test_relu_squared_recorded_not_provided(capsys):
 
 
 def test_relu_squared_in_strict_mode_does_not_raise(monkeypatch):
-    monkeypatch.setenv("AUTOPATCH_STRICT", "1")
-    from autopatch import hooks
-
-    monkeypatch.setattr(hooks, "_settings", load_settings())
+    monkeypatch.setenv("AUTOPATCH_STRICT", "1")  # apply() begins the session with the environment's settings
     records = autopatch.apply(_llama(), relu_squared=True, rope=False)
     assert any(r.kernel == "relu_squared" for r in records)
 
@@ -71,13 +72,17 @@ def test_fused_kernels_variable_accepts_relu_squared():
     assert parse_kernel_list("all") == frozenset(KERNEL_NAMES)  # every kernel provided, nothing else
     assert parse_kernel_list("all,relu_squared") == frozenset(KERNEL_NAMES)
     assert parse_kernel_list("rope,relu_squared") == frozenset({"rope"})
-    found = [r for r in report.records() if r.kernel == "relu_squared"]
-    assert len(found) == 1 and "FUSED_KERNELS" in found[0].reason and "not provided here" in found[0].reason
     assert parse_kernel_list("all,-relu_squared") == frozenset(KERNEL_NAMES)
     with pytest.raises(ValueError, match="unknown kernel 'relu'"):
         parse_kernel_list("relu")
     settings = load_settings({"FUSED_KERNELS": "rms_norm,layer_norm,relu_squared"})
     assert settings.fused_kernels == frozenset({"rms_norm", "layer_norm"})
+    assert settings.not_provided == frozenset({"relu_squared"})
+    from autopatch import runtime
+
+    session = runtime.begin(settings)  # what start-up does: the key asked for is recorded as not provided
+    found = [r for r in session.all_records() if r.kernel == "relu_squared"]
+    assert len(found) == 1 and "FUSED_KERNELS" in found[0].reason and "not provided here" in found[0].reason
     assert set(NOT_PROVIDED).isdisjoint(KERNEL_NAMES)
 
 

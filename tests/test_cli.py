@@ -100,7 +100,7 @@ def test_run_without_target(capsys):
 
 
 def test_doctor_bad_input(capsys, monkeypatch):
-    monkeypatch.setattr(hooks, "_suspended", False)
+    monkeypatch.setitem(hooks._state, "suspended", False)
     monkeypatch.delenv("FUSED_KERNELS", raising=False)
     with pytest.raises(SystemExit) as info:
         cli.main(["doctor", "lama"])

@@ -56,7 +56,7 @@ SUBSET = {
 @pytest.mark.parametrize("model_dir", sorted(SUBSET))
 def test_architecture_patched_and_verified(model_dir):
     expected, quirk = SUBSET[model_dir]
-    from autopatch.tiny_models import causal_lm_architectures
+    from tiny_models import causal_lm_architectures
 
     archs = coverage_matrix.select(causal_lm_architectures(), [model_dir])
     assert archs, f"{model_dir} not found in this transformers"
@@ -80,7 +80,7 @@ def test_no_autograd_graph_outlives_its_step(model_dir):
     import autopatch
     from autopatch import patching
     from autopatch.names import KERNEL_NAMES
-    from autopatch.tiny_models import build_tiny, causal_lm_architectures, smoke_inputs
+    from tiny_models import build_tiny, causal_lm_architectures, smoke_inputs
 
     arch = coverage_matrix.select(causal_lm_architectures(), [model_dir])[0]
     model = build_tiny(arch).train()

@@ -249,9 +249,7 @@ def test_apply_strict_raises_on_refusal(fake_world, monkeypatch):
     modeling, rule = fake_world
     rule.refuse = True
     assert _api.apply(modeling.FakeModel())[0].patched is False  # not strict: recorded, no error
-    strict = Session(load_settings({"AUTOPATCH_STRICT": "true"}))
-    strict.installed.update({"exit", "optimizer"})
-    monkeypatch.setattr(sessions, "_current", strict)
+    monkeypatch.setenv("AUTOPATCH_STRICT", "true")  # apply() begins the session with the environment's settings
     with pytest.raises(StrictModeError, match="rms_norm left .*FakeNorm alone: no variant matched") as err:
         _api.apply(modeling.FakeModel())
     assert "autopatch.apply(model, rms_norm=False)" in str(err.value)  # the way out

@@ -204,21 +204,21 @@ KINDS = ["sft", "sft_lora", "dpo", "kto", "grpo", "distillation"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_trl_trainer_plain_vs_all_kernels(kind, tmp_path):
-    from autopatch import patching, report
+    from autopatch import patching, report, session
 
     patching.restore_all()  # a plain reference whatever ran before in this process
     plain = train(kind, str(tmp_path / "plain"))
     assert plain["launches"] == {}, f"{kind}: the plain run must not touch the kernels: {plain['launches']}"
-    report.reset_runs()
+    session.current().reset_runs()
     import fused_kernels
 
     fused_kernels.reset_launch_counts()  # the run counts are per process: start them here (tests count differences)
     try:
         patched = train(kind, str(tmp_path / "patched"), patch=True)
-        state = report.run_state()
+        state = {"runs": report.runs(), "trained": dict(session.current().trained), "bypassed": report.bypassed()}
     finally:
         patching.restore_all()
-        report.reset_runs()
+        session.current().reset_runs()
     assert_same_logs(patched["logs"], plain["logs"], f"TRL {kind}, every kernel patched")
     assert_layer_kernels_ran(patched["launches"], f"TRL {kind}")
     # TRL's own head computes the loss: our fused linear CE is patched but never runs, and the report says why
@@ -262,18 +262,19 @@ def test_trl_sft_patched_by_environment_alone_reports_what_ran(tmp_path):
 def test_trl_sft_strict_mode_stops_on_the_bypass(tmp_path, monkeypatch):
     """AUTOPATCH_STRICT treats a patched loss that TRL's head passes over like a kernel left alone: the
     first training step stops with the override named."""
-    from autopatch import patching, report
+    from autopatch import patching, report, session
+    from autopatch.session import StrictModeError
 
-    report.reset_runs()
+    session.current().reset_runs()
     monkeypatch.setenv("AUTOPATCH_STRICT", "1")  # apply() reads it
     try:
-        with pytest.raises(report.StrictModeError) as err:
+        with pytest.raises(StrictModeError) as err:
             train("sft", str(tmp_path / "strict"), patch=True)
         assert report.exit_verdict() is None, "the exception said it; the exit check stays quiet"
     finally:
-        report.set_strict(False)
+        session.current().strict = False
         patching.restore_all()
-        report.reset_runs()
+        session.current().reset_runs()
     message = str(err.value)
     assert message.startswith("AUTOPATCH_STRICT: fused_linear_cross_entropy is patched on Qwen2ForCausalLM"), message
     assert "TRL's own fused LM head" in message, message

@@ -1,7 +1,7 @@
 """Tiny random models of any transformers causal-LM architecture, built from its own config class.
 
-Used by the coverage matrix (dev/coverage_matrix.py), its CI subset and `doctor`: nothing is
-downloaded, every size is shrunk so a forward and backward take milliseconds on the CPU. The sizes
+Used by the tests (tests/test_coverage_subset.py, tests/test_api_liger.py) and the coverage matrix
+(dev/coverage_matrix.py, which puts tests/ on sys.path for it): nothing is downloaded, every size is shrunk so a forward and backward take milliseconds on the CPU. The sizes
 are data (SHRINK); the generic retries below are what makes ~150 architectures build without a line
 of per-model code.
 """
