@@ -2,7 +2,7 @@
 
 For each causal LM that `AutoModelForCausalLM` can build in the installed transformers (the classes of
 its mapping, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: GPT2LMHeadModel and the like too, no list typed by
-hand) this builds a tiny random model (autopatch.tiny_models), runs it unpatched, patches
+hand) this builds a tiny random model (tests/tiny_models.py), runs it unpatched, patches
 the modules it uses with every rule on (autopatch.rules.patch_module, and the model's nn.LayerNorm
 instances as apply() does), runs it again on the same
 inputs and compares. Each component kind gets one verdict:
@@ -48,6 +48,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 from autopatch import session  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tiny_models
 
 KINDS = ("rms_norm", "layer_norm", "rope", "glu", "gelu_mlp", "experts", "loss")
 KIND_OF_KERNEL = {
@@ -184,7 +186,7 @@ def _restore(model) -> None:
 
 
 def check_architecture(arch) -> dict:
-    from autopatch.tiny_models import build_tiny, smoke_inputs
+    from tiny_models import build_tiny, smoke_inputs
 
     row = {"arch": arch.class_name, "model_dir": arch.model_dir, "module": arch.module_name}
     t0 = time.time()
@@ -270,7 +272,7 @@ def _mapping_architectures(mapping) -> list:
     import transformers
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    from autopatch.tiny_models import Architecture
+    from tiny_models import Architecture
 
     root = os.path.dirname(transformers.models.__file__)
     found, seen = [], set()
@@ -567,7 +569,7 @@ def build_tiny_vlm(model_dir, attn: str = "eager"):
 
 
 # --- the generic tiny builder: every other head, from its own config class ----------------------
-# The config class's defaults shrunk (autopatch.tiny_models' SHRINK, 2 text layers), every vision
+# The config class's defaults shrunk (tests/tiny_models.py's SHRINK, 2 text layers), every vision
 # sub-config shrunk further (VISION_SHRINK: 16 x 16 images of 4 x 4 patches), special token ids moved
 # to the top of the tiny vocabulary (above the text ids), per-family quirks as data (VLM_OVERRIDES).
 # The inputs take the first of PIXEL_FORMS whose forward and backward run; the number of image
@@ -631,7 +633,7 @@ def _vision_config(config):
 
 
 def _generic_kwargs(config_cls) -> dict:
-    from autopatch.tiny_models import _shrunk_kwargs
+    from tiny_models import _shrunk_kwargs
 
     default = config_cls()
     kwargs = _shrunk_kwargs(config_cls, GENERIC_LAYERS)
@@ -865,7 +867,7 @@ def build_generic_vlm(arch, attn: str = "eager"):
     import importlib
     import inspect
 
-    from autopatch.tiny_models import build_tiny, smoke_inputs
+    from tiny_models import build_tiny, smoke_inputs
 
     module = importlib.import_module(arch.module_name)
     model_cls = getattr(module, arch.class_name)
@@ -1363,7 +1365,7 @@ MASKED_BLOCK = 4
 
 
 def _padded_inputs(model) -> dict:
-    from autopatch.tiny_models import smoke_inputs
+    from tiny_models import smoke_inputs
 
     inputs = smoke_inputs(model, seq=16)
     if inputs["input_ids"].dim() != 2 or inputs["labels"].shape != inputs["input_ids"].shape:
@@ -1377,7 +1379,7 @@ def check_masked_attention(arch) -> dict:
     from autopatch import report
     from autopatch._api import modules_of
     from autopatch.rules import masked_attention
-    from autopatch.tiny_models import build_tiny
+    from tiny_models import build_tiny
 
     row = {"arch": arch.class_name, "model_dir": arch.model_dir}
     try:
