@@ -6,9 +6,12 @@ import torch
 import torch.nn.functional as F
 
 import fused_kernels
-from tests.helpers import poisoned_outputs
+from tests.helpers import plan, poisoned_outputs
 
+from fused_kernels._gpu import OFF_GPU, DeviceFacts
 from fused_kernels.ops import gelu as mod
+
+H200 = DeviceFacts(True, 132, (9, 0), 233472, True)
 REFERENCE = {"tanh": lambda t: F.gelu(t, approximate="tanh"), "none": F.gelu,
              "quick": lambda t: t * torch.sigmoid(1.702 * t)}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -95,7 +98,8 @@ def test_opcheck_and_compile_fullgraph():
 
 
 def test_plan_blocks():
-    assert mod.plan(10 ** 6, 2).config.block == 8192 and mod.plan(10 ** 6, 4).config.block == 4096
+    assert plan(mod, 10 ** 6, 2, device=OFF_GPU).config.block == 8192
+    assert plan(mod, 10 ** 6, 4, device=H200).config.block == 4096
 
 
 @pytest.mark.gpu

@@ -106,7 +106,7 @@ def listing() -> list[dict]:
                 add("glu", {"rows": rows, "cols": cols, "direction": direction, "layout": "gate_up halves"},
                     glu.plan(rows, cols, 2, direction, row_strides=(2 * cols, 2 * cols, cols)))
         for (n,) in GELU:
-            add("gelu", {"n": n}, gelu.plan(n, 2))
+            add("gelu", {"n": n}, helpers.plan(gelu, n, 2, device=dev))
         for tokens, vocab in CROSS_ENTROPY:
             for grad in (BF16, None):
                 add("cross_entropy", {"rows": tokens, "vocab": vocab, "grad": str(grad)},

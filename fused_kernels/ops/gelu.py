@@ -18,6 +18,7 @@ Contiguous tensors are processed as one flat row in blocks of `plan().config` el
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -25,8 +26,8 @@ import triton
 import triton.language as tl
 
 from fused_kernels._activations import GELU_APPROXIMATE, GELU_QUICK, gate_act, gate_act_and_grad
-from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import device_guard
+from fused_kernels._dispatch import Path, Plan
+from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
 from fused_kernels._jit import for_store
 from fused_kernels._launch import launch
 from fused_kernels._utils import (check_choice, check_float, check_projection, count_launch, interpreter_on, new_output,
@@ -62,17 +63,25 @@ class GeluConfig(NamedTuple):
     num_warps: int
 
 
-def plan(n: int, elem_bytes: int) -> Plan:
-    """One flat row of `n` elements: 16 KiB of input per program (4096 elements of 4 bytes, 8192 of 2)."""
-    block = 16384 // elem_bytes
-    return Plan("flat", GeluConfig(block, 8), f"{n} contiguous elements in blocks of {block}")
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What plan() reads of one call: n contiguous elements of elem_bytes bytes."""
+    n: int
+    elem_bytes: int
+
+
+def plan(call: Call, device: DeviceFacts) -> Plan:
+    """One flat row of `n` elements: 16 KiB of input per program (4096 elements of 4 bytes, 8192 of 2),
+    on every device (a table too small for a module of its own)."""
+    block = 16384 // call.elem_bytes
+    return Plan(Path.FLAT, GeluConfig(block, 8), f"{call.n} contiguous elements in blocks of {block}")
 
 
 def _launch(kernel, ins, out, act: int) -> None:
     n = out.numel()
     if not n:
         return
-    cfg = plan(n, ins[0].element_size()).config
+    cfg = plan(Call(n, ins[0].element_size()), device_facts(out.device)).config
     with device_guard(out):
         launch(kernel, (triton.cdiv(n, cfg.block),), (*ins, out, n),
                dict(ACT=act, BLOCK=cfg.block, EXACT_BF16=_INTERPRETED, num_warps=cfg.num_warps))
