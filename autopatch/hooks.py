@@ -200,6 +200,9 @@ def _on_transformers() -> None:
         already = {n for n, m in list(sys.modules.items()) if m is not None and is_modeling_module_name(n)}
         wrapt.register_post_import_hook(_on_modeling_utils, "transformers.modeling_utils")
         wrapt.register_post_import_hook(lambda module: runtime.watch_training(session, module), "torch.optim.optimizer")
+        from autopatch import hub
+
+        hub.install(session)  # FUSED_KERNELS over transformers' implicit Hub kernel mapping
         for name in sorted(set(modeling_module_names()) | already):
             wrapt.register_post_import_hook(_modeling_hook(session, announce=name in already), name)
     except SystemExit:
@@ -278,10 +281,3 @@ def _after(step, model) -> None:
 def _say(message: str) -> None:
     print(f"autopatch: {message}", file=sys.stderr, flush=True)
 
-
-def active_settings():
-    """TRANSITIONAL, for rule modules written before the Session: the process session's settings."""
-    from autopatch import session
-
-    current = session.started()
-    return None if current is None else current.settings

@@ -131,13 +131,9 @@ def enabled_in(settings, module_name: str):
 
 def run_rules(module, session: Session, enabled, skip=frozenset()) -> list[Record]:
     """autopatch.rules.patch_module(module, session, enabled, skip)."""
-    import inspect
-
     from autopatch import rules
 
-    if "session" in inspect.signature(rules.patch_module).parameters:
-        return rules.patch_module(module, session, enabled, skip)
-    return rules.patch_module(module, enabled, skip)  # TRANSITIONAL: rules before the Session
+    return rules.patch_module(module, session, enabled, skip)
 
 
 def patch_module(module, session: Session, *, announce: bool = False) -> list[Record]:
