@@ -2,7 +2,7 @@
 
 Under ZeRO-3 `lm_head.weight` is an empty tensor outside lm_head's own forward (DeepSpeed's hooks
 gather it only while the module runs), so the fused loss runs as lm_head's forward for one call
-(autopatch.rules._causal_lm_loss.run_through_module) and a head it cannot gather that way runs as
+(autopatch.rules._zero3.run_through_module) and a head it cannot gather that way runs as
 the model defines it, with one notice.
 
   - a partitioned-parameter stand-in (the ds_id / ds_status / ds_numel attributes DeepSpeed sets, the
@@ -101,14 +101,14 @@ def test_zero3_stand_in_without_a_deepspeed_hook_falls_back_with_one_notice(caps
     import autopatch
     import fused_kernels
     from autopatch import patching
-    from autopatch.rules import _causal_lm_loss as loss_runtime
+    from autopatch.session import current
     from helpers import assert_close
 
     model = stack_worker.tiny_llama()
     model.train()
     ids, labels = _batch()
     ref = model(input_ids=ids, labels=labels).loss
-    loss_runtime._noticed.clear()
+    current().reset_runs()  # its notices are once per session
     try:
         autopatch.apply(model)
         full, _ = _partition_stand_in(model, with_hook=False)
