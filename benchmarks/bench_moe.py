@@ -110,7 +110,7 @@ def _grouped_floor(shape, leaves, idx, device, torch, do_bench):
     perm, inv, offsets = moe._routing(idx, shape["experts"])
     x_s = x.index_select(0, perm // shape["k"])
     g_s = dout.index_select(0, perm // shape["k"])
-    gmm = moe._GROUPED_MM
+    gmm = moe.GROUPED_MM
     w1, w2 = gate_up.transpose(1, 2), down.transpose(1, 2)
     gu = gmm(x_s, w1, offs=offsets)
     h = gu[:, :shape["width"]].contiguous()

@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 import fused_kernels
-from fused_kernels._gpu import DeviceFacts
-from tests.helpers import poisoned_outputs
+from fused_kernels._gpu import OFF_GPU, DeviceFacts
+from tests.helpers import plan, poisoned_outputs
 
 from fused_kernels.ops import moe_experts as mod
+from fused_kernels.ops import moe_experts_config as cfg_mod
 
 ACT = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu}
 
@@ -132,13 +133,15 @@ def test_plan_names_the_path():
     h200 = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
     a100 = DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=167936, gluon=False)
     t4 = DeviceFacts(cuda=True, sm_count=40, capability=(7, 5), smem_per_sm=65536, gluon=False)
-    assert mod.plan(131072, 2048, 768, torch.bfloat16, device=h200).path == "grouped_mm"
-    assert mod.plan(131072, 2048, 768, torch.bfloat16, device=a100).path == "grouped_mm"
-    assert mod.plan(131072, 2048, 768, torch.bfloat16, device=t4).path == "loop"
-    assert "bfloat16" in mod.plan(1024, 2048, 768, torch.float16, device=h200).reason
-    assert mod.plan(1024, 2048, 768, torch.bfloat16, device=h200, aligned=False).path == "loop"
-    assert mod.plan(0, 2048, 768, torch.bfloat16, device=h200).path == "loop"
-    cfg = mod.plan(131072, 2048, 768, torch.bfloat16, device=h200).config
+    assert plan(cfg_mod, 131072, 2048, 768, torch.bfloat16, device=h200).path == "grouped_mm"
+    assert plan(cfg_mod, 131072, 2048, 768, torch.bfloat16, device=a100).path == "grouped_mm"
+    assert plan(cfg_mod, 131072, 2048, 768, torch.bfloat16, device=t4).path == "loop"
+    assert "bfloat16" in plan(cfg_mod, 1024, 2048, 768, torch.float16, device=h200).reason
+    assert plan(cfg_mod, 1024, 2048, 768, torch.bfloat16, device=h200, aligned=False).path == "loop"
+    assert plan(cfg_mod, 0, 2048, 768, torch.bfloat16, device=h200).path == "loop"
+    assert plan(cfg_mod, 1024, 2048, 768, torch.float32, device=OFF_GPU).path == "grouped_mm"
+    assert plan(cfg_mod, 1024, 2048, 768, torch.float16, device=OFF_GPU).path == "loop"
+    cfg = plan(cfg_mod, 131072, 2048, 768, torch.bfloat16, device=h200).config
     assert (cfg.combine_block, cfg.bwd_block_n, cfg.bwd_block_m) == (2048, 1024, 2)
 
 

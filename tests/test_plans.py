@@ -73,7 +73,7 @@ def listing() -> list[dict]:
     from fused_kernels.ops import gelu
     from fused_kernels.ops import cross_entropy as ce
     from fused_kernels.ops import fused_linear_cross_entropy as flce
-    from fused_kernels.ops import moe_experts as moe
+    from fused_kernels.ops import moe_experts_config as moe
     out = []
     for name, (dev, interp) in DEVICES.items():
         def add(op, call, p):
@@ -119,7 +119,7 @@ def listing() -> list[dict]:
         for rows, hidden, width in MOE:
             for dtype in (BF16, torch.float32):
                 add("moe_experts", {"rows": rows, "hidden": hidden, "width": width, "dtype": str(dtype)},
-                    moe.plan(rows, hidden, width, dtype, device=dev if dev.cuda else None))
+                    helpers.plan(moe, rows, hidden, width, dtype, device=dev))
     return out
 
 

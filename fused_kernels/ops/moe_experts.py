@@ -31,14 +31,14 @@ combine S·H·b + T·H·b.
 
 Everything is deterministic: a stable sort, gathers, and per-token sums in a fixed order (no atomics).
 
-Paths (`plan()`): "grouped_mm" runs the GEMMs as torch's grouped GEMM (one launch per projection,
+Paths (`plan()`, in moe_experts_config): "grouped_mm" runs the GEMMs as torch's grouped GEMM (one launch per projection,
 offsets read on the GPU, no host sync); "loop" runs one torch.mm per expert after one host read of the
 offsets (dtypes or layouts the grouped GEMM does not take, GPUs before sm_80, torch without it).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -46,19 +46,18 @@ import triton.language as tl
 
 from fused_kernels._activations import GELU_ERF, GELU_TANH, SILU, gate_act_and_grad
 from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import DeviceFacts, device_facts, device_guard
+from fused_kernels._gpu import device_facts, device_guard
 from fused_kernels._jit import for_store, rounded
-from fused_kernels._ints import next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, new_output, require_triton
 from fused_kernels.ops.glu import geglu, swiglu
+from fused_kernels.ops.moe_experts_config import GROUPED_MM, Call, ExpertsConfig, plan
 
 __all__ = ["moe_experts", "plan", "ACTIVATIONS"]
 
 ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU_ERF}
 _INTERPRETED = interpreter_on()
 _new_output = new_output  # every buffer the Triton kernels write (tests poison it)
-_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,43 +115,7 @@ def _act_bwd_kernel(GU, DH, WS, DGU, WH, DW, n_rows, n_cols, stride_gu, stride_d
 
 
 # ----------------------------------------------------------------------------------------------
-# Dispatch
-
-
-class ExpertsConfig(NamedTuple):
-    combine_block: int  # columns per combine program
-    combine_warps: int
-    bwd_block_m: int  # rows per program of the backward's elementwise pass
-    bwd_block_n: int  # columns per chunk (the pass loops over the width in chunks)
-    bwd_warps: int
-
-
-def plan(n_rows: int, hidden_size: int, width: int, dtype: torch.dtype, *, device: Optional[DeviceFacts] = None,
-         aligned: bool = True) -> Plan:
-    """Which GEMM path runs and the launch shapes of the Triton kernels, for S = n_rows routed rows,
-    hidden size H and expert width I. `device`: the GPU's facts (None: the CPU). `aligned`: every GEMM
-    operand's row stride and base address are multiples of 16 bytes (the grouped GEMM needs that)."""
-    combine_block = min(next_pow2(hidden_size), 4096)
-    bwd_block_n = min(next_pow2(width), 1024)
-    cfg = ExpertsConfig(combine_block=combine_block, combine_warps=4 if combine_block <= 2048 else 8,
-                        bwd_block_m=max(1, 2048 // bwd_block_n), bwd_block_n=bwd_block_n, bwd_warps=4)
-    if n_rows == 0:
-        return Plan("loop", cfg, "no routed rows: nothing to multiply")
-    if _GROUPED_MM is None:
-        return Plan("loop", cfg, f"torch {torch.__version__} has no grouped GEMM: one mm per expert")
-    if not aligned:
-        return Plan("loop", cfg, "an operand's row stride or address is not a multiple of 16 bytes, which the "
-                                 "grouped GEMM needs: one mm per expert")
-    if device is not None and device.cuda:
-        if device.capability < (8, 0):
-            return Plan("loop", cfg, f"sm_{device.capability[0]}{device.capability[1]}: the grouped GEMM needs "
-                                     "sm_80 or newer")
-        if dtype != torch.bfloat16:
-            return Plan("loop", cfg, f"{dtype} on CUDA: the grouped GEMM takes bfloat16")
-        return Plan("grouped_mm", cfg, "bfloat16 on sm_80+: torch's grouped GEMM, offsets on the GPU")
-    if dtype not in (torch.float32, torch.bfloat16):
-        return Plan("loop", cfg, f"{dtype} on the CPU: the grouped GEMM takes float32 and bfloat16")
-    return Plan("grouped_mm", cfg, "torch's grouped GEMM on the CPU")
+# Dispatch (the tables and plan() are in moe_experts_config)
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -164,15 +127,16 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 
 
 def _plan_for(x: torch.Tensor, n_rows: int, width: int, w1: torch.Tensor, w2: torch.Tensor) -> Plan:
+    """plan() of a call on these tensors, on x's device."""
     dims_ok = (x.shape[-1] * x.element_size()) % 16 == 0 and (width * x.element_size()) % 16 == 0
-    facts = device_facts(x.device) if x.is_cuda else None
-    return plan(n_rows, x.shape[-1], width, x.dtype, device=facts, aligned=dims_ok and _aligned(x, w1, w2))
+    return plan(Call(n_rows, x.shape[-1], width, x.dtype, aligned=dims_ok and _aligned(x, w1, w2)),
+                device_facts(x.device))
 
 
 def _gmm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: str, bounds=None) -> torch.Tensor:
     """Rows of a (S × K, sorted by expert) times their expert's b[e] (E × K × N, any inner layout)."""
     if path == "grouped_mm":
-        return _GROUPED_MM(a, b, offs=offsets)
+        return GROUPED_MM(a, b, offs=offsets)
     out = a.new_empty((a.shape[0], b.shape[2]))
     for e, (lo, hi) in enumerate(bounds):
         if hi > lo:
@@ -184,7 +148,7 @@ def _gmm_rows(a_t: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, path: s
     """Per expert e, a_t[:, rows of e] · b[rows of e]: (M × S) and (S × N) -> E × M × N; experts with no
     rows get zeros. The weight gradients."""
     if path == "grouped_mm":
-        return _GROUPED_MM(a_t, b, offs=offsets)
+        return GROUPED_MM(a_t, b, offs=offsets)
     out = a_t.new_zeros((len(bounds), a_t.shape[0], b.shape[1]))
     for e, (lo, hi) in enumerate(bounds):
         if hi > lo:
