@@ -17,12 +17,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fused_kernels
-from helpers import assert_close
+from helpers import assert_close, plan
 from test_cross_entropy import (DTYPES, LAUNCHES, VOCABS, _poison_outputs, assert_grad_close, capped, ce,  # noqa: F401
                                 ce_config, follow_buffers, grad_terms, make_target, overridden, reference_loss,
                                 storage_refs)
 
+from fused_kernels._dispatch import Path, Plan
+from fused_kernels._gpu import OFF_GPU, DeviceFacts
 from fused_kernels.ops import fused_linear_cross_entropy as flce
+from fused_kernels.ops import fused_linear_cross_entropy_config as flce_cfg
+
+H200 = DeviceFacts(True, 132, (9, 0), 233472, True)
 
 LOSS_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # bf16/fp16 logits are rounded
 
@@ -207,14 +212,15 @@ def test_default_budget_keeps_the_op_within_256_mib():
 
 
 def test_plan_says_the_chunk_rows_and_why():
-    p = flce.plan(8192, 128256, 2)
-    assert p == flce.plan(8192, 128256, 2, chunk_mb=252)
-    assert (p.path, p.config) == ("chunks", 1024)
+    p = plan(flce_cfg, 8192, 128256, 2, device=H200)
+    assert p == plan(flce_cfg, 8192, 128256, 2, chunk_mb=252, device=H200) == plan(flce_cfg, 8192, 128256, 2,
+                                                                                 device=OFF_GPU)
+    assert (p.path, p.config) == (Path.CHUNKS, 1024)
     assert "1030 rows of 128256 x 2 B fit 252 MiB" in p.reason and "8 chunks of 1024" in p.reason
-    assert flce.plan(8192, 128256, 2, chunk_mb=64.5).config == 256  # 263 fit
-    assert flce.plan(0, 128256, 2).config == 1
+    assert plan(flce_cfg, 8192, 128256, 2, chunk_mb=64.5, device=H200).config == 256  # 263 fit
+    assert plan(flce_cfg, 0, 128256, 2, device=H200).config == 1
     with chunk_rows(3):
-        assert flce.plan(8192, 128256, 2) == flce.Plan("chunks", 3, "forced (_CONFIG['chunk_rows'])")
+        assert plan(flce_cfg, 8192, 128256, 2, device=H200) == Plan(Path.CHUNKS, 3, "forced (_CONFIG['chunk_rows'])")
 
 
 @pytest.mark.parametrize("bad", ["64", 0, -5, float("nan"), float("inf"), True])

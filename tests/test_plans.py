@@ -72,7 +72,7 @@ def listing() -> list[dict]:
     from fused_kernels.ops import glu
     from fused_kernels.ops import gelu
     from fused_kernels.ops import cross_entropy as ce
-    from fused_kernels.ops import fused_linear_cross_entropy as flce
+    from fused_kernels.ops import fused_linear_cross_entropy_config as flce
     from fused_kernels.ops import moe_experts_config as moe
     out = []
     for name, (dev, interp) in DEVICES.items():
@@ -112,7 +112,7 @@ def listing() -> list[dict]:
                 add("cross_entropy", {"rows": tokens, "vocab": vocab, "grad": str(grad)},
                     ce.plan(tokens, vocab, BF16, grad_dtype=grad, device=dev))
         for tokens, hidden, vocab in FLCE:
-            p = flce.plan(tokens, vocab, 2)
+            p = helpers.plan(flce, tokens, vocab, 2, device=dev)
             add("fused_linear_cross_entropy", {"tokens": tokens, "hidden": hidden, "vocab": vocab}, p)
             add("cross_entropy", {"rows": p.config, "vocab": vocab, "grad": str(BF16), "in": "flce chunk"},
                 ce.plan(p.config, vocab, BF16, grad_dtype=BF16, device=dev))

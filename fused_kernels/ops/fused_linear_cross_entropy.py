@@ -27,7 +27,7 @@ reduction="none" has one upstream value per token, unknown in the forward: the f
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
-Chunk rows (`plan()`): C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS'
+Chunk rows (`plan()`, in fused_linear_cross_entropy_config): C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS'
 leading-dimension granule; at least 1, at most N), then shrunk to split N into equal chunks of that many.
 The budget is the `chunk_mb` argument (autopatch passes FUSED_KERNELS_FLCE_CHUNK_MB); the default,
 252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values take
@@ -50,61 +50,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import device_guard
+from fused_kernels._gpu import OFF_GPU, device_guard
 from fused_kernels._launch import launch
 from fused_kernels._row_loss import capped
 from fused_kernels._utils import check_float, count_launch, require_triton
 
 # `fused_kernels.cross_entropy` the attribute is the function; the module is loaded by name.
 from fused_kernels.ops import cross_entropy as _ce
+# _CONFIG and DEFAULT_CHUNK_MB: the config module's own objects, so that setting _CONFIG here sets it there
+from fused_kernels.ops.fused_linear_cross_entropy_config import _CONFIG, DEFAULT_CHUNK_MB, Call, check_chunk_mb, plan
 
 __all__ = ["fused_linear_cross_entropy"]
 
-DEFAULT_CHUNK_MB = 252  # MiB of logits per chunk when the caller names no budget (see the module docstring)
-GRANULE = 8  # chunk rows are a multiple of this (cuBLAS' leading-dimension granule) unless fewer fit
-
-_CONFIG = {
-    "chunk_rows": None,  # force the chunk size (tests)
-}
-
-
-def check_chunk_mb(chunk_mb) -> int:
-    """The chunk budget in bytes for chunk_mb MiB (None: DEFAULT_CHUNK_MB); ValueError unless it is a
-    positive finite number."""
-    if chunk_mb is None:
-        return DEFAULT_CHUNK_MB * 2**20
-    if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not (
-            math.isfinite(chunk_mb) and chunk_mb > 0):
-        raise ValueError(f"chunk_mb must be a positive number of MiB for the logits chunk, e.g. 128 "
-                         f"(None: the default {DEFAULT_CHUNK_MB}); got {chunk_mb!r}")
-    return int(chunk_mb * 2**20)
-
-
-def plan(n: int, v: int, elem_size: int, *, chunk_mb=None) -> Plan:
-    """Rows per chunk for n tokens over v classes with logits of elem_size bytes and a budget of
-    chunk_mb MiB (None: DEFAULT_CHUNK_MB), and why: Plan("chunks", rows, reason). C = budget / (V ·
-    elem_size) rounded down to a multiple of GRANULE (at least 1, at most n), then shrunk so that the
-    n rows split into equal chunks of at most C. Default budget: 1024 rows at V = 128256 bf16 for 8192
-    tokens (8 chunks), 864 at 151936 for 16384, 504 at 262144 for 16384, 4096 at 32000 for 8192."""
-    budget = check_chunk_mb(chunk_mb)
-    if n == 0:
-        return Plan("chunks", 1, "no tokens")
-    if _CONFIG["chunk_rows"]:
-        return Plan("chunks", max(1, min(n, int(_CONFIG["chunk_rows"]))), "forced (_CONFIG['chunk_rows'])")
-    fit = budget // max(1, v * elem_size)
-    granule = GRANULE if fit >= GRANULE else 1
-    rows = min(max(1, fit // granule * granule), n)
-    n_chunks = triton.cdiv(n, rows)
-    # Equal chunks, still a multiple of the granule: never more than `rows` (a granule multiple).
-    rows = min(rows, triton.cdiv(triton.cdiv(n, n_chunks), granule) * granule)
-    return Plan("chunks", rows, f"{fit} rows of {v} x {elem_size} B fit {budget / 2**20:g} MiB; {n} tokens in "
-                                f"{triton.cdiv(n, rows)} chunks of {rows} (multiples of {granule})")
-
 
 def chunk_rows(n: int, v: int, elem_size: int, chunk_mb=None) -> int:
-    """plan(n, v, elem_size, chunk_mb=chunk_mb).config: the rows per chunk."""
-    return plan(n, v, elem_size, chunk_mb=chunk_mb).config
+    """The rows per chunk: plan()'s config, which no device fact enters (the budget alone decides)."""
+    return plan(Call(n, v, elem_size, chunk_mb), OFF_GPU).config
 
 
 def _run_chunks(hidden, weight, bias, target, coef, row_scale, loss_rows, flag, grads, opts, chunk_mb,
