@@ -4,7 +4,7 @@
 
 For each tile size (elements per program) and warp count it times the SwiGLU forward op and backward op
 separately (triton.testing.do_bench medians), against the floor from a copy measured in the same run
-(forward moves 3 tensors, backward 5). The best pair goes into glu._TILE_ELEMS / glu._NUM_WARPS; the
+(forward moves 3 tensors, backward 5). The best pair goes into glu_config._TILE_ELEMS / _NUM_WARPS; the
 last line also times the halves of a fused gate_up tensor (strided rows) with the current defaults.
 """
 
@@ -16,7 +16,7 @@ import itertools
 import torch
 import triton
 
-from fused_kernels.ops import glu
+from fused_kernels.ops import glu_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -46,10 +46,10 @@ def main() -> None:
 
     elem = gate.element_size()
     best = {"fwd": (float("inf"), None), "bwd": (float("inf"), None)}
-    default_tile, default_warps = dict(glu._TILE_ELEMS), dict(glu._NUM_WARPS)
+    default_tile, default_warps = dict(glu_config._TILE_ELEMS), dict(glu_config._NUM_WARPS)
     for tile, warps in itertools.product(map(int, args.tiles.split(",")), map(int, args.warps.split(","))):
-        glu._TILE_ELEMS[elem] = tile
-        glu._NUM_WARPS.update(fwd=warps, bwd=warps)
+        glu_config._TILE_ELEMS[elem] = tile
+        glu_config._NUM_WARPS.update(fwd=warps, bwd=warps)
         f_ms = triton.testing.do_bench(lambda: torch.ops.fused_kernels.swiglu_fwd(gate, up))
         b_ms = triton.testing.do_bench(lambda: torch.ops.fused_kernels.swiglu_bwd(dout, gate, up))
         print(f"tile {tile:5d} warps {warps:2d}: fwd {f_ms:.3f} ms ({fwd_floor / f_ms:.1%} of floor)  "
@@ -60,8 +60,8 @@ def main() -> None:
           f"best bwd {best['bwd'][0]:.3f} ms at {best['bwd'][1]}; "
           f"sum {best['fwd'][0] + best['bwd'][0]:.3f} ms")
 
-    glu._TILE_ELEMS.update(default_tile)
-    glu._NUM_WARPS.update(default_warps)
+    glu_config._TILE_ELEMS.update(default_tile)
+    glu_config._NUM_WARPS.update(default_warps)
     gate_up = torch.randn(args.rows, 2 * args.cols, device="cuda", dtype=dtype)
     g2, u2 = gate_up.chunk(2, dim=-1)
     f_ms = triton.testing.do_bench(lambda: torch.ops.fused_kernels.swiglu_fwd(g2, u2))

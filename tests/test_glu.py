@@ -20,8 +20,13 @@ from hypothesis import given, reject
 from hypothesis import strategies as st
 
 import fused_kernels
+from fused_kernels._dispatch import Path
+from fused_kernels._gpu import OFF_GPU, DeviceFacts
 from fused_kernels.ops import glu
-from helpers import REL_TOL, assert_close, poison_, randn, rel_err
+from fused_kernels.ops import glu_config
+from helpers import REL_TOL, assert_close, plan, poison_, randn, rel_err
+
+H200 = DeviceFacts(True, 132, (9, 0), 233472, True)
 
 # Saturated activations overflow exp() to inf inside the interpreter's numpy (harmless: σ → 0).
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp")
@@ -68,7 +73,7 @@ def poisoned_outputs_and_tile(tile=None):
             mock.patch.object(glu, "_empty_output", lambda shape, like: poison_(real_empty(shape, like)))
         )
         if tile is not None:
-            stack.enter_context(mock.patch.dict(glu._TILE_ELEMS, {2: tile, 4: tile}))
+            stack.enter_context(mock.patch.dict(glu_config._TILE_ELEMS, {2: tile, 4: tile}))
         yield
 
 
@@ -332,15 +337,15 @@ def test_chunked_halves_are_read_in_place():
 
 def test_block_config():
     # The H200 target shape: a power-of-two column block that divides 14336, so no masked tail.
-    cfg = glu._block_config(16384, 14336, 2, "bwd")
-    assert 14336 % cfg.block_n == 0 and cfg.block_m * cfg.block_n <= glu._TILE_ELEMS[2]
+    cfg = glu_config._block_config(16384, 14336, 2, "bwd")
+    assert 14336 % cfg.block_n == 0 and cfg.block_m * cfg.block_n <= glu_config._TILE_ELEMS[2]
     # Flat contiguous launch: one long row.
-    cfg = glu._block_config(1, 16384 * 14336, 2, "fwd")
-    assert cfg.block_m == 1 and cfg.block_n == glu._TILE_ELEMS[2]
+    cfg = glu_config._block_config(1, 16384 * 14336, 2, "fwd")
+    assert cfg.block_m == 1 and cfg.block_n == glu_config._TILE_ELEMS[2]
     for n_rows, n_cols, elem in [(1, 1, 4), (1000, 7, 2), (3, 5, 4), (5, 4097, 2), (1, 12289, 4)]:
         for direction in ("fwd", "bwd"):
-            cfg = glu._block_config(n_rows, n_cols, elem, direction)
-            tile = glu._TILE_ELEMS[elem]
+            cfg = glu_config._block_config(n_rows, n_cols, elem, direction)
+            tile = glu_config._TILE_ELEMS[elem]
             assert cfg.block_m * cfg.block_n <= max(tile, triton_pow2(n_cols))
             assert cfg.block_m == triton_pow2(cfg.block_m) and cfg.block_n == triton_pow2(cfg.block_n)
             assert cfg.block_m <= triton_pow2(n_rows) and 1 <= cfg.num_warps <= 32
@@ -350,20 +355,22 @@ def test_plan_for_named_shapes():
     """plan() names the layout path, the tile and why: SwiGLU 16384 x 14336 bf16 contiguous (one flat
     row) and as the halves of a fused gate_up output (row stride 2 x 14336); fp32 tiles are half as
     long; offsets past 2**31 switch to 64-bit indexing."""
-    G = glu.GluConfig
-    p = glu.plan(16384, 14336, 2, "fwd")
-    assert (p.path, p.config) == ("flat", G(1, 4096, 8, True, False, 16384 * 14336 // 4096))
+    G = glu_config.GluConfig
+    p = plan(glu_config, 16384, 14336, 2, "fwd", device=H200)
+    assert p == plan(glu_config, 16384, 14336, 2, "fwd", device=OFF_GPU)
+    assert (p.path, p.config) == (Path.FLAT, G(1, 4096, 8, True, False, 16384 * 14336 // 4096))
     assert "1 x 4096 tiles" in p.reason and "no masks" in p.reason and "32-bit" in p.reason
-    p = glu.plan(16384, 14336, 2, "bwd", row_strides=(28672, 28672, 14336))
-    assert (p.path, p.config) == ("rows", G(2, 2048, 8, True, False, 8192 * 7))
-    p = glu.plan(16384, 14336, 4, "fwd", row_strides=(28672, 28672, 14336))
+    p = plan(glu_config, 16384, 14336, 2, "bwd", row_strides=(28672, 28672, 14336), device=H200)
+    assert (p.path, p.config) == (Path.ROWS, G(2, 2048, 8, True, False, 8192 * 7))
+    p = plan(glu_config, 16384, 14336, 4, "fwd", row_strides=(28672, 28672, 14336), device=H200)
     assert p.config[:4] == (1, 2048, 8, True)
-    p = glu.plan(5, 4097, 2, "fwd", row_strides=(4097, 4097, 4097))
+    p = plan(glu_config, 5, 4097, 2, "fwd", row_strides=(4097, 4097, 4097), device=H200)
     assert p.config.even is False and "masked" in p.reason
-    p = glu.plan(70000, 16384, 2, "bwd", row_strides=(32768, 32768, 16384))  # 70000 x 32768 > 2**31
+    halves = (32768, 32768, 16384)
+    p = plan(glu_config, 70000, 16384, 2, "bwd", row_strides=halves, device=H200)  # 70000 x 32768 > 2**31
     assert p.config.wide_index and "64-bit" in p.reason
-    assert not glu.plan(60000, 16384, 2, "bwd", row_strides=(32768, 32768, 16384)).config.wide_index
-    assert glu.plan(1, 1, 4, "fwd").config == G(1, 1, 1, True, False, 1)
+    assert not plan(glu_config, 60000, 16384, 2, "bwd", row_strides=halves, device=H200).config.wide_index
+    assert plan(glu_config, 1, 1, 4, "fwd", device=H200).config == G(1, 1, 1, True, False, 1)
 
 
 def triton_pow2(n):

@@ -69,7 +69,7 @@ def listing() -> list[dict]:
     from fused_kernels.ops import rms_norm_config as rms_cfg
     from fused_kernels.ops import layer_norm as ln
     from fused_kernels.ops import rope
-    from fused_kernels.ops import glu
+    from fused_kernels.ops import glu_config as glu
     from fused_kernels.ops import gelu
     from fused_kernels.ops import cross_entropy as ce
     from fused_kernels.ops import fused_linear_cross_entropy_config as flce
@@ -102,9 +102,9 @@ def listing() -> list[dict]:
         for rows, cols in SWIGLU:
             for direction in ("fwd", "bwd"):
                 add("glu", {"rows": rows, "cols": cols, "direction": direction, "layout": "contiguous"},
-                    glu.plan(1, rows * cols, 2, direction))
+                    helpers.plan(glu, 1, rows * cols, 2, direction, device=dev))
                 add("glu", {"rows": rows, "cols": cols, "direction": direction, "layout": "gate_up halves"},
-                    glu.plan(rows, cols, 2, direction, row_strides=(2 * cols, 2 * cols, cols)))
+                    helpers.plan(glu, rows, cols, 2, direction, row_strides=(2 * cols, 2 * cols, cols), device=dev))
         for (n,) in GELU:
             add("gelu", {"n": n}, helpers.plan(gelu, n, 2, device=dev))
         for tokens, vocab in CROSS_ENTROPY:

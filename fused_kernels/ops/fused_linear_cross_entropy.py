@@ -27,9 +27,9 @@ reduction="none" has one upstream value per token, unknown in the forward: the f
 losses only (one GEMM), and the backward recomputes every chunk's logits with that per-token scale
 (four GEMMs in all instead of three, and a second cross-entropy pass).
 
-Chunk rows (`plan()`, in fused_linear_cross_entropy_config): C = budget / (V · element size), rounded down to a multiple of 8 (cuBLAS'
-leading-dimension granule; at least 1, at most N), then shrunk to split N into equal chunks of that many.
-The budget is the `chunk_mb` argument (autopatch passes FUSED_KERNELS_FLCE_CHUNK_MB); the default,
+Chunk rows (`plan()`, in fused_linear_cross_entropy_config): C = budget / (V · element size), rounded
+down to a multiple of 8 (cuBLAS' leading-dimension granule; at least 1, at most N), then shrunk to split
+N into equal chunks of that many. The budget is the `chunk_mb` argument (autopatch passes FUSED_KERNELS_FLCE_CHUNK_MB); the default,
 252 MiB, keeps the whole op within 256 MiB beyond its inputs and gradients (the N + V fp32 values take
 the rest). It gives C = 1024 at V = 128256 bf16 (8192 tokens → 8 chunks), 864 at 151936 and 504 at
 262144. Larger chunks are faster, because grad_W's GEMM accumulates into the V × H buffer once per
