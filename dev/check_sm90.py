@@ -124,6 +124,7 @@ def rms_norm_split_cases(cols: list[int], dtype: str):
 
 def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
     from fused_kernels.ops import rope
+    from fused_kernels.ops import rope_config
     sig = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "qo_ptr": f"*{dtype}", "ko_ptr": f"*{dtype}",
            "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}"}
     for name in rope._rope_kernel.arg_names[6:]:
@@ -133,7 +134,7 @@ def rope_cases(shapes: list[tuple[int, int, int]], dtype: str):
     aligned = [k for k in sig if k.endswith("_ptr")] + [k for k in sig if k[-3:] in ("_sb", "_ss", "_sh")]
     for hq, hk, d in shapes:
         for backward in (False, True):
-            for cfg in rope.candidate_configs(hq, hk, d):
+            for cfg in rope_config.candidate_configs(hq, hk, d):
                 flags = dict(BLOCK_R=triton.next_power_of_2(d // 2), BLOCK_PQ=0, BLOCK_PK=0, INTERLEAVED=False,
                              BACKWARD=backward, **cfg.meta())
                 label = f"rope {'bwd' if backward else 'fwd'} heads {hq}/{hk} dim {d} {cfg}"

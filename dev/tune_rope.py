@@ -13,7 +13,7 @@ Reported, forward (rope_fwd op) and backward (rope_bwd op):
   into (batch, seq, heads, dim) leaves, as benchmarks/bench.py measures them;
 - host microseconds per call on a tiny input: the eager autograd.Function path vs the custom op path.
 With --sweep every (tokens, heads per tile, warps) in --block-t x --heads x --warps is also forced (through
-rope.launch_config) and timed kernel-only.
+rope_config._CONFIG["force"]) and timed kernel-only.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tune_common import autotune_timings, config_str, graph_ms, header, host_us,
 import fused_kernels  # noqa: E402
 
 from fused_kernels.ops import rope as rope_module
+from fused_kernels.ops import rope_config
 
 
 class forced:
@@ -42,11 +43,11 @@ class forced:
         self.cfg = cfg
 
     def __enter__(self):
-        self.saved = rope_module.launch_config
-        rope_module.launch_config = lambda *args: self.cfg
+        self.saved = rope_config._CONFIG["force"]
+        rope_config._CONFIG["force"] = self.cfg
 
     def __exit__(self, *exc):
-        rope_module.launch_config = self.saved
+        rope_config._CONFIG["force"] = self.saved
 
 
 def main() -> None:
@@ -115,7 +116,7 @@ def main() -> None:
 
     f_ms, b_ms = graph_ms(fwd), graph_ms(bwd)
     print(f"kernel time, autotuned: fwd {f_ms:.4f} ms ({pct(floor, f_ms)} of floor), bwd {b_ms:.4f} ms ({pct(floor, b_ms)})")
-    heuristic = rope_module.heuristic_config(b * s, hq, hk, d)
+    heuristic = rope_config.heuristic_config(b * s, hq, hk, d)
     with forced(heuristic):
         hf, hb = graph_ms(fwd), graph_ms(bwd)
     print(f"kernel time, heuristic {heuristic}: fwd {hf:.4f} ms ({pct(floor, hf)}), bwd {hb:.4f} ms ({pct(floor, hb)})")
@@ -139,7 +140,7 @@ def main() -> None:
         results = []
         seen = set()
         for bt, bh, w in itertools.product(*(map(int, a.split(",")) for a in (args.block_t, args.heads, args.warps))):
-            cfg = rope_module.RopeConfig(block_t=bt, block_hq=min(bh, triton.next_power_of_2(hq)),
+            cfg = rope_config.RopeConfig(block_t=bt, block_hq=min(bh, triton.next_power_of_2(hq)),
                                          block_hk=min(bh, triton.next_power_of_2(hk)), num_warps=w)
             if cfg in seen or bt * cfg.block_hq * triton.next_power_of_2(d) > 65536:
                 continue

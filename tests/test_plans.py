@@ -68,7 +68,7 @@ def listing() -> list[dict]:
     """Every plan of the table, in a fixed order."""
     from fused_kernels.ops import rms_norm_config as rms_cfg
     from fused_kernels.ops import layer_norm as ln
-    from fused_kernels.ops import rope
+    from fused_kernels.ops import rope_config as rope
     from fused_kernels.ops import glu_config as glu
     from fused_kernels.ops import gelu
     from fused_kernels.ops import cross_entropy as ce
@@ -98,7 +98,7 @@ def listing() -> list[dict]:
                         aligned=True))
         for batch, hq, hk, seq, dim in ROPE:
             add("rope", {"tokens": batch * seq, "q_heads": hq, "k_heads": hk, "head_dim": dim},
-                rope.plan(batch * seq, hq, hk, dim, interpreted=interp))
+                helpers.plan(rope, batch * seq, hq, hk, dim, device=dev))
         for rows, cols in SWIGLU:
             for direction in ("fwd", "bwd"):
                 add("glu", {"rows": rows, "cols": cols, "direction": direction, "layout": "contiguous"},

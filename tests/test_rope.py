@@ -17,9 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fused_kernels
-from helpers import assert_close, poison_
+from helpers import assert_close, plan, poison_
 
+from fused_kernels._dispatch import Path
+from fused_kernels._gpu import OFF_GPU, DeviceFacts
 from fused_kernels.ops import rope as rope_module
+from fused_kernels.ops import rope_config
+
+H200 = DeviceFacts(True, 132, (9, 0), 233472, True)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -115,18 +120,18 @@ def poisoned_outputs():
 
 
 @contextlib.contextmanager
-def launch_config_override(tiles):
+def forced_config(tiles):
     """Force (tokens per program, q heads per tile, k heads per tile), so that small test shapes still run
     several programs and several head tiles with ragged ends; None keeps the real configuration."""
     if tiles is None:
         yield
         return
-    original = rope_module.launch_config
-    rope_module.launch_config = lambda *args: rope_module.RopeConfig(*tiles, num_warps=4)
+    original = rope_config._CONFIG["force"]
+    rope_config._CONFIG["force"] = rope_config.RopeConfig(*tiles, num_warps=4)
     try:
         yield
     finally:
-        rope_module.launch_config = original
+        rope_config._CONFIG["force"] = original
 
 
 def check_against_reference(q, k, cos, sin, unsqueeze_dim, interleaved, grad_storage="contiguous"):
@@ -205,7 +210,7 @@ def test_matches_reference_random_shapes(case, device):
     q = make_qk(c["batch"], c["q_heads"], c["seq"], c["head_dim"], c["unsqueeze_dim"], c["dtype"], c["q_storage"], device)
     k = make_qk(c["batch"], c["k_heads"], c["seq"], c["head_dim"], c["unsqueeze_dim"], c["dtype"], c["k_storage"], device)
     cos, sin = make_cos_sin(c["batch"], c["seq"], c["rot"], c["cos_shape"], c["cos_dtype"], device)
-    with launch_config_override(c["tiles"]):
+    with forced_config(c["tiles"]):
         check_against_reference(q, k, cos, sin, c["unsqueeze_dim"], c["interleaved"], c["grad_storage"])
 
 
@@ -223,7 +228,7 @@ def test_every_layout_dtype_and_variant(dtype, unsqueeze_dim, interleaved, devic
 
 def test_more_tokens_than_one_program(device):
     """Enough tokens that several programs run, with a ragged last block."""
-    cfg = rope_module.launch_config(2 * 37, 3, 1, 16)
+    cfg = rope_config.heuristic_config(2 * 37, 3, 1, 16)
     assert 2 * 37 > cfg.block_t and (2 * 37) % cfg.block_t != 0
     q = make_qk(2, 3, 37, 16, 1, torch.float32, "transposed", device)
     k = make_qk(2, 1, 37, 16, 1, torch.float32, "contiguous", device)
@@ -233,9 +238,9 @@ def test_more_tokens_than_one_program(device):
 
 def test_more_heads_than_one_tile(device):
     """More heads than one tile holds, so the loop over head tiles runs several times (with a ragged end)."""
-    tile = rope_module.launch_config(3, 1000, 1000, 64).block_hq
+    tile = rope_config.heuristic_config(3, 1000, 1000, 64).block_hq
     n_q, n_k = 2 * tile + 3, tile + 1
-    cfg = rope_module.launch_config(3, n_q, n_k, 64)
+    cfg = rope_config.heuristic_config(3, n_q, n_k, 64)
     assert cfg.block_hq == tile and cfg.block_hk == tile
     q = make_qk(1, n_q, 3, 64, 2, torch.bfloat16, "contiguous", device)
     k = make_qk(1, n_k, 3, 64, 2, torch.bfloat16, "offset_slice", device)
@@ -348,14 +353,14 @@ def test_autotune_candidates(hq, hk, dim, tokens):
     """For every shape the autotuner gets a short list of candidates, all in its static config list (so
     `_prune` returns exactly them), all valid tiles: powers of two, k tiles no wider than q tiles, at most
     32 values per thread, several tokens per program only when one token's heads fill less than the tile."""
-    bucket = rope_module._token_bucket(tokens)
-    cands = rope_module.candidate_configs(hq, hk, dim, bucket)
+    bucket = rope_config._token_bucket(tokens)
+    cands = rope_config.candidate_configs(hq, hk, dim, bucket)
     assert 1 <= len(cands) <= 12, cands
     statics = rope_module._static_configs()
-    kept = rope_module._prune(statics, dict(n_q_heads=hq, n_k_heads=hk, q_head_dim=dim, k_head_dim=dim,
+    kept = rope_config._prune(statics, dict(n_q_heads=hq, n_k_heads=hk, q_head_dim=dim, k_head_dim=dim,
                                             token_bucket=bucket))
-    assert {rope_module._config_key(c.kwargs, c.num_warps) for c in kept} == {
-        rope_module._config_key(c.meta(), c.num_warps) for c in cands}
+    assert {rope_config._config_key(c.kwargs, c.num_warps) for c in kept} == {
+        rope_config._config_key(c.meta(), c.num_warps) for c in cands}
     d = 1 << max(dim - 1, 1).bit_length()
     for c in cands:
         for v in (c.block_t, c.block_hq, c.block_hk, c.num_warps):
@@ -367,7 +372,7 @@ def test_autotune_candidates(hq, hk, dim, tokens):
 
 
 def test_autotuned_path_every_candidate_is_correct(device):
-    """launch_config returning None hands the choice to triton.autotune: each candidate it times writes the
+    """A device that is not interpreted hands the choice to triton.autotune: each candidate it times writes the
     right rotation into the real output buffers (so timing runs cannot corrupt them) and the winner's launch
     gives the reference, forward and backward."""
     q = make_qk(2, 4, 9, 16, 1, torch.float32, "transposed", device)
@@ -379,7 +384,7 @@ def test_autotuned_path_every_candidate_is_correct(device):
     ref_gq, ref_gk = torch.autograd.grad((ref_q, ref_k), (q64, k64), (g_q.double(), g_k.double()))
     buffers, snapshots = [], []
     counter = iter(range(10**6))
-    original_new_output, original_launch_config = rope_module._new_output, rope_module.launch_config
+    original_new_output = rope_module._new_output
 
     def recorded(x, order):
         buffers.append(original_new_output(x, order))
@@ -394,7 +399,9 @@ def test_autotuned_path_every_candidate_is_correct(device):
         return [t, t, t]
 
     tuned = rope_module._rope_tuned
-    rope_module._new_output, rope_module.launch_config = recorded, lambda *args: None
+    rope_module._new_output = recorded
+    # a GPU's facts but the interpreter's kernels: plan() takes the autotune path, the kernels run on the CPU
+    rope_config._CONFIG["device"] = DeviceFacts(cuda=False, sm_count=2, interpreted=False)
     rope_module.reset_autotuning()
     tuned.__dict__["do_bench"] = fake_bench  # shadows Autotuner.do_bench (a cached property)
     try:
@@ -408,7 +415,7 @@ def test_autotuned_path_every_candidate_is_correct(device):
         assert len(snapshots) == n_timed
         assert torch.equal(again[0], q_out) and torch.equal(again[1], k_out)
     finally:
-        rope_module._new_output, rope_module.launch_config = original_new_output, original_launch_config
+        rope_module._new_output, rope_config._CONFIG["device"] = original_new_output, None
         rope_module.reset_autotuning()
         tuned.__dict__.pop("do_bench", None)
     assert n_fwd >= 2 and len(snapshots) - n_fwd >= 2
@@ -670,16 +677,16 @@ def test_real_size_one_tensor_gemma4_layout():
 def test_plan_for_named_shapes():
     """plan(): under the interpreter (or forced) one fixed config, on a GPU triton.autotune; Llama-3-8B
     (16384 tokens, 32 / 8 heads, head_dim 128) and a tiny GQA shape."""
-    p = rope_module.plan(16384, 32, 8, 128, interpreted=True)
-    assert (p.path, p.config) == ("fixed", rope_module.RopeConfig(1, 32, 8, 4))
+    p = plan(rope_config, 16384, 32, 8, 128, device=OFF_GPU)
+    assert (p.path, p.config) == (Path.FIXED, rope_config.RopeConfig(1, 32, 8, 4))
     assert "interpreter" in p.reason and "16384 programs" in p.reason
-    p = rope_module.plan(16384, 32, 8, 128, interpreted=False)
-    assert (p.path, p.config) == ("autotune", None) and "candidate_configs(32, 8, 128, 16384)" in p.reason
-    p = rope_module.plan(6, 3, 1, 16, interpreted=True)
-    assert p.config == rope_module.RopeConfig(8, 4, 1, 4) and "1 programs" in p.reason
-    with launch_config_override((2, 2, 1)):
-        p = rope_module.plan(16384, 32, 8, 128, interpreted=False)
-        assert (p.path, p.config) == ("fixed", rope_module.RopeConfig(2, 2, 1, num_warps=4))
+    p = plan(rope_config, 16384, 32, 8, 128, device=H200)
+    assert (p.path, p.config) == (Path.AUTOTUNE, None) and "candidate_configs(32, 8, 128, 16384)" in p.reason
+    p = plan(rope_config, 6, 3, 1, 16, device=OFF_GPU)
+    assert p.config == rope_config.RopeConfig(8, 4, 1, 4) and "1 programs" in p.reason
+    with forced_config((2, 2, 1)):
+        p = plan(rope_config, 16384, 32, 8, 128, device=H200)
+        assert (p.path, p.config) == (Path.FIXED, rope_config.RopeConfig(2, 2, 1, num_warps=4))
         assert "forces" in p.reason
 
 

@@ -26,11 +26,11 @@ gradients of q and k take q's and k's dim order, so autograd passes them to the 
 
 Grid: one program per BLOCK_T tokens of the flattened (batch, seq); it loads cos/sin for its tokens once,
 then walks all q heads and all k heads of those tokens in tiles of BLOCK_H heads x the whole head_dim.
-On a GPU, triton.autotune picks (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) among `candidate_configs`, keyed on
-the head counts, head dims, rot, the variant, direction, dtypes and the token count's power-of-two bucket
-(the first call per key times ~10 candidates; later calls reuse the winner). Under the CPU interpreter
-`heuristic_config` gives one config. `launch_config` says which applies (tests and dev/tune_rope.py
-replace it to force a config).
+On a GPU, triton.autotune picks (BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) among `candidate_configs`, keyed
+on the head counts, head dims, rot, the variant, direction, dtypes and the token count's power-of-two
+bucket (the first call per key times ~10 candidates; later calls reuse the winner). Under the CPU
+interpreter `heuristic_config` gives one config. rope_config holds both and `plan()`, which says which
+applies (tests and dev/tune_rope.py force a config through its `_CONFIG["force"]`).
 
 Dispatch: eager calls run a torch.autograd.Function; torch.compile traces the custom ops
 fused_kernels::rope_fwd / rope_bwd. Both launch through `_launch`, as `plan()` says (path "fixed" or "autotune").
@@ -42,18 +42,19 @@ forward + backward 656 MiB.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from fused_kernels._dispatch import Plan
-from fused_kernels._gpu import device_guard
+from fused_kernels._dispatch import Path, Plan
+from fused_kernels._gpu import device_facts, device_guard
 from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
-from fused_kernels._utils import check_float, count_launch, interpreter_on, triton_can_run
+from fused_kernels._utils import check_float, count_launch, triton_can_run
+from fused_kernels.ops.rope_config import (_CONFIG, _TILE_SIZES, _WARPS, Call, RopeConfig, _prune, _token_bucket,
+                                           plan)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -163,104 +164,8 @@ def _rope_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launch configuration (the one place to tune)
+# Autotuning (the configs, the heuristic and plan() are in rope_config)
 # ----------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    block_t: int   # tokens per program
-    block_hq: int  # q heads per tile
-    block_hk: int  # k heads per tile
-    num_warps: int
-
-    def meta(self) -> dict:
-        """The kernel's constexpr arguments that this config sets."""
-        return dict(BLOCK_T=self.block_t, BLOCK_HQ=self.block_hq, BLOCK_HK=self.block_hk)
-
-
-# How triton.jit built the kernel above (it reads TRITON_INTERPRET once, when triton is imported).
-_INTERPRETED = interpreter_on()
-
-
-def heuristic_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int) -> RopeConfig:
-    """Block sizes for one launch (n_tokens = batch * seq; head_dim = the larger of q's and k's), without
-    measuring: what the CPU interpreter runs.
-
-    Memory-bound streaming: each loop step of a program moves a tile of ~4096 elements of q (or k),
-    as many heads of as few tokens as fit, so that a thread issues a few 16-byte vector loads per step, the
-    cos/sin a thread keeps in registers (one token's channels) stay few, and the grid has many programs.
-    Llama-3-8B (16384 tokens, 32/8 heads, head_dim 128): 1 token x 32 q heads (x 8 k heads), 4 warps,
-    16384 programs, 80 registers per thread (ptxas, sm_90a); 4 tokens x 8 heads took 121."""
-    tile_elems = 4096
-    d = next_pow2(max(head_dim, 2))
-    block_hq = min(next_pow2(max(n_q_heads, 1)), max(1, tile_elems // d))
-    block_t = max(1, tile_elems // (block_hq * d))
-    block_t = min(block_t, next_pow2(max(n_tokens, 1)))
-    block_hk = min(next_pow2(max(n_k_heads, 1)), max(1, tile_elems // (block_t * d)))
-    return RopeConfig(block_t=block_t, block_hq=block_hq, block_hk=block_hk, num_warps=4)
-
-
-def launch_config(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, interpreted: bool = _INTERPRETED):
-    """The config a launch must use, or None to let triton.autotune choose among `candidate_configs` (on a
-    GPU, where the best tile depends on the chip: neighbouring configs differ by 2x on the H200). The
-    interpreter gets the heuristic config. Tests and dev/tune_rope.py replace this function to force one."""
-    return heuristic_config(n_tokens, n_q_heads, n_k_heads, head_dim) if interpreted else None
-
-
-def plan(n_tokens: int, n_q_heads: int, n_k_heads: int, head_dim: int, *, interpreted: bool = _INTERPRETED) -> Plan:
-    """How rope launches for n_tokens = batch · seq tokens of n_q_heads / n_k_heads heads (head_dim: the
-    larger of q's and k's), and why. Path "fixed": one RopeConfig (launch_config's: the heuristic under
-    the CPU interpreter, or one forced by replacing launch_config). Path "autotune" (a GPU; config None):
-    triton.autotune times `candidate_configs` once per key (head counts, head dims, rot, variant,
-    direction, dtypes, the token count's power-of-two bucket) and later launches reuse the winner.
-    Llama-3-8B under the interpreter (16384 tokens, 32 / 8 heads, head_dim 128): fixed, 1 token x 32 q
-    heads x 8 k heads per program, 4 warps."""
-    cfg = launch_config(n_tokens, n_q_heads, n_k_heads, head_dim, interpreted)
-    if cfg is None:
-        return Plan("autotune", None, f"a GPU: triton.autotune picks among candidate_configs({n_q_heads}, "
-                                      f"{n_k_heads}, {head_dim}, {_token_bucket(n_tokens)}), once per key")
-    why = "the CPU interpreter: heuristic_config" if cfg == heuristic_config(n_tokens, n_q_heads, n_k_heads,
-                                                                            head_dim) else "launch_config forces it"
-    return Plan("fixed", cfg, f"{why}; {cfg.block_t} token(s) x {cfg.block_hq} q heads x {cfg.block_hk} k heads per "
-                              f"program, {cfg.num_warps} warps, {cdiv(max(n_tokens, 1), cfg.block_t)} programs")
-
-
-# The autotuner's static config list: every (tokens, q heads, k heads per tile, warps) it may be asked
-# to run; `_prune` keeps the few that `candidate_configs` names for the call's head counts and head_dim.
-_TILE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-_WARPS = (1, 2, 4, 8)
-
-
-def candidate_configs(n_q_heads: int, n_k_heads: int, head_dim: int, token_bucket: int = 1 << 16) -> list[RopeConfig]:
-    """The configs the autotuner times for one (head counts, head_dim): tiles of 512–8192 elements of q (at
-    least 512 unless that is all of a token's heads), 8, 16 or 32 values per thread; several tokens per
-    program only when a tile already holds all of a token's q heads and stays within 4096 elements; k tiles
-    take as many heads as the q tile, or all k heads if fewer. Always at least one config."""
-    d = next_pow2(max(head_dim, 2))
-    hq2, hk2 = next_pow2(max(n_q_heads, 1)), next_pow2(max(n_k_heads, 1))
-    out = []
-    for block_t in _TILE_SIZES:
-        if block_t > 1 and block_t > token_bucket:
-            break
-        for block_hq in _TILE_SIZES:
-            if block_hq > hq2:
-                break
-            tile = block_t * block_hq * d
-            if block_hq < hq2 and block_hq * d < 512:
-                continue  # small head tiles only when they hold all heads
-            if block_t > 1 and (block_hq < hq2 or tile > 4096):
-                continue
-            if tile > 8192:
-                continue
-            for num_warps in _WARPS:
-                per_thread = tile // (32 * num_warps)
-                if per_thread in (8, 16, 32) and (num_warps > 1 or tile <= 512):
-                    out.append(RopeConfig(block_t, block_hq, min(block_hq, hk2), num_warps))
-    if not out:  # tiny tiles (e.g. head_dim 2, one head): one warp, all heads of one token
-        block_hq = min(hq2, _TILE_SIZES[-1])
-        out.append(RopeConfig(1, block_hq, min(block_hq, hk2), 1))
-    return out
 
 
 def _static_configs() -> list:
@@ -273,20 +178,6 @@ def _static_configs() -> list:
                         configs.append(triton.Config(RopeConfig(block_t, block_hq, block_hk, num_warps).meta(),
                                                      num_warps=num_warps))
     return configs
-
-
-def _config_key(meta: dict, num_warps: int) -> tuple:
-    return meta["BLOCK_T"], meta["BLOCK_HQ"], meta["BLOCK_HK"], num_warps
-
-
-def _prune(configs, named_args, **kwargs):
-    """triton.autotune's early_config_prune: the candidates for this call's head counts and head_dim."""
-    wanted = {
-        _config_key(c.meta(), c.num_warps)
-        for c in candidate_configs(named_args["n_q_heads"], named_args["n_k_heads"],
-                                   max(named_args["q_head_dim"], named_args["k_head_dim"]), named_args["token_bucket"])
-    }
-    return [c for c in configs if _config_key(c.kwargs, c.num_warps) in wanted]
 
 
 # The kernel writes only q_out and k_out, so the autotuner's benchmark runs cannot corrupt anything.
@@ -313,11 +204,6 @@ def reset_autotuning() -> None:
 def autotuned_config():
     """The config the autotuner chose in its latest tuning (None before the first one)."""
     return getattr(_rope_tuned, "best_config", None)
-
-
-def _token_bucket(n_tokens: int) -> int:
-    """Part of the autotuning key: tokens rounded up to a power of two (1 .. 65536)."""
-    return min(next_pow2(max(n_tokens, 1)), 1 << 16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -402,7 +288,8 @@ def _launch(q, k, cos, sin, unsqueeze_dim: int, interleaved: bool, backward: boo
         INTERLEAVED=interleaved, BACKWARD=backward,
     )
     with device_guard(q):
-        _run(plan(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim)), args, flags, n_tokens, interleaved, backward)
+        p = plan(Call(n_tokens, n_q_heads, n_k_heads, max(q_dim, k_dim)), _CONFIG["device"] or device_facts(q.device))
+        _run(p, args, flags, n_tokens, interleaved, backward)
     count_launch("rope_bwd" if backward else "rope_fwd")
     return q_out, k_out
 
@@ -412,7 +299,7 @@ def _run(p: Plan, args: tuple, flags: dict, n_tokens: int, interleaved: bool, ba
     q, k, cos, sin = args[0], args[1], args[4], args[5]
     n_q_heads, n_k_heads, q_dim, k_dim, rot = args[8:13]
     cfg = p.config
-    if p.path == "autotune":
+    if p.path == Path.AUTOTUNE:
         key = (n_q_heads, n_k_heads, q_dim, k_dim, rot, args[-1], interleaved, backward, q.dtype, k.dtype, cos.dtype,
                sin.dtype)
         chosen = _CHOSEN.get(key)
