@@ -137,15 +137,20 @@ def install(session: Session) -> None:
     """Once per process, when transformers is imported: wrap `kernels.kernelize` wherever it is bound
     (now or when kernels / transformers' hub integration is imported). Never raises."""
     with _lock:
-        if _state["installed"]:
-            return
+        first = not _state["installed"]
         _state["installed"] = True
         _state["session"] = session
     try:
+        if not first:  # again: a test may have restored every patch since
+            _on_kernels()
+            if "transformers.utils.kernel_config" in sys.modules:
+                _on_kernel_config(sys.modules["transformers.utils.kernel_config"])
+            return
         import wrapt
 
         wrapt.register_post_import_hook(_on_kernels, "kernels")
         wrapt.register_post_import_hook(_on_kernels, "transformers.integrations.hub_kernels")
+        wrapt.register_post_import_hook(_on_kernel_config, "transformers.utils.kernel_config")
     except Exception as exc:  # noqa: BLE001 - our bug must not break the user's import
         say(f"autopatch: internal error while watching Hub kernels ({type(exc).__name__}: {exc})")
 
@@ -173,13 +178,34 @@ def _on_kernels(_module=None) -> None:
         say(f"autopatch: internal error while watching Hub kernels ({type(exc).__name__}: {exc})")
 
 
+def _on_kernel_config(module) -> None:
+    """transformers 5.25: from_pretrained(kernel_config=KernelConfig(..., use_local_kernel=True)) turns
+    each mapping entry into (path:layer, metadata) before create_compatible_mapping hands it to
+    add_to_mapping_local, which splits it as a string (AttributeError: 'tuple' object has no attribute
+    'split'). Give it the string."""
+    try:
+        original = vars(module).get("add_to_mapping_local")
+        if original is None or patching.is_patched(module, "add_to_mapping_local"):
+            return
+
+        def add_to_mapping_local(layer_name, device, repo_name, mode, compatible_mapping):
+            if isinstance(repo_name, tuple) and repo_name and isinstance(repo_name[0], str):
+                repo_name = repo_name[0]
+            return original(layer_name, device, repo_name, mode, compatible_mapping)
+
+        patching.replace(module, "add_to_mapping_local", add_to_mapping_local)
+    except Exception as exc:  # noqa: BLE001
+        say(f"autopatch: internal error while watching KernelConfig ({type(exc).__name__}: {exc})")
+
+
 def _make_kernelize(original):
     def kernelize(model, *args, **kwargs):
         plan = _plan(model, kwargs.get("mode"), kwargs.get("device"))
         token = _hidden.set(frozenset(id(m) for m in plan.hidden_modules))
         held = _hold_funcs(plan.hidden_funcs)
         try:
-            result = original(model, *args, **kwargs)
+            with _all_modes_of_ours(plan):
+                result = original(model, *args, **kwargs)
         finally:
             _hidden.reset(token)
             _release_funcs(held)
@@ -190,6 +216,41 @@ def _make_kernelize(original):
     return kernelize
 
 
+def is_our_repository(repo) -> bool:
+    """A LocalLayerRepository of a directory autopatch wrote (its metadata names "autopatch")."""
+    path = getattr(repo, "_repo_path", None)
+    if path is None:
+        return False
+    try:
+        return any(json.loads((Path(path) / "build" / v / "metadata.json").read_text()).get("name") == REPO_NAME
+                   for v in VARIANTS if (Path(path) / "build" / v / "metadata.json").is_file())
+    except (OSError, ValueError):
+        return False
+
+
+class _all_modes_of_ours:
+    """Our layers have a backward and compile: where the mapping in force serves a layer from our
+    repository for some modes only (KernelConfig keys its mapping by the mode the model was in at
+    from_pretrained, inference), serve it for the mode kernelize asks for too, for this call."""
+
+    def __init__(self, plan):
+        self.extra = plan.ours_other_modes
+        self.context = None
+
+    def __enter__(self):
+        if self.extra:
+            from kernels import use_kernel_mapping
+
+            self.context = use_kernel_mapping(self.extra, inherit_mapping=True)
+            self.context.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.context is not None:
+            self.context.__exit__(*exc)
+        return False
+
+
 class _Plan:
     def __init__(self):
         self.hidden_modules: list = []  # class instances kernelize must leave alone (ours stays)
@@ -198,6 +259,7 @@ class _Plan:
         self.explicit_funcs: list = []  # (layer name, Func layer, plain function, module)
         self.uncovered: list = []  # (layer name, kernel, target): named by the user, not for this mode
         self.mode = None
+        self.ours_other_modes: dict = {}  # mapping that adds this mode for layers our repository serves
 
 
 def _kernels_parts():
@@ -290,8 +352,18 @@ def _plan(model, mode, device) -> _Plan:
         dev, index = _device_of(model, device, core)
         named = _user_names(model)
 
+        extra_repo = {}
+        for name, per_device in list(mapping.get().items()):
+            repos = per_device.get(dev.type)
+            repos = repos.repos_for_device(index) if repos is not None else None
+            if repos and select(repos, mode=mode) is None:
+                ours = [r for r in repos.values() if is_our_repository(r)]
+                if ours and mode is not None:
+                    plan.ours_other_modes[name] = {dev.type: {**repos, mode: ours[0]}}
+                    extra_repo[name] = ours[0]
+
         def decide(name, kernel, target):
-            repo = _selected(name, mapping, select, dev, index, mode)
+            repo = _selected(name, mapping, select, dev, index, mode) or extra_repo.get(name)
             if repo is None:
                 if name in named:
                     plan.uncovered.append((name, kernel, target))
@@ -412,6 +484,7 @@ def _settle(model, plan: _Plan) -> None:
             vars(func_layer)["_autopatch_explicit"] = True
             _dispatch_global(owner, plain.__name__, func_layer)
             _explicit_said(session, name, KERNEL_OF[name], plain.__name__, vars(func_layer).get("_kernel_repo"))
+        _prepare_our_layers(model)
         for name, kernel, target in plan.uncovered:
             session.say_once(
                 f"hub-uncovered:{name}:{target}:{plan.mode}",
@@ -421,6 +494,20 @@ def _settle(model, plan: _Plan) -> None:
             _record(session, name, target, f"autopatch {kernel} (your kernel_config has no {_mode_text(plan.mode)} mapping)")
     except Exception as exc:  # noqa: BLE001 - never break the user's kernelize
         say(f"autopatch: internal error after kernelize ({type(exc).__name__}: {exc})")
+
+
+def _prepare_our_layers(model) -> None:
+    """Resolve now, outside any torch.compile trace, what our layers run for each class they were
+    given (the rules' proof runs probes: not something to trace)."""
+    layers = sys.modules.get("autopatch.hub_layers")
+    if layers is None:
+        return
+    for module in model.modules():
+        if _is_our_layer(module):
+            layers.prepare(module)
+        for func_layer in (getattr(module, "_kernel_funcs", None) or {}).values():
+            if _is_our_layer(func_layer):
+                layers.prepare(func_layer)
 
 
 def _mode_text(mode) -> str:
@@ -479,11 +566,8 @@ def layer_report() -> dict:
     session = _session()
     with session.lock:
         out = dict(session.meta.get("hub_kernels", {}))
-    try:
-        from autopatch import hub_layers
-
-        for (layer, owner), runs in hub_layers.ran().items():
+    layers = sys.modules.get("autopatch.hub_layers")  # loaded by kernels with our repository, if at all
+    if layers is not None:
+        for (layer, owner), runs in layers.ran().items():
             out.setdefault(f"{layer} {owner}", runs)
-    except Exception:  # noqa: BLE001
-        pass
     return out

@@ -121,6 +121,19 @@ def _resolve(key, make):
     return found
 
 
+def prepare(instance) -> None:
+    """Resolve what runs for `instance`'s class now (autopatch.hub does it after each kernelize, so
+    that a torch.compile trace finds it resolved)."""
+    forward = getattr(vars(instance).get("forward"), "__func__", None)
+    for layer in LAYERS.values():
+        if forward is layer.forward:
+            if layer is rotary_pos_emb:
+                _resolve(type(instance), lambda: _rope_function(instance))
+            else:
+                cls = type(instance)
+                _resolve(cls, lambda: _norm_forward(cls, layer.__name__))
+
+
 def reset() -> None:
     """Forget what each class resolved to (tests that patch and unpatch classes)."""
     with _lock:
@@ -189,3 +202,19 @@ class _Layers:
 
 
 layers = _Layers()
+
+
+def _watch_kernelize() -> None:
+    """Loaded by kernels (our repository in a mapping): put autopatch.hub's wrapper around kernelize
+    if start-up did not (no autopatch variable set), for what our layers need from it: a mapping our
+    repository serves for inference only serves training too, and our layers resolve before a
+    torch.compile trace. It changes nothing for classes autopatch did not patch."""
+    try:
+        from autopatch import hub
+
+        hub.install(current())
+    except Exception as exc:  # noqa: BLE001 - loading the layers must not fail on this
+        say(f"autopatch: internal error while watching Hub kernels ({type(exc).__name__}: {exc})")
+
+
+_watch_kernelize()
