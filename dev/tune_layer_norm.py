@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune_common import graph_ms, header  # noqa: E402
 
 import fused_kernels  # noqa: E402,F401  (registers the custom ops)
-from fused_kernels._dispatch import Plan  # noqa: E402
 
-from fused_kernels.ops import layer_norm as ln
+from fused_kernels._gpu import ClusterLaunch, ClusterShape, clusters, device_facts  # noqa: E402
+from fused_kernels.ops import layer_norm as ln  # noqa: E402
+from fused_kernels.ops import layer_norm_config as ln_cfg  # noqa: E402
 
 
 def _pow2_at_least(n: int) -> int:
@@ -101,28 +102,26 @@ def param_candidates(n_rows: int, n_cols: int, sms: int):
     return out
 
 
-def with_forward(base: ln.LayerNormConfig, c, n_rows: int, sms: int) -> ln.LayerNormConfig:
+def with_forward(base: ln_cfg.LayerNormConfig, c, n_rows: int, sms: int) -> ln_cfg.LayerNormConfig:
     rows, block, chunked, warps, programs, stages = c
     return dataclasses.replace(base, fwd_rows=rows, fwd_block=block, fwd_chunked=chunked, fwd_warps=warps,
                                fwd_programs=programs, fwd_stages=stages)
 
 
-def with_backward(base: ln.LayerNormConfig, c, n_rows: int, sms: int) -> ln.LayerNormConfig:
+def with_backward(base: ln_cfg.LayerNormConfig, c, n_rows: int, sms: int) -> ln_cfg.LayerNormConfig:
     if c[0] == "cluster":
-        shape = ln.ClusterShape(warps=c[1], ctas=c[2], per_sm=c[3])
-        return dataclasses.replace(base, bwd_cluster=ln.ClusterLaunch(shape, ln._gpu.clusters(n_rows, shape, sms)))
+        shape = ClusterShape(warps=c[1], ctas=c[2], per_sm=c[3])
+        return dataclasses.replace(base, bwd_cluster=ClusterLaunch(shape, clusters(n_rows, shape, sms)))
     rows, block, chunked, warps, programs, stages, param = c
     return dataclasses.replace(base, bwd_rows=rows, bwd_block=block, bwd_chunked=chunked, bwd_warps=warps,
                                bwd_programs=programs, bwd_stages=stages, param_grid=param)
 
 
 @contextlib.contextmanager
-def forced(cfg: ln.LayerNormConfig):
+def forced(cfg: ln_cfg.LayerNormConfig):
     """plan()'s answer replaced by cfg for the forward and backward (path "cluster backward" where cfg has
     a cluster launch, which the backward then runs)."""
-    fixed = Plan("forced" if cfg.bwd_cluster is None else "cluster backward", cfg, "tune_layer_norm")
-    with mock.patch.object(ln, "_plan_for", lambda n_rows, n_cols, x: fixed), \
-            mock.patch.object(ln, "plan", lambda *args, **kwargs: fixed):
+    with mock.patch.dict(ln_cfg._CONFIG, force=cfg):
         yield
 
 
@@ -154,9 +153,11 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float, cluster_
     xb = n_rows * n_cols * 2
     floor = {"forward": 2 * xb / (gbps * 1e6), "backward": 3 * xb / (gbps * 1e6)}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    base = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False)  # the Triton paths: what candidates replace
-    real = ln.plan(n_rows, n_cols, torch.bfloat16, sms, False, device=ln.device_facts(dev), weight_dtype=torch.bfloat16,
-                   dy_dtype=torch.bfloat16, aligned=True)  # what a backward call gets
+    facts = device_facts(dev)
+    # the Triton paths (what candidates replace), and what a backward call gets
+    base = ln_cfg.plan(ln_cfg.Call(n_rows, n_cols, torch.bfloat16, "forward"), facts)
+    real = ln_cfg.plan(ln_cfg.Call(n_rows, n_cols, torch.bfloat16, "backward", weight_dtype=torch.bfloat16,
+                                   dy_dtype=torch.bfloat16, aligned=True), facts)
     res = {"shape": [n_rows, n_cols], "floor_ms": floor,
            "plan": {"path": real.path, "config": dataclasses.asdict(real.config), "reason": real.reason}}
 
@@ -180,14 +181,14 @@ def sweep_shape(n_rows: int, n_cols: int, gbps: float, deadline: float, cluster_
         for rows, block, _, warps, _, stages in (c for c in tilings if c[2]):
             for per_sm in (1, 2, 4):
                 programs = min(-(-n_rows // rows), per_sm * sms)
-                bwd.append((rows, block, True, warps, programs, stages, ln._param_grid(n_rows, n_cols, sms, False)))
+                bwd.append((rows, block, True, warps, programs, stages, ln_cfg._param_grid(n_rows, n_cols, sms, False)))
         best_tiling = (2, 4096, True, 16, min(-(-n_rows // 2), 2 * sms), 1)
         bwd += [best_tiling + (p,) for p in param_candidates(n_rows, n_cols, sms)]
     from fused_kernels.ops import norm_smem as smem
     if cluster_only:
         bwd = [c + (None,) for c in tilings if c[2]][:2]  # two chunked Triton backwards to compare with
     for warps, ctas, per_sm in CLUSTER_CANDIDATES:  # the cluster backward: ("cluster", warps, ctas, per_sm)
-        shape = ln.ClusterShape(warps=warps, ctas=ctas, per_sm=per_sm)
+        shape = ClusterShape(warps=warps, ctas=ctas, per_sm=per_sm)
         if smem._whole_chunks(n_cols, shape):
             bwd.append(("cluster", warps, ctas, per_sm))
     directions = (("forward", forward_candidates(n_rows, n_cols, sms), with_forward), ("backward", bwd, with_backward))

@@ -13,12 +13,13 @@ import torch
 
 import fused_kernels
 from fused_kernels import _dispatch, layer_norm
-from fused_kernels._dispatch import Plan
+from fused_kernels._dispatch import Path, Plan
 from fused_kernels._gpu import OFF_GPU, ClusterLaunch, ClusterShape, DeviceFacts
 import helpers
 from helpers import REL_TOL, assert_close, randn
 
 from fused_kernels.ops import layer_norm as ln_module
+from fused_kernels.ops import layer_norm_config as ln_cfg
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 AFFINE = ("weight+bias", "weight", "bias", "none")
@@ -131,7 +132,7 @@ def test_width_4097(dtype, affine):
 def test_long_rows_chunked(width, path, dtype):
     """Rows longer than the whole-row limits: the chunked sweeps (mean merged across chunks), with a
     mean far from 0 so that a variance taken as E[x²] − mean² would lose the fp32 bound."""
-    assert ln_module.plan(5, width, dtype, 2, True).path == path
+    assert helpers.plan(ln_cfg, 5, width, dtype, "forward", device=OFF_GPU).path == path
     torch.manual_seed(width)
     x = randn(5, width, dtype=dtype) * 0.25 + 30.0
     w, b = make_params(width, "weight+bias", dtype)
@@ -281,7 +282,7 @@ def test_compile_fullgraph_no_graph_breaks():
 
 def test_plan_named_shapes_h200():
     """The launch shapes dev/tune_layer_norm.py measured fastest on an H200 (docs/kernels/layer_norm.md)."""
-    p = ln_module.plan(16384, 4096, torch.bfloat16, 132, False)
+    p = helpers.plan(ln_cfg, 16384, 4096, torch.bfloat16, "forward", device=H200)
     assert p.path == "whole-row"
     c = p.config
     assert (c.fwd_block, c.fwd_rows, c.fwd_warps, c.fwd_stages, c.fwd_chunked) == (4096, 1, 8, 3, False)
@@ -290,13 +291,13 @@ def test_plan_named_shapes_h200():
     assert (c.bwd_rows, c.bwd_warps, c.bwd_stages, c.bwd_programs) == (1, 8, 3, 261)
     assert "fit in registers" in p.reason
 
-    p = ln_module.plan(65536, 1024, torch.bfloat16, 132, False)
+    p = helpers.plan(ln_cfg, 65536, 1024, torch.bfloat16, "forward", device=H200)
     c = p.config
     assert p.path == "whole-row" and (c.fwd_block, c.fwd_rows, c.fwd_warps) == (1024, 1, 2)
     assert c.fwd_programs == 1041  # 8 per SM = 1056 wanted: 63 tiles each
     assert (c.bwd_rows, c.bwd_warps, c.bwd_programs) == (2, 4, 521)  # 4 per SM: 32768 tiles, 63 each
 
-    p = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
+    p = helpers.plan(ln_cfg, 4096, 16384, torch.bfloat16, "forward", device=H200)
     c = p.config
     assert p.path == "chunked backward"
     # the forward holds the row: 32 warps, 2 programs an SM, pipelined
@@ -307,7 +308,7 @@ def test_plan_named_shapes_h200():
     assert c.param_grid == (32, 128, 4, 3)  # 128 column blocks x 3 row groups = 2.9 programs an SM
     assert "L2" in p.reason and "column-parallel" in p.reason
 
-    p = ln_module.plan(1024, 65536, torch.bfloat16, 132, False)
+    p = helpers.plan(ln_cfg, 1024, 65536, torch.bfloat16, "forward", device=H200)
     c = p.config
     assert p.path == "chunked" and c.fwd_chunked and c.bwd_chunked and (c.fwd_rows, c.bwd_rows) == (1, 1)
     assert c.fwd_programs == 1024  # a program per row
@@ -318,13 +319,15 @@ def test_plan_named_shapes_h200():
 
 def test_plan_interpreter_grids_stay_small():
     for rows, cols in ((16384, 4096), (65536, 1024), (4096, 16384), (7, 100000)):
-        c = ln_module.plan(rows, cols, torch.bfloat16, 2, True).config
+        c = helpers.plan(ln_cfg, rows, cols, torch.bfloat16, "forward", device=OFF_GPU).config
         assert 1 <= c.fwd_programs <= 4 and 1 <= c.bwd_programs <= 4
 
 
 def test_plan_rejects_empty_rows():
     with pytest.raises(ValueError, match="n_cols"):
-        ln_module.plan(4, 0, torch.float32)
+        helpers.plan(ln_cfg, 4, 0, torch.float32, "forward", device=OFF_GPU)
+    with pytest.raises(ValueError, match="direction"):
+        helpers.plan(ln_cfg, 4, 8, torch.float32, "fwd", device=OFF_GPU)
 
 
 # --- the cluster backward (fused_kernels/norm_smem.py, Gluon: its kernels run on the GPU only) ----------
@@ -342,9 +345,10 @@ def fresh_dispatch():
 
 def _backward_plan(rows, cols, dtype=torch.bfloat16, weight_dtype=torch.bfloat16, *, device=H200,
                    dy_dtype=None, aligned=True, deterministic=False):
-    return ln_module.plan(rows, cols, dtype, device.sm_count, False, device=device, weight_dtype=weight_dtype,
-                          dy_dtype=dtype if dy_dtype is None else dy_dtype, aligned=aligned,
-                          deterministic=deterministic)
+    # compiled kernels' facts (not the interpreter's, which never plans a cluster), so that every refusal shows
+    return helpers.plan(ln_cfg, rows, cols, dtype, "backward", weight_dtype=weight_dtype,
+                        dy_dtype=dtype if dy_dtype is None else dy_dtype, aligned=aligned, deterministic=deterministic,
+                        device=dataclasses.replace(device, interpreted=False))
 
 
 def test_plan_cluster_backward_h200(fresh_dispatch):
@@ -352,17 +356,18 @@ def test_plan_cluster_backward_h200(fresh_dispatch):
     CLUSTER_BACKWARD_SHAPES's shape, the forward is the Triton plan's, and the Triton backward's fields
     stay (the fallback)."""
     p = _backward_plan(4096, 16384)
-    shape = ln_module.CLUSTER_BACKWARD_SHAPES[16384]
+    shape = ln_cfg.CLUSTER_BACKWARD_SHAPES[16384]
     assert p.path == "cluster backward", p
-    triton_plan = ln_module.plan(4096, 16384, torch.bfloat16, 132, False)
-    assert p.config.bwd_cluster == ClusterLaunch(shape, ln_module._gpu.clusters(4096, shape, 132))
+    triton_plan = helpers.plan(ln_cfg, 4096, 16384, torch.bfloat16, "forward", device=H200)
+    assert p.config.bwd_cluster == ClusterLaunch(shape, ln_cfg._gpu.clusters(4096, shape, 132))
     assert dataclasses.replace(p.config, bwd_cluster=None) == triton_plan.config
     assert "read once" in p.reason and p.reason.startswith("forward: rows of 16384 fit in registers")
     assert _backward_plan(4096, 16384, torch.float16, None).path == "cluster backward"  # no weight
-    # the forward alone (no device facts) and the interpreter never plan a cluster
+    # the forward and the interpreter never plan a cluster
     assert triton_plan.path == "chunked backward" and triton_plan.config.bwd_cluster is None
-    assert ln_module.plan(4096, 16384, torch.bfloat16, 132, True, device=H200, weight_dtype=torch.bfloat16,
-                          dy_dtype=torch.bfloat16, aligned=True).config.bwd_cluster is None
+    assert helpers.plan(ln_cfg, 4096, 16384, torch.bfloat16, "backward", weight_dtype=torch.bfloat16,
+                        dy_dtype=torch.bfloat16, aligned=True,
+                        device=dataclasses.replace(H200, interpreted=True)).config.bwd_cluster is None
 
 
 @pytest.mark.parametrize("kwargs,why", [
@@ -418,11 +423,11 @@ def _force_cluster_plan(monkeypatch, fake):
     path on, the Triton plan after; norm_smem is `fake`."""
     real_plan = ln_module.plan
 
-    def plan(n_rows, n_cols, dtype, sm_count=132, interpreted=False, **facts):
-        p = real_plan(n_rows, n_cols, dtype, sm_count, interpreted)
-        if facts and _dispatch.path_on("layer_norm_bwd", "cluster"):
+    def plan(call, device):
+        p = real_plan(call, device)
+        if call.direction == "backward" and _dispatch.path_on("layer_norm_bwd", Path.CLUSTER):
             launch = ClusterLaunch(ClusterShape(warps=1, ctas=2, per_sm=1), 3)
-            return Plan("cluster backward", dataclasses.replace(p.config, bwd_cluster=launch), "forced")
+            return Plan(Path.CLUSTER_BACKWARD, dataclasses.replace(p.config, bwd_cluster=launch), "forced")
         return p
 
     monkeypatch.setattr(ln_module, "plan", plan)
@@ -473,12 +478,12 @@ def test_cluster_launchers_write_dx_rows_n_cols_apart(monkeypatch):
     smem.launch_backward(x2, x2, x2[0], stats, dx, partial, shape=ClusterShape(4, 4, 6), grid=3, offset=0.0,
                          casting_id=0, compute_dw=True)
     smem.launch_layer_norm_backward(x2, x2, None, stats, stats, dx, partial, partial,
-                                    shape=ln_module.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
+                                    shape=ln_cfg.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
                                     compute_db=False)
     assert seen == [n, n]
     with pytest.raises(ValueError, match="dx must be contiguous"):
         smem.launch_layer_norm_backward(x2, x2, None, stats, stats, dx.transpose(0, 1), partial, partial,
-                                        shape=ln_module.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
+                                        shape=ln_cfg.CLUSTER_BACKWARD_SHAPES[n], grid=3, compute_dw=False,
                                         compute_db=False)
 
 
@@ -555,7 +560,7 @@ def test_gpu_cluster_backward_matches_reference(monkeypatch, device, rows, dtype
         y = layer_norm(x_in, *params, 1e-5)
         dy = randn(*x.shape, dtype=dtype, device=device)
         y.backward(dy)
-    assert calls == [ln_module.CLUSTER_BACKWARD_SHAPES[n]], calls
+    assert calls == [ln_cfg.CLUSTER_BACKWARD_SHAPES[n]], calls
     refs = [None if t is None else t.detach().double().requires_grad_(True) for t in (x, w, b)]
     reference(*refs, 1e-5).backward(dy.double())
     for name, got, ref in zip(("dx", "dw", "db"), [x_in] + params, refs):

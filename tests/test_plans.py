@@ -67,7 +67,7 @@ def _entry(op: str, call: dict, p) -> dict:
 def listing() -> list[dict]:
     """Every plan of the table, in a fixed order."""
     from fused_kernels.ops import rms_norm_config as rms_cfg
-    from fused_kernels.ops import layer_norm as ln
+    from fused_kernels.ops import layer_norm_config as ln
     from fused_kernels.ops import rope_config as rope
     from fused_kernels.ops import glu_config as glu
     from fused_kernels.ops import gelu
@@ -92,10 +92,10 @@ def listing() -> list[dict]:
                     _Candidates(rms_cfg.candidate_configs(backward)))
         for rows, cols in LAYER_NORM:
             add("layer_norm", {"rows": rows, "cols": cols, "direction": "forward"},
-                ln.plan(rows, cols, BF16, dev.sm_count, interp))
+                helpers.plan(ln, rows, cols, BF16, "forward", device=dev))
             add("layer_norm", {"rows": rows, "cols": cols, "direction": "backward"},
-                ln.plan(rows, cols, BF16, dev.sm_count, interp, device=dev, weight_dtype=BF16, dy_dtype=BF16,
-                        aligned=True))
+                helpers.plan(ln, rows, cols, BF16, "backward", device=dev, weight_dtype=BF16, dy_dtype=BF16,
+                             aligned=True))
         for batch, hq, hk, seq, dim in ROPE:
             add("rope", {"tokens": batch * seq, "q_heads": hq, "k_heads": hk, "head_dim": dim},
                 helpers.plan(rope, batch * seq, hq, hk, dim, device=dev))
