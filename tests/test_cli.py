@@ -61,7 +61,7 @@ def test_closed_stdout_exits_quietly(argv, code):
 
 
 @pytest.mark.parametrize("argv, expect", [
-    (["--help"], ["usage: autopatch", "{run,doctor,list}", "FUSED_KERNELS"]),
+    (["--help"], ["usage: autopatch", "{run,doctor,list,kernel-repo}", "FUSED_KERNELS"]),
     (["run", "--help"], ["usage: autopatch run", "--kernels LIST", "--env-file F", "--report F", "--strict", "-m module"]),
     (["doctor", "--help"], ["usage: autopatch doctor", "model_type", "--all", "llama"]),
     (["list", "--help"], ["usage: autopatch list"]),

@@ -219,10 +219,7 @@ def fake_world(monkeypatch, fresh_report):
             return [Record("swiglu", module.__name__, "FakeMLP", True, "swiglu")]
 
     rule = FakeRule()
-    rule_module = types.ModuleType("fake_rule_module")
-    rule_module.RULE = rule
-    monkeypatch.setitem(sys.modules, "fake_rule_module", rule_module)
-    monkeypatch.setattr(rules, "RULE_MODULES", ("fake_rule_module",))
+    monkeypatch.setattr(rules, "RULES", (rule,))
     return modeling, rule
 
 

@@ -243,8 +243,7 @@ class Refuses:
     def patch_module(self, module, *args):
         return [Record("rms_norm", module.__name__, "FooRMSNorm", False, reason="no candidate matched")]
 
-fake = types.ModuleType("fake_rule"); fake.RULE = Refuses(); sys.modules["fake_rule"] = fake
-rules.RULE_MODULES = ("fake_rule",)
+rules.RULES = (Refuses(),)
 session = runtime.begin(load_settings())
 module = types.ModuleType("transformers.models.foo.modeling_foo")
 sys.modules[module.__name__] = module
