@@ -181,3 +181,27 @@ def test_strict_exit_check_ends_the_process_with_code_2_after_writing_the_report
     assert "(2 optimizer steps)" in lines[0] and "AUTOPATCH_CROSS_ENTROPY=false" in lines[0], lines[0]
     data = json.loads(out.read_text())
     assert data["trained"]["optimizer_steps"] == 2 and data["runs"]["cross_entropy"]["calls"] == 0, data
+
+
+def test_gelu_mlp_runs_in_a_gpt_neox_are_counted(tmp_path):
+    """FUSED_KERNELS=gelu_mlp on a GPT-NeoX: its MLPs run fused_kernels.gelu_linear (launched as
+    gelu_fwd/gelu_bwd), and the report's runs.gelu_mlp counts each layer's call."""
+    out = tmp_path / "report.json"
+    script = textwrap.dedent("""
+        import torch
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        config = GPTNeoXConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4)
+        model = GPTNeoXForCausalLM(config)
+        ids = torch.randint(0, 64, (1, 8))
+        model(input_ids=ids, labels=ids).loss.backward()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script],
+                          env=clean_env(PYTHONPATH=str(REPO), FUSED_KERNELS="gelu_mlp", AUTOPATCH_REPORT=str(out)),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert any(r["kernel"] == "gelu_mlp" and r["patched"] for r in data["records"]), data["records"]
+    runs = data["runs"]["gelu_mlp"]
+    assert runs["calls"] == 2, runs  # one per layer
+    assert runs["launches"]["gelu_fwd"] == 2 and runs["launches"]["gelu_bwd"] == 2, runs

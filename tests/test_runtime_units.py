@@ -239,6 +239,10 @@ def test_apply_runs_rules_over_the_models_modules(fake_world, fresh_report, caps
     assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         _api.apply(model, rotary=True)
+    with pytest.raises(TypeError, match=r"^apply\(\) got unexpected keyword argument\(s\) 'rms_nrom'; "
+                                        r"'rms_nrom': did you mean rms_norm\? valid kernel keywords: ") as err:
+        _api.apply(model, rms_nrom=True)
+    assert "\n" not in str(err.value)  # one line, as the environment path's
 
 
 def test_apply_strict_raises_on_refusal(fake_world, monkeypatch):
