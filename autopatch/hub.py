@@ -56,7 +56,7 @@ from autopatch.session import Session, say
 ENV_REPO = "AUTOPATCH_KERNEL_REPO"
 VARIANTS = {"torch-cpu": "cpu", "torch-cuda": "cuda"}  # build variant -> backend in metadata.json
 REPO_NAME = "autopatch"
-KERNEL_OF = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "rotary_pos_emb": "rope"}
+KERNEL_OF = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "rotary_pos_emb": "rope"}  # Hub layer -> kernel
 
 _INIT = '''"""autopatch's kernels as a Hugging Face `kernels` layer repository (python -m autopatch kernel-repo).
 The layers are autopatch.hub_layers': they need autopatch installed where this repository is loaded."""

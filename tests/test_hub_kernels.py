@@ -230,7 +230,7 @@ def test_a_layer_we_lack_gets_kernels_error_and_our_line(repo, capsys):
         LocalLayerRepository(repo_path=repo, layer_name="LayerNorm").load()
     err = [line for line in capsys.readouterr().err.splitlines() if "autopatch" in line]
     assert len(err) == 1 and "'LayerNorm'" in err[0]
-    assert "RMSNorm, RMSNormZeroCentered, rotary_pos_emb" in err[0]
+    assert "RMSNorm, RMSNormZeroCentered, rotary_pos_emb" in err[0] and "LigerRMSNorm" in err[0]
 
 
 # --------------------------------------------------------------------------- route: our repository
@@ -319,6 +319,25 @@ def test_gemma_norm_under_the_generic_name_keeps_its_offset():
     assert torch.allclose(got, want, rtol=TOL, atol=TOL)
     assert launches()[0].get("rms_norm_fwd") == 1
     assert GemmaConfig is not None
+
+
+def test_local_kernels_make_the_default_mapping_serve_ours(repo, checkpoint, monkeypatch):
+    """LOCAL_KERNELS=kernels-community/liger-kernels=<our repo>:kernels-community/rotary=<our repo>:
+    transformers' default mapping (here registered for "cpu") loads our layers, nothing else set."""
+    defaults = {k: dict(v) for k, v in hub_kernels.get_kernel_mapping_transformers().items()}
+    both = (Mode.TRAINING | Mode.TORCH_COMPILE, Mode.INFERENCE | Mode.TORCH_COMPILE)
+    defaults["RMSNorm"]["cpu"] = dict.fromkeys(both, LIGER)
+    defaults["rotary_pos_emb"]["cpu"] = dict.fromkeys(both, ROTARY)
+    monkeypatch.setattr(hub_kernels, "_KERNEL_MAPPING_CACHE", defaults)
+    monkeypatch.setenv("LOCAL_KERNELS", f"kernels-community/liger-kernels={repo}:kernels-community/rotary={repo}")
+    want = reference(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    model.train()
+    assert vars(model.model.norm)["forward"].__func__ is hub_layers.RMSNorm.forward
+    fused_kernels.reset_launch_counts()
+    assert_same(loss_and_grads(model), want)
+    norms, ropes = launches()
+    assert norms.get("rms_norm_fwd", 0) == 5 and ropes.get("rope_fwd", 0) == 2
 
 
 # --------------------------------------------------------------------------- precedence
@@ -504,6 +523,6 @@ def test_fused_kernels_from_the_environment_beat_the_default_mapping(checkpoint,
     assert got["rms_norm_fwd"] == 5 and got["rope_fwd"] == 2
     assert got["standin"] in ({}, {"LigerRMSNorm": 0, "apply_rotary_transformers": 0})
     written = json.loads(report.read_text())
-    assert written["replaced"] in ({}, [])
+    assert written["replaced"] == []
     assert written["hub_kernels"]["RMSNorm LlamaRMSNorm"].startswith("autopatch rms_norm")
     assert written["hub_kernels"]["rotary_pos_emb apply_rotary_pos_emb"].startswith("autopatch rope")

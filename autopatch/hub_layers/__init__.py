@@ -182,6 +182,9 @@ class rotary_pos_emb(nn.Module):  # noqa: N801 - the name transformers decorates
 
 
 LAYERS = {"RMSNorm": RMSNorm, "RMSNormZeroCentered": RMSNormZeroCentered, "rotary_pos_emb": rotary_pos_emb}
+# The layer names transformers' default mapping asks its repositories for, so that LOCAL_KERNELS=
+# kernels-community/liger-kernels=<our repo>:kernels-community/rotary=<our repo> serves ours.
+ALIASES = {"LigerRMSNorm": RMSNorm, "apply_rotary_transformers": rotary_pos_emb}
 
 
 class _Layers:
@@ -190,15 +193,16 @@ class _Layers:
 
     def __init__(self):
         vars(self).update(LAYERS)
+        vars(self).update(ALIASES)
 
     def __getattr__(self, name):
         if not name.startswith("_"):
             say(f"autopatch: the autopatch kernel repository has no layer {name!r}; it provides "
-                f"{', '.join(LAYERS)} (kernel names {', '.join(dict.fromkeys(KERNEL_OF.values()))})")
+                f"{', '.join(LAYERS)} (and, for LOCAL_KERNELS over transformers' defaults, {', '.join(ALIASES)})")
         raise AttributeError(name)
 
     def __dir__(self):
-        return list(LAYERS)
+        return [*LAYERS, *ALIASES]
 
 
 layers = _Layers()
