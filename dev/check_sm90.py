@@ -153,12 +153,13 @@ def _ce_signature(dtype: str) -> dict:
 def cross_entropy_cases(vocabs: list[int], dtype: str):
     """The cross-entropy kernel with the launch table's shape for each V, writing the gradient."""
     from fused_kernels.ops import cross_entropy as ce
+    from fused_kernels.ops import cross_entropy_config as ce_cfg
     sig = _ce_signature(dtype)
     pointers = [k for k in sig if k.endswith("_ptr")]
     for v in vocabs:
         # what Triton specialises on at launch: V (and the row strides of contiguous logits) divisible by 16
         aligned = pointers + (["V", "x_stride", "grad_stride"] if v % 16 == 0 else [])
-        cfg = ce.launch_config(v)
+        cfg = ce_cfg.launch_config(v)
         for softcap in (False, True):
             flags = ce.kernel_constexprs(cfg, v, has_scale=False, has_softcap=softcap, has_ls=softcap,
                                          has_row_scale=False, write_grad=True, exact_bf16=False)
@@ -183,12 +184,13 @@ def cross_entropy_smem_cases(vocabs: list[int], dtype: str):
     row, and the unsplit one a GPU without clusters takes), with and without the optional terms; per_sm
     is the CTAs per SM the table expects to fit."""
     from fused_kernels.ops import cross_entropy as ce
+    from fused_kernels.ops import cross_entropy_config as ce_cfg
     from fused_kernels.ops import cross_entropy_smem as smem
     from fused_kernels import _gpu
     sig, aligned = ce_smem_signature(dtype)
     for v in vocabs:
-        bound = min((b for b, _ in ce.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
-        for cfg, extras in ((c, e) for b, c in ce.SMEM_TABLE if b == bound for e in (False, True)):
+        bound = min((b for b, _ in ce_cfg.SMEM_TABLE if v <= b), default=None)  # every row for V: per-GPU fallbacks
+        for cfg, extras in ((c, e) for b, c in ce_cfg.SMEM_TABLE if b == bound for e in (False, True)):
             flags = dict(smem.kernel_constexprs(v, cfg.warps, cfg.ctas, has_scale=extras, has_softcap=extras,
                                                 has_ls=extras, has_row_scale=extras, in_registers=cfg.in_registers),
                          num_ctas=cfg.ctas)

@@ -22,11 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fused_kernels
-from helpers import REL_TOL, assert_close
+from helpers import REL_TOL, assert_close, plan
 
 from fused_kernels.ops import cross_entropy as ce
+from fused_kernels.ops import cross_entropy_config as ce_cfg
 from fused_kernels import _gpu as gpu
 from fused_kernels import _dispatch as dispatch
+BF16 = torch.bfloat16
 H200 = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
 A100 = gpu.DeviceFacts(cuda=True, sm_count=108, capability=(8, 0), smem_per_sm=167936, gluon=True)
 ROOMY = gpu.DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=10**9, gluon=True)  # every shape fits
@@ -59,10 +61,10 @@ def _poison_outputs():
 
 # Forced launch shapes, by name: what each makes the kernel do on the CPU.
 LAUNCHES = {
-    "whole_row": dict(force=ce.LaunchConfig(block=1024, warps=4, per_sm=0)),  # V <= 1000: one read
-    "blocks": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
-    "persistent": dict(force=ce.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
-    "persistent_whole": dict(force=ce.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
+    "whole_row": dict(force=ce_cfg.LaunchConfig(block=1024, warps=4, per_sm=0)),  # V <= 1000: one read
+    "blocks": dict(force=ce_cfg.LaunchConfig(block=64, warps=4, per_sm=0)),  # 64-class blocks + masked tail
+    "persistent": dict(force=ce_cfg.LaunchConfig(block=64, warps=4, per_sm=1, stages=2, l2_hints=True), sm_count=3),
+    "persistent_whole": dict(force=ce_cfg.LaunchConfig(block=512, warps=4, per_sm=0.5, l2_hints=True), sm_count=4),
 }
 
 
@@ -245,21 +247,21 @@ def test_launch_shapes_match_reference(launch, n, v, dtype, reduction, ignore, l
 def test_launch_table_and_grid():
     """The table covers every V with a power-of-2 block; the grid is one program per row, or
     per_sm × SMs programs (at most one per row)."""
-    bounds = [b for b, _ in ce.LAUNCH_TABLE]
+    bounds = [b for b, _ in ce_cfg.LAUNCH_TABLE]
     assert bounds == sorted(bounds) and bounds[-1] == math.inf
     for v in (1, 7, 2048, 2049, 32000, 65536, 128256, 151936, 262144, 10**7):
-        cfg = ce.launch_config(v)
+        cfg = ce_cfg.launch_config(v)
         assert cfg.block & (cfg.block - 1) == 0 and cfg.warps in (1, 2, 4, 8, 16, 32) and cfg.stages >= 1
     with ce_config(force=None):
         for v in (1, 2048, 2049, 128256, 262144):
-            assert ce.launch_config(v) is next(c for b, c in ce.LAUNCH_TABLE if v <= b)
+            assert ce_cfg.launch_config(v) is next(c for b, c in ce_cfg.LAUNCH_TABLE if v <= b)
     with ce_config(sm_count=132):
         cpu = torch.device("cpu")
-        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 0), 8192, cpu) == 8192
-        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 1), 8192, cpu) == 132
-        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 0.5), 8192, cpu) == 66
-        assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 100, cpu) == 100
-    assert ce.grid_programs(ce.LaunchConfig(32768, 32, 2), 1000, torch.device("cpu")) == 1000  # no SMs: per row
+        assert ce_cfg.grid_programs(ce_cfg.LaunchConfig(32768, 32, 0), 8192, cpu) == 8192
+        assert ce_cfg.grid_programs(ce_cfg.LaunchConfig(32768, 32, 1), 8192, cpu) == 132
+        assert ce_cfg.grid_programs(ce_cfg.LaunchConfig(32768, 32, 0.5), 8192, cpu) == 66
+        assert ce_cfg.grid_programs(ce_cfg.LaunchConfig(32768, 32, 2), 100, cpu) == 100
+    assert ce_cfg.grid_programs(ce_cfg.LaunchConfig(32768, 32, 2), 1000, torch.device("cpu")) == 1000  # no SMs: per row
 
 
 def test_large_logits_and_minus_inf():
@@ -563,7 +565,8 @@ def test_gpu_real_size(v):
         fwd_ms = triton.testing.do_bench(fwd)
         ms = triton.testing.do_bench(step)
         floor_ms = 2 * logits.numel() * 2 / 4.25e12 * 1e3
-        print(f"\n[cross_entropy] {n}x{v} bf16 {ce.launch_config(v)}: fwd {fwd_ms:.3f} ms, bwd {ms - fwd_ms:.3f} ms, "
+        print(f"\n[cross_entropy] {n}x{v} bf16 {ce_cfg.launch_config(v)}: fwd {fwd_ms:.3f} ms, "
+              f"bwd {ms - fwd_ms:.3f} ms, "
               f"fwd+bwd {ms:.3f} ms (floor {floor_ms:.3f} ms), extra memory beyond the gradient "
               f"{extra / 2**20:.1f} MiB, grad rel err {err:.2e}")
     assert extra <= 16 * 2**20, f"{extra / 2**20:.1f} MiB beyond the gradient"
@@ -605,102 +608,102 @@ def test_gpu_out_of_range_target_is_a_device_assert():
 def test_smem_table_rows_and_fallback():
     """SMEM_TABLE is tried first when the rows may live in shared memory: the first row covering V
     whose programs fit; otherwise, and for longer rows, LAUNCH_TABLE's row."""
-    bounds = [b for b, _ in ce.SMEM_TABLE]
-    assert bounds == sorted(bounds) and all(c.smem and c.per_sm >= 1 for _, c in ce.SMEM_TABLE)
-    assert not any(c.smem for _, c in ce.LAUNCH_TABLE)
+    bounds = [b for b, _ in ce_cfg.SMEM_TABLE]
+    assert bounds == sorted(bounds) and all(c.smem and c.per_sm >= 1 for _, c in ce_cfg.SMEM_TABLE)
+    assert not any(c.smem for _, c in ce_cfg.LAUNCH_TABLE)
+    L = ce_cfg.LaunchConfig
     unheld = lambda c: c.in_registers == 0  # noqa: E731 - the shapes without chunks in registers
     with ce_config(force=None):
-        table_row = ce.launch_config(32000)
+        table_row = ce_cfg.launch_config(32000)
         assert not table_row.smem
-        assert ce.launch_config(32000, lambda c: True).in_registers == 4
-        assert ce.launch_config(32000, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True)
-        assert ce.launch_config(32000, lambda c: c.per_sm <= 2) == ce.LaunchConfig(2048, 8, 2, smem=True)  # A100
-        assert ce.launch_config(32000, lambda c: False) is table_row
-        assert ce.launch_config(50304, lambda c: True) == ce.LaunchConfig(2048, 8, 2, smem=True)
+        assert ce_cfg.launch_config(32000, lambda c: True).in_registers == 4
+        assert ce_cfg.launch_config(32000, unheld) == L(2048, 8, 3, smem=True)
+        assert ce_cfg.launch_config(32000, lambda c: c.per_sm <= 2) == L(2048, 8, 2, smem=True)  # A100
+        assert ce_cfg.launch_config(32000, lambda c: False) is table_row
+        assert ce_cfg.launch_config(50304, lambda c: True) == L(2048, 8, 2, smem=True)
         # longer rows: split over a cluster of CTAs (Hopper), else unsplit or the Triton kernel
-        assert ce.launch_config(65536, lambda c: True) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=2,
-                                                                          in_registers=3)
-        assert ce.launch_config(65536, unheld).ctas == 2
-        assert ce.launch_config(65536, lambda c: c.ctas == 1 and not c.in_registers).warps == 32
+        assert ce_cfg.launch_config(65536, lambda c: True) == L(2048, 8, 4, smem=True, ctas=2, in_registers=3)
+        assert ce_cfg.launch_config(65536, unheld).ctas == 2
+        assert ce_cfg.launch_config(65536, lambda c: c.ctas == 1 and not c.in_registers).warps == 32
         for v in (65537, 128256, 131072):
-            assert ce.launch_config(v, lambda c: True) == ce.LaunchConfig(1024, 4, 8, smem=True, ctas=8,
-                                                                          in_registers=3)
-            assert ce.launch_config(v, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True, ctas=4)
+            assert ce_cfg.launch_config(v, lambda c: True) == L(1024, 4, 8, smem=True, ctas=8, in_registers=3)
+            assert ce_cfg.launch_config(v, unheld) == L(2048, 8, 3, smem=True, ctas=4)
         for v in (131073, 151936, 212992):  # as many CTAs per SM as fit (7 at 151936, 5 at 201088 on an H200)
-            assert ce.launch_config(v, lambda c: True) == ce.LaunchConfig(1024, 4, 7, smem=True, ctas=8,
-                                                                          in_registers=4)
-            assert ce.launch_config(v, lambda c: c.per_sm <= 5) == ce.LaunchConfig(1024, 4, 5, smem=True, ctas=8,
-                                                                                    in_registers=4)
-            assert ce.launch_config(v, unheld) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=8)
+            assert ce_cfg.launch_config(v, lambda c: True) == L(1024, 4, 7, smem=True, ctas=8, in_registers=4)
+            assert ce_cfg.launch_config(v, lambda c: c.per_sm <= 5) == L(1024, 4, 5, smem=True, ctas=8, in_registers=4)
+            assert ce_cfg.launch_config(v, unheld) == L(2048, 8, 4, smem=True, ctas=8)
         for v in (212993, 256000, 262144):
-            assert ce.launch_config(v, lambda c: True) == ce.LaunchConfig(2048, 8, 4, smem=True, ctas=8,
-                                                                          in_registers=3)
-        assert ce.launch_config(262144, unheld) == ce.LaunchConfig(2048, 8, 3, smem=True, ctas=8)
-        assert ce.launch_config(128256, lambda c: c.ctas == 1) is ce.launch_config(128256)  # e.g. an A100
-        assert not ce.launch_config(262145, lambda c: True).smem
+            assert ce_cfg.launch_config(v, lambda c: True) == L(2048, 8, 4, smem=True, ctas=8, in_registers=3)
+        assert ce_cfg.launch_config(262144, unheld) == L(2048, 8, 3, smem=True, ctas=8)
+        assert ce_cfg.launch_config(128256, lambda c: c.ctas == 1) is ce_cfg.launch_config(128256)  # e.g. an A100
+        assert not ce_cfg.launch_config(262145, lambda c: True).smem
         for v in (1, 1000, 4096, 8192):  # held whole in registers by the Triton kernel: one read already
-            assert ce.launch_config(v, lambda c: True) is ce.launch_config(v)
-        assert ce.launch_config(8193, lambda c: True).smem
-
-
-def _plan(n, v, dtype=torch.bfloat16, grad=True, device=H200, **kw):
-    return ce.plan(n, v, dtype, grad_dtype=dtype if grad else None, device=device, **kw)
+            assert ce_cfg.launch_config(v, lambda c: True) is ce_cfg.launch_config(v)
+        assert ce_cfg.launch_config(8193, lambda c: True).smem
 
 
 def test_plan_names_the_path_and_shape(monkeypatch):
     """plan() from a device's facts, no GPU: the shapes its docstring names, on an H200-like device (132
     SMs, sm_90, 228 KiB per SM) and an A100-like one (108 SMs, sm_80, 164 KiB)."""
     monkeypatch.setattr(dispatch, "_OFF", {})
-    L = ce.LaunchConfig
+    L = ce_cfg.LaunchConfig
     with ce_config(force=None):
-        p = _plan(8192, 32000)
+        p = plan(ce_cfg, 8192, 32000, BF16, BF16, device=H200)
         assert (p.path, p.config) == ("smem-registers", L(2048, 8, 4, smem=True, in_registers=4))
         assert "36864" in p.reason
-        p = _plan(8192, 128256)
+        p = plan(ce_cfg, 8192, 128256, BF16, BF16, device=H200)
         assert (p.path, p.config) == ("smem-registers", L(1024, 4, 8, smem=True, ctas=8, in_registers=3))
-        assert _plan(2112, 128256).config == p.config  # 16 rows for each of 132 clusters
-        p = _plan(2111, 128256)  # one row short: the 4-CTA split row (99 clusters), no registers
+        assert plan(ce_cfg, 2112, 128256, BF16, BF16, device=H200).config == p.config  # 16 rows per cluster (132)
+        # one row short: the 4-CTA split row (99 clusters), no registers
+        p = plan(ce_cfg, 2111, 128256, BF16, BF16, device=H200)
         assert (p.path, p.config) == ("smem-split", L(2048, 8, 3, smem=True, ctas=4))
         assert "2111 rows < 16 per cluster for 132 clusters" in p.reason
-        p = _plan(768, 128256)  # a fused_linear_cross_entropy chunk: too few rows for any cluster
-        assert (p.path, p.config) == ("triton", ce.LAUNCH_TABLE[3][1]) and "per cluster" in p.reason
-        p = _plan(8192, 262144)
+        # a fused_linear_cross_entropy chunk: too few rows for any cluster
+        p = plan(ce_cfg, 768, 128256, BF16, BF16, device=H200)
+        assert (p.path, p.config) == ("triton", ce_cfg.LAUNCH_TABLE[3][1]) and "per cluster" in p.reason
+        p = plan(ce_cfg, 8192, 262144, BF16, BF16, device=H200)
         assert (p.path, p.config) == ("smem-registers", L(2048, 8, 4, smem=True, ctas=8, in_registers=3))
-        assert _plan(8192, 262145).path == "triton"
-        assert _plan(8192, 50304).config == L(2048, 8, 2, smem=True) and _plan(8192, 50304).path == "smem"
-        assert _plan(100, 65536).config == L(8192, 32, 1, smem=True)  # few rows: the unsplit 32-warp row
+        assert plan(ce_cfg, 8192, 262145, BF16, BF16, device=H200).path == "triton"
+        p = plan(ce_cfg, 8192, 50304, BF16, BF16, device=H200)
+        assert p.config == L(2048, 8, 2, smem=True) and p.path == "smem"
+        # few rows: the unsplit 32-warp row
+        assert plan(ce_cfg, 100, 65536, BF16, BF16, device=H200).config == L(8192, 32, 1, smem=True)
         # fp32, no gradient, short rows, rows the 16-byte copies cannot take: the Triton kernel
-        p = _plan(8192, 32000, torch.float32)
-        assert (p.path, p.config) == ("triton", ce.LAUNCH_TABLE[2][1]) and "16-bit" in p.reason
-        assert "no gradient" in _plan(8192, 32000, grad=False).reason
-        assert _plan(8192, 8192).path == "triton" and "SMEM_FROM" in _plan(8192, 8192).reason
-        assert "aligned" in _plan(8192, 32000, aligned=False).reason
-        assert _plan(8192, 32000, device=gpu.OFF_GPU).path == "triton"
-        assert _plan(8192, 32000, device=dataclasses.replace(H200, capability=(7, 5))).path == "triton"
+        p = plan(ce_cfg, 8192, 32000, torch.float32, torch.float32, device=H200)
+        assert (p.path, p.config) == ("triton", ce_cfg.LAUNCH_TABLE[2][1]) and "16-bit" in p.reason
+        assert "no gradient" in plan(ce_cfg, 8192, 32000, BF16, None, device=H200).reason
+        p = plan(ce_cfg, 8192, 8192, BF16, BF16, device=H200)
+        assert p.path == "triton" and "SMEM_FROM" in p.reason
+        assert "aligned" in plan(ce_cfg, 8192, 32000, BF16, BF16, aligned=False, device=H200).reason
+        assert plan(ce_cfg, 8192, 32000, BF16, BF16, device=gpu.OFF_GPU).path == "triton"
+        turing = dataclasses.replace(H200, capability=(7, 5))
+        assert plan(ce_cfg, 8192, 32000, BF16, BF16, device=turing).path == "triton"
         # an A100: no clusters, less shared memory
-        assert _plan(8192, 32000, device=A100).config == L(2048, 8, 2, smem=True)
-        assert _plan(8192, 65536, device=A100).config == L(8192, 32, 1, smem=True)
-        p = _plan(8192, 128256, device=A100)
+        assert plan(ce_cfg, 8192, 32000, BF16, BF16, device=A100).config == L(2048, 8, 2, smem=True)
+        assert plan(ce_cfg, 8192, 65536, BF16, BF16, device=A100).config == L(8192, 32, 1, smem=True)
+        p = plan(ce_cfg, 8192, 128256, BF16, BF16, device=A100)
         assert p.path == "triton" and "compute capability >= 9.0" in p.reason
         # a path turned off (its first build failed): the next shape, from the same table
         monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem-registers"): "test"})
-        assert _plan(8192, 32000).config == L(2048, 8, 3, smem=True)
-        assert _plan(8192, 128256).config == L(2048, 8, 3, smem=True, ctas=4)
+        assert plan(ce_cfg, 8192, 32000, BF16, BF16, device=H200).config == L(2048, 8, 3, smem=True)
+        assert plan(ce_cfg, 8192, 128256, BF16, BF16, device=H200).config == L(2048, 8, 3, smem=True, ctas=4)
         monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem-split"): "test"})
-        assert _plan(8192, 65536).config == L(8192, 32, 1, smem=True)
-        assert _plan(8192, 128256).path == "triton"
+        assert plan(ce_cfg, 8192, 65536, BF16, BF16, device=H200).config == L(8192, 32, 1, smem=True)
+        assert plan(ce_cfg, 8192, 128256, BF16, BF16, device=H200).path == "triton"
         monkeypatch.setattr(dispatch, "_OFF", {("cross_entropy", "smem"): "test"})
-        assert _plan(8192, 32000).path == "triton" and "smem turned off" in _plan(8192, 32000).reason
+        p = plan(ce_cfg, 8192, 32000, BF16, BF16, device=H200)
+        assert p.path == "triton" and "smem turned off" in p.reason
     with ce_config(force=L(64, 4, 0)):
-        assert _plan(8192, 32000) == ce.Plan("triton", L(64, 4, 0), "forced (_CONFIG['force'])")
+        forced = dispatch.Plan(dispatch.Path.TRITON, L(64, 4, 0), "forced (_CONFIG['force'])")
+        assert plan(ce_cfg, 8192, 32000, BF16, BF16, device=H200) == forced
 
 
 def test_plan_grid_matches_the_launch():
     """The grid launch_ce gives a plan's shape: per_sm per SM over ctas, at most one per row."""
-    cfg = _plan(8192, 128256).config
-    assert ce.grid_programs(cfg, 8192, H200) == 132 and ce.grid_programs(cfg, 100, H200) == 100
-    assert ce.grid_programs(_plan(8192, 32000).config, 8192, H200) == 4 * 132
-    assert ce.grid_programs(cfg, 8192, gpu.OFF_GPU) == 8192  # off the GPU: a program per row
+    cfg = plan(ce_cfg, 8192, 128256, BF16, BF16, device=H200).config
+    assert ce_cfg.grid_programs(cfg, 8192, H200) == 132 and ce_cfg.grid_programs(cfg, 100, H200) == 100
+    assert ce_cfg.grid_programs(plan(ce_cfg, 8192, 32000, BF16, BF16, device=H200).config, 8192, H200) == 4 * 132
+    assert ce_cfg.grid_programs(cfg, 8192, gpu.OFF_GPU) == 8192  # off the GPU: a program per row
 
 
 def test_chunks_in_registers_rules():
@@ -719,7 +722,7 @@ def test_chunks_in_registers_rules():
     assert smem.buffer_bytes(128256, 4, 2, 8) == 16 * 1024 * 2
     assert gpu.register_cap(4, 8) == 64 and gpu.register_cap(8, 4) == 64 and gpu.register_cap(8, 3) == 80
     assert gpu.register_cap(4, 1) == 255
-    for bound, cfg in ce.SMEM_TABLE:  # every register row: allowed at its bound, with 64+ registers a thread
+    for bound, cfg in ce_cfg.SMEM_TABLE:  # every register row: allowed at its bound, with 64+ registers a thread
         if cfg.in_registers:
             assert gpu.register_cap(cfg.warps, cfg.per_sm) >= 64, cfg
             assert smem.registers_allowed(bound, cfg.warps, cfg.ctas, cfg.in_registers), cfg
@@ -728,24 +731,25 @@ def test_chunks_in_registers_rules():
 def test_split_rows_only_where_clusters_have_rows_to_loop_over():
     """A row split over a cluster is taken only with >= SPLIT_MIN_ROWS_PER_CLUSTER rows per cluster (the
     640-row chunks of fused_linear_cross_entropy go to the Triton kernel); unsplit rows at any count."""
-    split = ce.launch_config(128256, lambda c: True)
+    split = ce_cfg.launch_config(128256, lambda c: True)
     assert split.ctas == 8
     clusters = int(split.per_sm) * 132 // split.ctas
     with ce_config(sm_count=132):
-        many = ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters
-        few = ce.SPLIT_MIN_ROWS_PER_CLUSTER * clusters - 1
-        assert ce.shape_refusal(split, many, 128256, 2, ROOMY) is None
-        assert "per cluster" in ce.shape_refusal(split, few, 128256, 2, ROOMY)
-        assert ce.shape_refusal(ce.SMEM_TABLE[0][1], 5, 32000, 2, ROOMY) is None
+        many = ce_cfg.SPLIT_MIN_ROWS_PER_CLUSTER * clusters
+        few = ce_cfg.SPLIT_MIN_ROWS_PER_CLUSTER * clusters - 1
+        assert ce_cfg.shape_refusal(split, many, 128256, 2, ROOMY) is None
+        assert "per cluster" in ce_cfg.shape_refusal(split, few, 128256, 2, ROOMY)
+        assert ce_cfg.shape_refusal(ce_cfg.SMEM_TABLE[0][1], 5, 32000, 2, ROOMY) is None
         chunk = 768  # a fused_linear_cross_entropy chunk at V = 128256
         for v in (128256, 151936, 262144):
-            assert ce.launch_config(v, lambda c: ce.shape_refusal(c, chunk, v, 2, ROOMY) is None) is ce.launch_config(v)
+            fits = lambda c: ce_cfg.shape_refusal(c, chunk, v, 2, ROOMY) is None  # noqa: E731
+            assert ce_cfg.launch_config(v, fits) is ce_cfg.launch_config(v)
 
 
 def test_smem_shape_forced_where_it_cannot_run_says_why():
     logits = torch.randn(4, 64, requires_grad=True)
     target = torch.randint(0, 64, (4,))
-    with ce_config(force=ce.SMEM_TABLE[0][1]):
+    with ce_config(force=ce_cfg.SMEM_TABLE[0][1]):
         with pytest.raises(RuntimeError, match="shared memory.*16-bit logits"):
             fused_kernels.cross_entropy(logits, target)
 
@@ -778,7 +782,7 @@ def test_smem_build_failure_falls_back_to_the_triton_kernel_once(monkeypatch):
     fake = _FailingSmem()
     _use_fake(monkeypatch, fake)
     gen = torch.Generator().manual_seed(3)
-    v = ce.SMEM_FROM + 15  # the shortest rows the shared-memory path takes (stride a multiple of 16)
+    v = ce_cfg.SMEM_FROM + 15  # the shortest rows the shared-memory path takes (stride a multiple of 16)
     logits = torch.randn(6, v, generator=gen).to(torch.bfloat16).requires_grad_()
     target = torch.randint(0, v, (6,), generator=gen)
     assert ce.plan_for(logits, logits).path == "smem"

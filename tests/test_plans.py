@@ -71,7 +71,7 @@ def listing() -> list[dict]:
     from fused_kernels.ops import rope_config as rope
     from fused_kernels.ops import glu_config as glu
     from fused_kernels.ops import gelu
-    from fused_kernels.ops import cross_entropy as ce
+    from fused_kernels.ops import cross_entropy_config as ce
     from fused_kernels.ops import fused_linear_cross_entropy_config as flce
     from fused_kernels.ops import moe_experts_config as moe
     out = []
@@ -110,12 +110,12 @@ def listing() -> list[dict]:
         for tokens, vocab in CROSS_ENTROPY:
             for grad in (BF16, None):
                 add("cross_entropy", {"rows": tokens, "vocab": vocab, "grad": str(grad)},
-                    ce.plan(tokens, vocab, BF16, grad_dtype=grad, device=dev))
+                    helpers.plan(ce, tokens, vocab, BF16, grad, device=dev))
         for tokens, hidden, vocab in FLCE:
             p = helpers.plan(flce, tokens, vocab, 2, device=dev)
             add("fused_linear_cross_entropy", {"tokens": tokens, "hidden": hidden, "vocab": vocab}, p)
             add("cross_entropy", {"rows": p.config, "vocab": vocab, "grad": str(BF16), "in": "flce chunk"},
-                ce.plan(p.config, vocab, BF16, grad_dtype=BF16, device=dev))
+                helpers.plan(ce, p.config, vocab, BF16, BF16, device=dev))
         for rows, hidden, width in MOE:
             for dtype in (BF16, torch.float32):
                 add("moe_experts", {"rows": rows, "hidden": hidden, "width": width, "dtype": str(dtype)},

@@ -40,7 +40,7 @@ device of compute capability >= 8.0 (cp.async; 9.0 for clusters) with Gluon impo
 interpreter, 16-bit logits and gradient, row strides a multiple of 16 elements and 16-byte aligned
 bases (16-byte copies), the gradient wanted (without it the Triton kernel reads each row once anyway),
 and per_sm row buffers fitting one SM's shared memory (programs_that_fit) with the chunks in registers
-allowed (registers_allowed). There is no CPU interpreter for Gluon: the CPU suite compiles this kernel
+allowed (registers_allowed; both in cross_entropy_config). There is no CPU interpreter for Gluon: the CPU suite compiles this kernel
 for sm_90 (dev/check_sm90.py, from tests/test_cross_entropy.py), the GPU tests check its numbers.
 The cluster barrier, row claiming, layouts and copies are fused_kernels._gpu's.
 """
@@ -53,6 +53,9 @@ import triton
 from fused_kernels import _gpu
 from fused_kernels._launch import launch
 from fused_kernels._row_loss import capped, dlogits, row_loss
+# the row buffers' sizes, which plan() also reads to decide where a shape fits
+from fused_kernels.ops.cross_entropy_config import (_SMEM_SLACK, MAX_IN_REGISTERS, MIN_SHARED_CHUNKS, buffer_bytes,
+                                                    chunk_classes, programs_that_fit, registers_allowed)
 
 try:  # Gluon ships with Triton >= 3.4; the CPU interpreter does not run it
     from triton.experimental import gluon
@@ -62,7 +65,6 @@ except ImportError:  # pragma: no cover - an older Triton: the table's Triton ke
     gluon = None
 
 VEC = _gpu.VEC  # 16-bit classes per thread per chunk: one 16-byte cp.async and one 16-byte shared-memory read
-_SMEM_SLACK = 256  # the compiler's own scratch (reductions) beside the row buffer
 
 if gluon is not None:
     LOG2E = gl.constexpr(1.4426950408889634)
@@ -280,31 +282,6 @@ def available() -> bool:
     return _gpu.gluon_available()
 
 
-def chunk_classes(warps: int, ctas: int = 1) -> int:
-    """Classes per chunk of a row: 8 per thread of the program (or of the cluster)."""
-    return 32 * warps * VEC * ctas
-
-
-def buffer_bytes(v: int, warps: int, element_size: int, ctas: int = 1, in_registers: int = 0) -> int:
-    """Shared memory of one CTA's row buffer: its share of V rounded up to whole chunks, less the
-    in_registers chunks held in registers."""
-    return (triton.cdiv(v, chunk_classes(warps, ctas)) - in_registers) * chunk_classes(warps) * element_size
-
-
-MAX_IN_REGISTERS = 4  # r0-r3 in the kernel
-# A shared buffer of one chunk ([1, CTAS, T, 8]) does not build on triton 3.6 (PassManager::run
-# failed): chunks held in registers leave at least two in shared memory.
-MIN_SHARED_CHUNKS = 2
-
-
-def registers_allowed(v: int, warps: int, ctas: int, in_registers: int) -> bool:
-    """Whether in_registers chunks of each CTA's share may live in registers: whole chunks only (the
-    masked tail stays in shared memory), at most MAX_IN_REGISTERS, and MIN_SHARED_CHUNKS left."""
-    chunk = chunk_classes(warps, ctas)
-    return in_registers == 0 or (
-        in_registers <= min(MAX_IN_REGISTERS, v // chunk) and triton.cdiv(v, chunk) - in_registers >= MIN_SHARED_CHUNKS)
-
-
 def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_softcap: bool, has_ls: bool,
                       has_row_scale: bool, in_registers: int = 0) -> dict:
     """_ce_smem_kernel's constexprs (launch_ce_smem, and dev/check_sm90.py, which compiles the same
@@ -316,13 +293,6 @@ def kernel_constexprs(v: int, warps: int, ctas: int, *, has_scale: bool, has_sof
     reg, smem = _gpu.layouts(warps, ctas)
     return dict(V=v, HAS_SCALE=has_scale, HAS_SOFTCAP=has_softcap, HAS_LS=has_ls, HAS_ROW_SCALE=has_row_scale,
                 WARPS=warps, CTAS=ctas, REG=reg, SMEM=smem, IN_REGS=in_registers)
-
-
-def programs_that_fit(v: int, warps: int, element_size: int, smem_per_sm: int, ctas: int = 1,
-                      in_registers: int = 0) -> int:
-    """How many CTAs' row buffers one SM's shared memory (smem_per_sm bytes: _gpu.smem_per_sm) holds."""
-    need = buffer_bytes(v, warps, element_size, ctas, in_registers) + _gpu.SMEM_RESERVED + _SMEM_SLACK
-    return smem_per_sm // need
 
 
 def launch_ce_smem(x, target, grad, loss_rows, coef, row_scale, flag, *, warps: int, ctas: int, grid: int,
