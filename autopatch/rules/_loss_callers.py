@@ -11,11 +11,14 @@ transformers, accelerate, peft or autopatch, and report it (Session.note_bypass)
 from __future__ import annotations
 
 import sys
+import threading
+import weakref
 
 WRAPPER_CODES: set = set()  # the code objects of the patched forwards (autopatch.rules._flce_call.make_forward)
 _SKIPPED_CALLERS = ("torch", "transformers", "accelerate", "peft", "autopatch", "deepspeed")
 LOOKS_PER_CLASS = 4
-_LOOKS = "fused_linear_cross_entropy: lm_head reads looked at"  # Session.meta key: class -> looks so far
+_looks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Session -> {class: lm_head reads looked at}
+_looks_lock = threading.Lock()
 # modules of TRL whose head is certain to pass ours over on every call -> what to say
 _TRL_HEADS = {
     "trl.trainer.utils": "TRL's own fused LM head computed the loss (trl add_fused_lm_head: the trainer calls "
@@ -26,10 +29,10 @@ _TRL_HEADS = {
 
 def looks(session) -> dict:
     """The session's lm_head reads looked at so far per class (forgotten on Session.reset_runs)."""
-    with session.lock:
-        found = session.meta.get(_LOOKS)
+    with _looks_lock:
+        found = _looks.get(session)
         if found is None:
-            found = session.meta[_LOOKS] = {}
+            found = _looks[session] = {}
             session.on_reset(found.clear)
     return found
 
