@@ -14,6 +14,9 @@ Proof: the class's own eager forward runs on a small float64 stand-in instance (
 of them, one expert unused) and must equal the formula fused_kernels.moe_experts computes, to 1e-12
 relative; any other result, or an eager forward that reads what the stand-in lacks, leaves it alone.
 
+Records are labelled, as the moe_gate rule's, with the kernel of the architecture's default activation
+(swiglu for SiLU experts, geglu for GELU ones).
+
 Patch. `forward` on the class is replaced by one that calls fused_kernels.moe_experts with the
 instance's own weights, layout and activation (SiLU -> the SwiGLU experts, GELU tanh/erf -> GeGLU, by
 the glu_mlp classifier). At run time it hands back to the original dispatcher for: expert parallelism,

@@ -15,6 +15,10 @@ something else. No probe is needed for the formula; the activation is read from 
 time, exactly as the glu_mlp rule does (its classifier and table are used here): SiLU -> swiglu,
 GELU-tanh / GELU-erf -> geglu, anything else or a disabled kernel -> the original gate.
 
+Records are labelled with the kernel of the activation the architecture's default config gives its
+experts (_gated.default_activation_kernel): a GELU MoE's record is `geglu`'s, a SiLU one `swiglu`'s,
+so a refusal or a disabled kernel is judged under the toggle that would have run.
+
 Patch. `_apply_gate` on the class is replaced by one that hands the two halves (views of
 gate_up_out, no copy) to the fused kernel. The "eager" experts implementation (the model's own
 per-expert loop) never calls `_apply_gate`; there the experts run as written.
