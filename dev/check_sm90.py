@@ -83,7 +83,7 @@ def rms_norm_cases(cols: list[int], dtype: str):
     from fused_kernels.ops import rms_norm as rms
     for backward in (False, True):
         configs = [triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
-                   for c in rms_cfg.candidate_configs(backward)]
+                   for c in rms_cfg.candidate_configs(backward, rms_cfg.SM90)]
         for n in cols:
             for cfg in rms_cfg._prune(configs, {"n_cols": n, "row_bucket": 65536}):
                 flags = dict(CASTING=0, HAS_WEIGHT=True, EXACT_BF16=False, **cfg.kwargs)

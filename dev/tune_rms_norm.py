@@ -74,9 +74,9 @@ def forced_plans(forward=None, backward=None):
     that direction (None: plan()'s own)."""
     real = rms_cfg.plan
 
-    def plan(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts):
-        wanted = forward if direction == "forward" else backward
-        return real(n_rows, n_cols, x_dtype, weight_dtype, direction, **facts) if wanted is None else wanted
+    def plan(call, device):
+        wanted = forward if call.direction == "forward" else backward
+        return real(call, device) if wanted is None else wanted
 
     return mock.patch.object(rms, "plan", plan)
 
@@ -176,8 +176,8 @@ def main() -> None:
 
         dx_ref, dw_ref = bwd()
         torch.cuda.synchronize()
-        report_autotune("fwd", rms._rms_norm_fwd_tuned, floor_fwd)
-        report_autotune("bwd", rms._rms_norm_bwd_tuned, floor_bwd)
+        report_autotune("fwd", rms._tuned(False, facts), floor_fwd)
+        report_autotune("bwd", rms._tuned(True, facts), floor_bwd)
 
         f_ms, b_ms = graph_ms(fwd), graph_ms(bwd)
         print(f"  kernel time, autotuned: fwd {f_ms:.4f} ms ({pct(floor_fwd, f_ms)} of floor), "
@@ -212,7 +212,7 @@ def main() -> None:
         if args.sweep:
             for backward, fn, floor, ref in ((False, fwd, floor_fwd, y_ref), (True, bwd, floor_bwd, dx_ref)):
                 results = []
-                for cfg in rms_cfg.candidate_configs(backward):
+                for cfg in rms_cfg.candidate_configs(backward, facts):
                     meta = cfg.meta()
                     if not rms_cfg._fits(meta, n):
                         continue

@@ -89,7 +89,7 @@ def listing() -> list[dict]:
         if dev.cuda:  # the configs triton.autotune times on this GPU for the "triton" path's config None
             for backward in (False, True):
                 add("rms_norm", {"autotune candidates": "backward" if backward else "forward"},
-                    _Candidates(rms_cfg.candidate_configs(backward)))
+                    _Candidates(rms_cfg.candidate_configs(backward, dev)))
         for rows, cols in LAYER_NORM:
             add("layer_norm", {"rows": rows, "cols": cols, "direction": "forward"},
                 helpers.plan(ln, rows, cols, BF16, "forward", device=dev))

@@ -60,6 +60,7 @@ which execute plan()'s choice. "none" casting: see above; weight None: y = x·r 
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Optional
@@ -70,15 +71,15 @@ import triton.language as tl
 
 from fused_kernels import _dispatch, _gpu
 from fused_kernels._dispatch import Path, Plan
-from fused_kernels._gpu import device_facts
+from fused_kernels._gpu import DeviceFacts, device_facts
 from fused_kernels._jit import for_store, rounded
 from fused_kernels._ints import cdiv, next_pow2
 from fused_kernels._launch import launch
 from fused_kernels._utils import new_output as _new_output, row_stride as _row_stride, rows_view as _rows_view
 from fused_kernels._utils import check_choice, check_float, count_launch, interpreter_on, launches_on_device_of
-from fused_kernels.ops.rms_norm_config import (OP_NAMES, Call, LaunchConfig, SplitBackwardConfig, _MAX_PROGRAMS_PER_SM,
-                                               _programs, _prune, _row_bucket, backward_programs, candidate_configs,
-                                               cluster_shape, dw_sum_config, plan)
+from fused_kernels.ops.rms_norm_config import (OP_NAMES, SM90, Call, LaunchConfig, SplitBackwardConfig,
+                                               _MAX_PROGRAMS_PER_SM, _programs, _prune, _row_bucket, backward_programs,
+                                               candidate_configs, cluster_shape, dw_sum_config, plan)
 
 CASTING_MODES = ("llama", "gemma", "none")
 _KEEP = ("input", "output")
@@ -368,18 +369,33 @@ def _sum_partial_rows(partial: torch.Tensor, n_parts: int, weight: torch.Tensor)
 # no reset_to_zero / restore_value needed.
 # ----------------------------------------------------------------------------------------------
 
-def _autotuned(kernel, backward: bool):
+_BUILT_FOR: set = set()  # the DeviceFacts _tuned has built autotuners for
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(backward: bool, device: DeviceFacts):
+    """The autotuned kernel of one direction for one GPU: its candidates and shared-memory limit from
+    that GPU's facts, built on its first launch there."""
+    _BUILT_FOR.add(device)
     key = ["n_cols", "row_bucket", "CASTING", "HAS_WEIGHT"] + (["COMPUTE_DW", "FROM_OUTPUT"] if backward else [])
     return triton.autotune(
         configs=[triton.Config(c.meta(), num_warps=c.num_warps, num_stages=c.num_stages)
-                 for c in candidate_configs(backward)],
+                 for c in candidate_configs(backward, device)],
         key=key,  # the dtypes of the tensor arguments are part of every autotuning key
-        prune_configs_by={"early_config_prune": _prune},
-    )(kernel)
+        prune_configs_by={"early_config_prune": functools.partial(_prune, device=device)},
+    )(_rms_norm_bwd_kernel if backward else _rms_norm_fwd_kernel)
 
 
-_rms_norm_fwd_tuned = _autotuned(_rms_norm_fwd_kernel, backward=False)
-_rms_norm_bwd_tuned = _autotuned(_rms_norm_bwd_kernel, backward=True)
+def _tuner_facts(device: DeviceFacts) -> DeviceFacts:
+    """Whose candidates a launch is tuned among: its GPU's; off the GPU (the CPU interpreter, where only
+    tests force this path) the reference GPU's, SM90."""
+    return device if device.cuda else SM90
+
+
+# The reference GPU's autotuners, built now (tests replace their benchmark); other GPUs' on first use.
+_rms_norm_fwd_tuned = _tuned(False, SM90)
+_rms_norm_bwd_tuned = _tuned(True, SM90)
+_LATEST: dict = {}  # direction ("fwd", "bwd") -> the autotuner that tuned last (autotuned_config)
 
 
 # What the autotuners chose, by a key holding everything theirs holds (the key arguments and the tensor
@@ -393,12 +409,16 @@ _CHOSEN: dict = {}
 _TUNING_LOCK = threading.Lock()
 
 
-def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) -> None:
+def _launch_tuned(backward: bool, device: DeviceFacts, kernel, key: tuple, grid, args: tuple, kwargs: dict) -> None:
+    device = _tuner_facts(device)
+    key = (device, *key)
     meta = _CHOSEN.get(key)
     if meta is None:
+        tuned = _tuned(backward, device)
         with _TUNING_LOCK:
             tuned[grid](*args, **kwargs)
             _CHOSEN[key] = tuned.best_config.all_kwargs()
+            _LATEST["bwd" if backward else "fwd"] = tuned
     else:
         merged = {**kwargs, **meta}
         launch(kernel, grid(merged), args, merged)
@@ -407,13 +427,15 @@ def _launch_tuned(tuned, kernel, key: tuple, grid, args: tuple, kwargs: dict) ->
 def reset_autotuning() -> None:
     """Forget every autotuning result: the next launch of each shape class tunes again."""
     _CHOSEN.clear()
-    _rms_norm_fwd_tuned.cache.clear()
-    _rms_norm_bwd_tuned.cache.clear()
+    _LATEST.clear()
+    for backward in (False, True):
+        for device in _BUILT_FOR:
+            _tuned(backward, device).cache.clear()
 
 
 def autotuned_config(backward: bool) -> Optional[triton.Config]:
     """The config the autotuner chose in its latest tuning (None before the first one)."""
-    return getattr(_rms_norm_bwd_tuned if backward else _rms_norm_fwd_tuned, "best_config", None)
+    return getattr(_LATEST.get("bwd" if backward else "fwd"), "best_config", None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,7 +497,7 @@ def _forward_impl(
             return (_programs(meta["ROWS"], meta["PROGRAMS_PER_SM"], False, n_rows, n_cols, 0, sm_count),)
 
         key = ("fwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], x.dtype, args[1].dtype, out_dtype)
-        _launch_tuned(_rms_norm_fwd_tuned, _rms_norm_fwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
+        _launch_tuned(False, facts, _rms_norm_fwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
     else:
         programs = _programs(cfg.rows, cfg.programs_per_sm, False, n_rows, n_cols, 0, facts.sm_count)
         launch(_rms_norm_fwd_kernel, (programs,), args,
@@ -579,7 +601,8 @@ def _one_kernel_backward(dy2, x2, weight, rstd, dx, offset: float, casting_mode:
 
         key = ("bwd", n_cols, args[-1], flags["CASTING"], flags["HAS_WEIGHT"], compute_dw, from_output, dy2.dtype,
                x2.dtype, args[2].dtype)
-        _launch_tuned(_rms_norm_bwd_tuned, _rms_norm_bwd_kernel, key, grid, args, dict(flags, EXACT_BF16=False))
+        _launch_tuned(True, device_facts(x2.device), _rms_norm_bwd_kernel, key, grid, args,
+                      dict(flags, EXACT_BF16=False))
         return partial, launched[0]
     launch(_rms_norm_bwd_kernel, (max_programs,), args,
            dict(flags, EXACT_BF16=_INTERPRETED, **cfg.meta(), num_warps=cfg.num_warps))

@@ -248,21 +248,28 @@ def _regs_per_thread(per_thread: int, rows: int, num_stages: int, backward: bool
     return 64 if per_thread <= 16 else 80
 
 
-def _resident_programs(cfg: LaunchConfig, backward: bool) -> int:
-    """Persistent programs per SM that surely fit at once (registers, threads, shared memory for the
-    pipelined tiles of fp32-sized inputs), 1..4: a persistent grid larger than what fits would run
-    in two unequal waves, so this errs low (the pipelining keeps the loads in flight)."""
+def _resident_programs(cfg: LaunchConfig, backward: bool, device: DeviceFacts) -> int:
+    """Persistent programs per SM that surely fit at once on `device` (registers, threads, the shared
+    memory one program may take for the pipelined tiles of fp32-sized inputs), 1..4: a persistent grid
+    larger than what fits would run in two unequal waves, so this errs low (the pipelining keeps the
+    loads in flight)."""
     threads = 32 * cfg.num_warps
     per_thread = cfg.tile // threads
     by_regs = 65536 // (_regs_per_thread(per_thread, cfg.rows, cfg.num_stages, backward) * threads)
     arrays = 2 if backward else 1
     shared = (max(cfg.num_stages, 2) - 1) * cfg.tile * 4 * arrays + cfg.tile * 4
-    by_shared = (227 * 1024) // shared
+    by_shared = device.smem_per_block // shared
     return max(1, min(by_regs, 2048 // threads, by_shared, _MAX_PROGRAMS_PER_SM))
 
 
-def candidate_configs(backward: bool) -> list[LaunchConfig]:
-    """Every config the autotuner may try, for all row lengths; `_prune` keeps those that fit one.
+# The GPU the tables above were measured on and dev/check_sm90.py compiles for: the facts that
+# candidate_configs and _prune use when no device is named (tests, sm_90a compiles).
+SM90 = DeviceFacts(cuda=True, sm_count=132, capability=(9, 0), smem_per_sm=233472, gluon=True)
+
+
+def candidate_configs(backward: bool, device: DeviceFacts = SM90) -> list[LaunchConfig]:
+    """Every config the autotuner may try on `device`, for all row lengths; `_prune` keeps those that fit
+    one. `device` sizes the persistent grids (`_resident_programs`: its shared memory per program).
 
     Single pass (block_n = n_cols rounded up to a power of two): one row per tile with 8, 16 (and,
     forward only, 32) fp32 values per thread, or several rows stacked into a 2–4 K element tile for
@@ -303,7 +310,7 @@ def candidate_configs(backward: bool) -> list[LaunchConfig]:
         for num_stages in stage_choices:
             cfg = LaunchConfig(block_n, rows, num_warps, 0, chunked, num_stages)
             persistent = backward or (num_stages > 1 and not chunked)
-            per_sm = _resident_programs(cfg, backward) if persistent else 0
+            per_sm = _resident_programs(cfg, backward, device) if persistent else 0
             out.append(dataclasses.replace(cfg, programs_per_sm=per_sm))
             if backward and chunked and num_stages == 1:  # the autotuner weighs L2 re-use against idle SMs
                 out.append(dataclasses.replace(cfg, programs_per_sm=per_sm, l2_cap=False))
@@ -316,7 +323,16 @@ def _fits(meta: dict, n_cols: int) -> bool:
     return n_cols > _CHUNKED_FROM and n_cols > meta["BLOCK_N"]
 
 
-_SHARED_LIMIT = 220 * 1024  # of the H100/H200's 227 KiB per block, with room for reduction scratch
+_REDUCTION_SCRATCH = 7 * 1024  # shared memory a program keeps beside its pipelined tiles (reductions)
+
+
+def shared_limit(device: DeviceFacts) -> int:
+    """Shared memory the pipelined tiles of one program may take on `device`: what a program may opt in
+    to, less room for reduction scratch (220 KiB on an H100/H200, 156 KiB on an A100)."""
+    return device.smem_per_block - _REDUCTION_SCRATCH
+
+
+_SHARED_LIMIT = shared_limit(SM90)  # SM90's, which _prune uses when no device is named
 
 
 def _pipelined_shared_bytes(meta: dict, bytes_per_col: int, partial_bytes: int) -> int:
@@ -328,16 +344,17 @@ def _pipelined_shared_bytes(meta: dict, bytes_per_col: int, partial_bytes: int) 
     return buffers * meta["BLOCK_N"] * (2 * bytes_per_col + partial_bytes)
 
 
-def _prune(configs, named_args, **kwargs):
+def _prune(configs, named_args, device: DeviceFacts = SM90, **kwargs):
     """triton.autotune's early_config_prune: the candidates for this row length whose pipelined tiles
-    fit in shared memory for these dtypes (and, for few rows, no more rows per tile than there are)."""
+    fit in `device`'s shared memory for these dtypes (and, for few rows, no more rows per tile than there
+    are). rms_norm builds each GPU's autotuner with that GPU's facts bound here."""
     n_cols, row_bucket = named_args["n_cols"], named_args["row_bucket"]
     x = named_args.get("X")
     dy = named_args.get("DY")
     bytes_per_col = (x.element_size() if x is not None else 2) + (dy.element_size() if dy is not None else 0)
     partial_bytes = 4 if dy is not None else 0
     fitting = [c for c in configs if _fits(c.kwargs, n_cols)
-               and _pipelined_shared_bytes(c.kwargs, bytes_per_col, partial_bytes) <= _SHARED_LIMIT]
+               and _pipelined_shared_bytes(c.kwargs, bytes_per_col, partial_bytes) <= shared_limit(device)]
     fitting = fitting or [c for c in configs if _fits(c.kwargs, n_cols)]
     few_rows = [c for c in fitting if c.kwargs["ROWS"] <= row_bucket]
     if few_rows:
