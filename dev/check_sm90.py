@@ -292,7 +292,7 @@ def main() -> None:
             bad += 1
             continue
         regs = -(-max(r["regs"], 1) // 8) * 8  # allocated in units of 8 per thread
-        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, (227 * 1024) // max(r["shared"], 1))
+        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, rms_cfg.SM90.smem_per_block // max(r["shared"], 1))
         note = ""
         if capped and r["local"] + r["stack"] <= CAPPED_SPILL_BYTES:
             # held to the registers that let per_sm CTAs share an SM: a few spilled bytes are the price
