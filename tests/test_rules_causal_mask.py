@@ -174,7 +174,7 @@ def test_sliding_window(sdpa_calls, window, skipped):
 def test_architectures_compiled_match_eager(arch):
     """Tiny models of other families (Gemma 3 / Cohere 2: sliding and full layers; an MoE), SDPA,
     compiled and patched: the loss and every gradient of the unpatched eager model."""
-    from autopatch import tiny_models
+    import tiny_models
 
     spec = next(a for a in tiny_models.causal_lm_architectures() if a.class_name == arch)
     model = tiny_models.build_tiny(spec).train()

@@ -12,7 +12,8 @@ from helpers import assert_close, everything, modeling, train_and_eval, verdict_
 pytest.importorskip("transformers")
 
 import fused_kernels  # noqa: E402
-from autopatch import patching, tiny_models  # noqa: E402
+import tiny_models  # noqa: E402
+from autopatch import patching  # noqa: E402
 from autopatch.rules import gelu_mlp  # noqa: E402
 from autopatch.session import current  # noqa: E402
 

@@ -15,7 +15,8 @@ from helpers import check_class_verdict, everything, modeling, rel_err, verdict_
 pytest.importorskip("transformers")
 
 import fused_kernels  # noqa: E402
-from autopatch import patching, tiny_models  # noqa: E402
+import tiny_models  # noqa: E402
+from autopatch import patching  # noqa: E402
 from autopatch.rules import layer_norm  # noqa: E402
 from autopatch.session import current  # noqa: E402
 

@@ -14,7 +14,8 @@ from helpers import assert_close, everything, modeling, verdict_of
 pytest.importorskip("transformers")
 
 import fused_kernels  # noqa: E402
-from autopatch import patching, tiny_models  # noqa: E402
+import tiny_models  # noqa: E402
+from autopatch import patching  # noqa: E402
 from autopatch.rules import glu_mlp, moe_gate  # noqa: E402
 from autopatch.session import current  # noqa: E402
 
