@@ -18,12 +18,14 @@ Two stages, so that a process pays for nothing until it imports transformers:
      PreTrainedModel.train (the audit again when the mode changes: transformers 5.25 re-kernelizes there).
 
 Cost, measured on this project's 2-core CPU machine (Python 3.11, torch 2.13, transformers 5.25,
-wrapt 2.5; best of 20 runs): `python -c pass` takes 11.2 ms with no variable and 11.6 ms with
-FUSED_KERNELS=all (+0.4 ms: the finder; importing wrapt at interpreter start would add ~60 ms, which is
-why it waits for transformers). `import transformers` + building a 1-layer hidden-64 Llama: 2.36 s
-plain, 2.50 s with FUSED_KERNELS=all (+0.14 s: wrapt 0.03 s, registering ~560 post-import hooks
-< 0.01 s, the rules over modeling_llama and the audit of the model the rest).
-Not importing threading (_thread's RLock instead) keeps the finder free.
+wrapt 2.5, bytecode cached; best of 20 runs): `python -c pass` takes 11.2 ms with no variable and
+11.6 ms with FUSED_KERNELS=all (the finder; importing wrapt at interpreter start would add ~60 ms, which
+is why it waits for transformers). `import transformers` (best of 5): 0.71 s plain, 0.83 s with
+FUSED_KERNELS=all (+0.12 s: pydantic-settings and the settings, wrapt, ~560 post-import hooks
+registered); `import transformers` + building a 1-layer hidden-64 Llama: 4.10 s plain, 4.41 s with
+FUSED_KERNELS=all (+0.3 s: the rules over modeling_llama with their numerical proofs, and the audit).
+Not importing threading (_thread's RLock instead) keeps the finder free. The swaps themselves are
+plain functions, not wrapt wrappers (autopatch/patching.py says why).
 
 A hook must never raise: transformers would turn the exception into a misleading
 "ModuleNotFoundError: Could not import module 'modeling_llama'", and wrapt drops a hook that raised.

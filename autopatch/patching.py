@@ -2,14 +2,16 @@
 through here keeps the original for the fallback path, makes patching idempotent, lets the audit
 (autopatch.audit) tell whether what we set is still there, and lets tests restore everything.
 
-A function replaced by a function (a class's `forward`, a module's `apply_rotary_pos_emb`) is set as a
-wrapt function wrapper around the original (`Swap`): calls go to our function, while `__wrapped__`,
-`__name__`, `__doc__`, `inspect.signature` and `inspect.unwrap` read the original's, as a decorator's
-would. torch.compile(fullgraph=True) traces through it without a graph break (Dynamo inlines the
-wrapper's call: tests/test_patching_wrapt.py compiles a patched tiny Llama with backend "eager"). What
-we attach to our function (a rule's `_autopatch_variant`) is read through `replacement(value)`.
-Anything else (properties, classes, None, a registry entry) is set as given. wrapt is imported on the
-first swap, which comes after transformers was imported: never at interpreter start.
+What a rule gives is set as a plain function, with `__wrapped__` pointing at the original when the rule
+did not set it (so `inspect.signature` and `inspect.unwrap` read the original's), not as a wrapt
+function wrapper. Measured with torch 2.13 and wrapt 2.5: a patched tiny Llama whose forwards were
+`wrapt.FunctionWrapper`s compiled with fullgraph=True in eval (backend "eager"), but a training step
+under backend "aot_eager" (tests/test_stack_compile.py) failed in Dynamo's guards: "Guard failed on the
+same frame it was created ... ClosureGuardAccessor: Not a function on
+dict(type(instance._modules['model']).__dict__)['forward'].__closure__" -- the proxy passes
+isinstance(..., FunctionType) but is not a function, so the guard Dynamo built on its closure fails at
+once. wrapt serves the import hooks (autopatch.hooks); the swaps stay plain functions, which Dynamo
+traces without a graph break (tests/test_patching.py, tests/test_stack_compile.py).
 """
 
 from __future__ import annotations
@@ -21,43 +23,6 @@ _MISSING = object()
 # (id(owner), name) -> (owner, name, original value or _MISSING, the value we set)
 _originals: dict[tuple[int, object], tuple[object, object, object, object]] = {}
 _lock = threading.RLock()
-_swap_class = []  # the wrapt class, made on first use
-
-
-def _swap_type():
-    if not _swap_class:
-        import wrapt
-
-        class Swap(wrapt.FunctionWrapper):
-            """A function patched by autopatch: calls go to `_self_replacement`; the rest reads the original."""
-
-            def __init__(self, original, replacement):
-                super().__init__(original, _caller(replacement))
-                self._self_replacement = replacement
-
-        _swap_class.append(Swap)
-    return _swap_class[0]
-
-
-def _caller(replacement):
-    """The wrapt wrapper of one swap: wrapt hands over the owner as `instance` for a method called on
-    an instance (or through the class with the instance first), None for a module function."""
-
-    def call(wrapped, instance, args, kwargs):
-        if instance is None:
-            return replacement(*args, **kwargs)
-        return replacement(instance, *args, **kwargs)
-
-    return call
-
-
-def replacement(value):
-    """Our function behind a Swap (what a rule set), else `value` itself."""
-    return getattr(value, "_self_replacement", value)
-
-
-def is_swap(value) -> bool:
-    return bool(_swap_class) and isinstance(value, _swap_class[0])
 
 
 def is_patched(owner, name: str) -> bool:
@@ -79,7 +44,7 @@ def original(owner, name: str):
 
 
 def installed(owner, name: str):
-    """The value we set as `owner.name` (a Swap for a swapped function), or None if not patched."""
+    """The value we set as `owner.name`, or None if not patched."""
     with _lock:
         entry = _originals.get((id(owner), name))
     return None if entry is None else entry[3]
@@ -91,23 +56,25 @@ def entries() -> list[tuple[object, str, object]]:
         return [(owner, name, new) for owner, name, _, new in _originals.values() if isinstance(name, str)]
 
 
-def _wrap(owner, name: str, new, own):
-    """`new` as a Swap around the function it replaces, where both are plain Python functions."""
+def _dress(new, own, owner, name: str):
+    """Point a replacement function's __wrapped__ at the function it replaces, unless the rule did."""
     current = own if own is not _MISSING else getattr(owner, name, None)
-    if not (isinstance(new, types.FunctionType) and isinstance(current, types.FunctionType)):
-        return new
-    return _swap_type()(current, new)
+    if isinstance(new, types.FunctionType) and callable(current) and "__wrapped__" not in vars(new):
+        try:
+            new.__wrapped__ = current
+        except (AttributeError, TypeError):
+            pass
+    return new
 
 
 def replace(owner, name: str, new) -> bool:
-    """Set owner.name = new (wrapped, see the module docstring), remembering the first original.
-    Returns False when already patched."""
+    """Set owner.name = new, remembering the first original. Returns False when already patched."""
     with _lock:
         key = (id(owner), name)
         if key in _originals:
             return False
         own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
-        value = _wrap(owner, name, new, own)
+        value = _dress(new, own, owner, name)
         _originals[key] = (owner, name, own, value)
         setattr(owner, name, value)
         return True

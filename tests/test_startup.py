@@ -322,8 +322,8 @@ def test_wrapt_waits_for_transformers(tmp_path):
     """wrapt is imported once transformers is, and its post-import hooks patch the modeling modules."""
     code = ("import sys; a = 'wrapt' in sys.modules; import transformers; b = 'wrapt' in sys.modules; "
             "from transformers.models.llama import modeling_llama as m; from autopatch import patching; "
-            "print(a, b, patching.is_swap(vars(m.LlamaForCausalLM)['post_init'] if 'post_init' in vars(m.LlamaForCausalLM) "
-            "else vars(sys.modules['transformers.modeling_utils'].PreTrainedModel)['post_init']))")
+            "print(a, b, patching.is_patched(m.LlamaRMSNorm, 'forward') and "
+            "patching.is_patched(sys.modules['transformers.modeling_utils'].PreTrainedModel, 'post_init'))")
     out = run([PY, "-c", code], env=clean_env(FUSED_KERNELS="rms_norm", TRITON_INTERPRET="1"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "True"], (out.stdout, out.stderr)
