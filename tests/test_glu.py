@@ -381,7 +381,7 @@ def test_wide_index_path():
     """The int64 index path (taken when an offset passes 2**31) computes the same numbers."""
     x = randn(7, 2 * 50, dtype=torch.bfloat16)
     gate, up = x.chunk(2, dim=-1)
-    with mock.patch.object(glu, "_INT32_LIMIT", 0), poisoned_outputs_and_tile(64):
+    with mock.patch.object(glu_config, "_INT32_LIMIT", 0), poisoned_outputs_and_tile(64):
         out = fused_kernels.geglu(gate, up)
         dgate, dup = torch.ops.fused_kernels.geglu_bwd(out, gate, up, "tanh")
     gate64, up64 = gate.double().requires_grad_(True), up.double().requires_grad_(True)
