@@ -21,6 +21,15 @@ Variables (process environment, or lines of an env file):
                                           only if read (autopatch.rules._causal_lm_loss)
     FUSED_KERNELS_FLCE_CHUNK_MB=252       MiB of logits the fused linear cross entropy computes at a
                                           time (a positive whole number; default 252)
+    AUTOPATCH_OFFLOAD=false|auto|true     the tensors autograd saves for the backward of a training
+                                          forward (the checkpointed layer inputs under gradient
+                                          checkpointing) kept in pinned host memory: auto = only what
+                                          does not fit the GPU's free memory, true = every one of
+                                          1 MiB or more (autopatch.offload; default false)
+    AUTOPATCH_TILED_MLP_TOKENS=8192       the most tokens a patched MLP (swiglu, geglu, gelu_mlp)
+                                          runs at once in training: longer inputs go in chunks,
+                                          recomputed in the backward (autopatch.rules._tiled; a
+                                          positive whole number; default off)
 
 Sources, strongest first: `autopatch run` flags (init keywords here), the process environment, the
 env file, the defaults (nothing on). Sources merge per variable, then the kernel set is computed:
@@ -59,8 +68,11 @@ SCALAR_VARIABLES: dict[str, str] = {
     "AUTOPATCH_STRICT": "strict",
     "AUTOPATCH_RETURN_LOGITS": "return_logits",
     "FUSED_KERNELS_FLCE_CHUNK_MB": "flce_chunk_mb",
+    "AUTOPATCH_OFFLOAD": "offload",
+    "AUTOPATCH_TILED_MLP_TOKENS": "tiled_mlp_tokens",
 }
 RETURN_LOGITS_CHOICES = ("auto", "true", "false")
+OFFLOAD_CHOICES = ("false", "auto", "true")
 # Variables an env file may not set: they choose the file, or belong to `autopatch run`.
 NOT_IN_ENV_FILE = ("AUTOPATCH_ENV_FILE", "AUTOPATCH_RUN_KERNELS")
 FLAG_NAMES = {"run_kernels": "--kernels", "env_file": "--env-file", "report": "--report", "strict": "--strict"}
@@ -353,6 +365,8 @@ class Settings(BaseSettings):
     strict: bool = False  # AUTOPATCH_STRICT
     return_logits: str = "auto"  # AUTOPATCH_RETURN_LOGITS
     flce_chunk_mb: int | None = None  # FUSED_KERNELS_FLCE_CHUNK_MB; None: the kernel's default
+    offload: str = "false"  # AUTOPATCH_OFFLOAD
+    tiled_mlp_tokens: int | None = None  # AUTOPATCH_TILED_MLP_TOKENS; None: the MLPs run whole
     not_provided: frozenset[str] = frozenset()  # Liger keys asked for in the kernel lists, no kernel here
 
     @model_validator(mode="before")
@@ -465,6 +479,30 @@ class Settings(BaseSettings):
         raise _BadValue(("flce_chunk_mb",), f"expected a positive whole number of MiB for the fused linear cross "
                                             f"entropy's logits chunk, e.g. 128 (default 252), got {value!r}")
 
+    @field_validator("offload", mode="before")
+    @classmethod
+    def _offload(cls, value):
+        text = str(value).strip().lower()
+        if text == "auto":
+            return text
+        try:
+            return "true" if parse_bool(text) else "false"
+        except ValueError:
+            raise _BadValue(("offload",), f"expected false, auto or true, got {value!r}") from None
+
+    @field_validator("tiled_mlp_tokens", mode="before")
+    @classmethod
+    def _tiled_mlp_tokens(cls, value):
+        if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        text = str(value).strip()
+        if not text:
+            return None
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+        raise _BadValue(("tiled_mlp_tokens",), f"expected a positive whole number of tokens above which the "
+                                                f"MLPs run in chunks, e.g. 8192, got {value!r}")
+
     @field_validator("report", mode="before")
     @classmethod
     def _report(cls, value):
@@ -522,6 +560,8 @@ class Settings(BaseSettings):
             "strict": self.strict,
             "return_logits": self.return_logits,
             "flce_chunk_mb": self.flce_chunk_mb,
+            "offload": self.offload,
+            "tiled_mlp_tokens": self.tiled_mlp_tokens,
         }
 
 
