@@ -207,5 +207,5 @@ def apply(model, config=None, **toggles) -> list:
     replaced = audit.audit_model(model, session, say=not session.strict)
     if replaced and session.strict:
         k, t, by = replaced[0]
-        raise StrictModeError(report.replaced_line(k, t, by, strict=True))
+        raise StrictModeError(report.replaced_line(k, t, by, strict=True, model_type=audit.model_type_of(model)))
     return records

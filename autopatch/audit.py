@@ -28,9 +28,14 @@ from autopatch.session import say as _say
 
 
 def describe(value) -> str:
-    """`module.qualname` of what runs instead (a function, a bound method, a class, a partial)."""
+    """`module.qualname` of what runs instead (a function, a bound method, a class, a partial). For a
+    function, where its code was written (its globals' module, its code's qualname), not what
+    functools.wraps copied onto it: TRL's fused head is dressed as the model's own forward."""
     func = getattr(value, "__func__", value)
     func = getattr(func, "func", func) if type(func).__name__ == "partial" else func
+    if isinstance(func, types.FunctionType):
+        code = func.__code__
+        return f"{func.__globals__.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
     module = getattr(func, "__module__", None) or type(func).__module__
     name = getattr(func, "__qualname__", None) or type(func).__qualname__
     return f"{module}.{name}"
@@ -133,14 +138,20 @@ def audit_model(model, session: Session, *, say: bool = True) -> list[tuple[str,
         return []
     new = [item for item in found if session.note_replaced(*item)]
     if new and say:
-        say_lines(new, session)
+        say_lines(new, session, model_type_of(model))
     return new
 
 
-def say_lines(items, session: Session) -> list[str]:
+def model_type_of(model) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    return model_type if isinstance(model_type, str) else ""
+
+
+def say_lines(items, session: Session, model_type: str = "") -> list[str]:
     """Say the lines for these replacements (strict wording in strict mode); returns them."""
     liger = [i for i in items if report.is_liger(i[2])]
-    lines = [report.replaced_line(k, t, by, strict=session.strict) for k, t, by in items if not report.is_liger(by)]
+    lines = [report.replaced_line(k, t, by, strict=session.strict, model_type=model_type)
+             for k, t, by in items if not report.is_liger(by)]
     if liger:
         lines.insert(0, report.liger_line(liger, strict=session.strict))
     for line in lines:

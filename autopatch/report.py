@@ -116,16 +116,16 @@ def is_liger(by: str) -> bool:
     return by.startswith("liger_kernel")
 
 
-def replaced_line(kernel: str, target: str, by: str, strict: bool = False) -> str:
+def replaced_line(kernel: str, target: str, by: str, strict: bool = False, model_type: str = "") -> str:
     """One line for one of our forwards replaced after we patched it: which class, what runs instead,
-    and the variable that changes it."""
+    and the variable that changes it (for the model type when given)."""
     head = "AUTOPATCH_STRICT: " if strict else "autopatch: "
     line = (f"{head}{kernel} on {_short_target(target)} was replaced after autopatch patched it: {by} runs "
             f"instead, so autopatch's {kernel} does not run there")
     if strict:
-        return line + (f". Remove the replacement, turn the kernel off ({override(kernel)}), "
+        return line + (f". Remove the replacement, turn the kernel off ({override(kernel, model_type)}), "
                        "or unset AUTOPATCH_STRICT.")
-    return line + f" (to keep it and say so, {override(kernel)})"
+    return line + f" (to keep it and say so, {override(kernel, model_type)})"
 
 
 def liger_line(items, strict: bool = False) -> str:
@@ -182,6 +182,8 @@ def exit_verdict(session=None, strict: bool | None = None) -> str | None:
     why = next((known[k] for k in loss if k in known), None)
     if fell_back is not None:
         line += f": the original code ran: {fallback_cause(fallbacks[fell_back])}"
+    elif why is not None and why.get("certain"):  # a caller known to pass it over says it best (TRL's head)
+        line += f": {why['why']}"
     elif swapped is not None:
         target, by = replaced_by[swapped]
         line += f": {by} replaced it on {_short_target(target)}"

@@ -119,7 +119,7 @@ def test_a_users_monkeypatch_is_named(tmp_path):
     lines = [ln for ln in autopatch_lines(proc.stderr) if "replaced" in ln]
     assert lines == ["autopatch: rms_norm on LlamaRMSNorm was replaced after autopatch patched it: "
                      "__main__.my_norm_forward runs instead, so autopatch's rms_norm does not run there "
-                     "(to keep it and say so, AUTOPATCH_RMS_NORM=false)"], proc.stderr
+                     "(to keep it and say so, AUTOPATCH_MODELS__llama__RMS_NORM=false)"], proc.stderr
     assert data["replaced"] == [{"kernel": "rms_norm", "target": "LlamaRMSNorm", "by": "__main__.my_norm_forward"}]
 
 

@@ -260,8 +260,8 @@ def test_trl_sft_patched_by_environment_alone_reports_what_ran(tmp_path):
 
 
 def test_trl_sft_strict_mode_stops_on_the_bypass(tmp_path, monkeypatch):
-    """AUTOPATCH_STRICT treats a patched loss that TRL's head passes over like a kernel left alone: the
-    first training step stops with the override named."""
+    """AUTOPATCH_STRICT treats a patched loss that TRL's head replaces like a kernel left alone: apply()
+    finds TRL's forward on the model and stops before training, with the override named."""
     from autopatch import patching, report, session
     from autopatch.session import StrictModeError
 
@@ -276,8 +276,10 @@ def test_trl_sft_strict_mode_stops_on_the_bypass(tmp_path, monkeypatch):
         patching.restore_all()
         session.current().reset_runs()
     message = str(err.value)
-    assert message.startswith("AUTOPATCH_STRICT: fused_linear_cross_entropy is patched on Qwen2ForCausalLM"), message
-    assert "TRL's own fused LM head" in message, message
+    # TRL's fused head sets the model's forward on the instance: apply() finds it before training starts
+    assert message.startswith("AUTOPATCH_STRICT: fused_linear_cross_entropy on Qwen2ForCausalLM was replaced after "
+                              "autopatch patched it: trl."), message
+    assert "_fused_forward runs instead" in message, message
     assert "AUTOPATCH_MODELS__qwen2__FUSED_LINEAR_CROSS_ENTROPY=false" in message, message
 
 
