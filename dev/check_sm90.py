@@ -281,6 +281,8 @@ def main() -> None:
         cases += list(cross_entropy_smem_cases([int(v) for v in args.smem_vocab.split(",")], args.dtype))
     if args.op in ("norm_smem", "all") and args.dtype != "fp32":
         cases += list(norm_smem_cases([int(c) for c in args.smem_cols.split(",")], args.dtype))
+    from fused_kernels.ops.rms_norm_config import SM90  # the GPU these compiles are for
+
     bad = 0
     capped_spills = 0
     for label, kernel, sig, flags, aligned, num_warps, num_stages, per_sm in cases:
@@ -292,7 +294,7 @@ def main() -> None:
             bad += 1
             continue
         regs = -(-max(r["regs"], 1) // 8) * 8  # allocated in units of 8 per thread
-        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, rms_cfg.SM90.smem_per_block // max(r["shared"], 1))
+        resident = min(65536 // (regs * 32 * num_warps), 64 // num_warps, SM90.smem_per_block // max(r["shared"], 1))
         note = ""
         if capped and r["local"] + r["stack"] <= CAPPED_SPILL_BYTES:
             # held to the registers that let per_sm CTAs share an SM: a few spilled bytes are the price
