@@ -7,9 +7,9 @@ Functional API (names fixed; see DESIGN.md):
      moe_experts: a mixture-of-experts layer's experts, routing to weighted combine)
 Every op has forward and backward kernels, is registered as a torch.library custom op with a fake
 implementation (so torch.compile(fullgraph=True) traces it) and runs where Triton runs: CUDA, or the
-CPU under TRITON_INTERPRET=1. Which kernel and launch shape an op runs is decided in one place, its
-module's plan(), which returns a fused_kernels._dispatch.Plan; the GPU primitives several ops share
-live in fused_kernels._gpu.
+CPU under TRITON_INTERPRET=1. Which kernel and launch shape an op runs is decided in one place,
+plan(call, device) in its fused_kernels.ops.<op>_config, which returns a fused_kernels._dispatch.Plan;
+the GPU primitives several ops share live in fused_kernels._gpu.
 """
 
 from fused_kernels._utils import interpreter_on, launch_counts, reset_launch_counts, triton_can_run
