@@ -20,6 +20,10 @@ fused_kernels.gelu_linear with the second one's weight and bias when that is a p
 (weight transposed, a view) of the activations' dtype (no hooks, no autocast): gelu(h) is recomputed in
 the backward instead of being kept (tokens × intermediate per layer). Otherwise the second projection
 runs on fused_kernels.gelu(h). The instance's own dropout follows, the same call as the original's.
+
+Tiled. Above AUTOPATCH_TILED_MLP_TOKENS tokens in training, second(act(first(x))) runs over chunks of
+the tokens and is recomputed in the backward (autopatch.rules._tiled); the dropout, if any, then draws
+its one mask over the whole output, as untiled.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autopatch.rules import _gated, _probe, glu_mlp
+from autopatch.rules import _gated, _probe, _tiled, glu_mlp
 from autopatch.rules._kernels import fallback, kernels
 from autopatch.rules._template import Candidate, Rule, Swap, Verdict, input_name
 
@@ -203,9 +207,24 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str, 
         if not fk.triton_can_run(x):
             fallback(session, KERNEL, f"{type(self).__name__} got {x.device.type} tensors")
             return original_forward(self, *args, **kwargs)
+        limit = _tiled.limit_of(session)
+        if _tiled.wanted(self, x, limit):
+            # the chunks compute the formula; the dropout draws one mask over the whole output, as untiled
+            return _dropped(_tiled.run(self, x, lambda piece: formula(self, piece, kind), limit), dropout, self)
         h = getattr(self, first_name)(x)
         if h.dtype not in _gated.FLOAT_DTYPES:
             return original_forward(self, *args, **kwargs)
+        return _dropped(projected(self, h, kind), dropout, self)
+
+    def formula(self, x, kind):
+        """second(act(first(x))) on x (one chunk of a tiled call), without the dropout."""
+        h = getattr(self, first_name)(x)
+        if h.dtype not in _gated.FLOAT_DTYPES:
+            return getattr(self, second_name)(getattr(self, act_attr)(h))
+        return projected(self, h, kind)
+
+    def projected(self, h, kind):
+        fk = kernels()
         second = getattr(self, second_name)
         if glu_mlp._fusable_down_proj(second, h):
             y = fk.gelu_linear(h, second.weight, second.bias, APPROXIMATE[kind])
@@ -213,7 +232,7 @@ def make_forward(original_forward: Callable, variant: Variant, input_name: str, 
             y = fk.gelu_linear(h, second.weight.t(), second.bias, APPROXIMATE[kind])
         else:
             y = second(fk.gelu(h, APPROXIMATE[kind]))
-        return _dropped(y, dropout, self)
+        return y
 
     return _probe.dressed_forward(forward, original_forward, variant.describe())
 

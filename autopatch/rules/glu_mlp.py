@@ -22,6 +22,10 @@ wrappers around them keep working) and the fused gate kernel. When `down_proj` i
 (no hooks, no subclass, no autocast) the gate and the down projection run as one node,
 fused_kernels.glu_linear, which recomputes act(gate) * up in the backward instead of keeping it; tensors Triton cannot run on go to the
 original forward, with one notice per process.
+
+Tiled. Above AUTOPATCH_TILED_MLP_TOKENS tokens in training, the same computation runs over chunks of
+the tokens and is recomputed in the backward (autopatch.rules._tiled): the tokens × intermediate
+activations never exist whole.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from autopatch.rules import _probe, moe_gate
+from autopatch.rules import _probe, _tiled, moe_gate
 from autopatch.rules._gated import (  # noqa: F401 - the activation table, used by the MoE and GELU rules too
     ACT_REFERENCES, FLOAT_DTYPES, GLU_LINEAR_ACTIVATION, KINDS, _gelu_erf, _gelu_tanh, activation_kind,
     classify_activation, gated, weights_fit,
@@ -206,10 +210,17 @@ def make_forward(original_forward: Callable, variant: Variant, kernels_on: froze
         kind = activation_kind(getattr(self, act_attr, None))
         if kind is None or KINDS[kind][0] not in kernels_on:
             return original_forward(self, *args, **kwargs)
+        limit = _tiled.limit_of(session)
+        if _tiled.wanted(self, x, limit):
+            return _tiled.run(self, x, lambda piece: body(self, piece, kind), limit)
+        return body(self, x, kind)
+
+    def body(self, x, kind):
+        """The MLP on x (whole, or one chunk of a tiled call)."""
         fk = kernels()
         if not fk.triton_can_run(x):
             fallback(session, KINDS[kind][0], f"{type(self).__name__} got {x.device.type} tensors")
-            return original_forward(self, *args, **kwargs)
+            return original_forward(self, x)
         if fused:
             a, b = self.gate_up_proj(x).chunk(2, dim=-1)
             gate, up = (a, b) if gate_first else (b, a)
