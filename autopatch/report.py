@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 
-from autopatch.names import FORWARD_OPS, KERNEL_NAMES, LAUNCH_OPS, LOSS_KERNELS, SHARED_OPS, UNCOUNTED
+from autopatch.names import FORWARD_OPS, KERNEL_NAMES, LAUNCH_OPS, LOSS_KERNELS, UNCOUNTED
 from autopatch.session import Record, current
 
 
