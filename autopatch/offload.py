@@ -1,0 +1,448 @@
+"""Host offload of what a training forward saves for the backward (AUTOPATCH_OFFLOAD=auto|true).
+
+While a model's training forward runs (its module in training mode, autograd recording), every tensor
+autograd saves for the backward goes through torch.autograd.graph.saved_tensors_hooks:
+
+  pack    a tensor of at least MIN_BYTES that is not a parameter (nor a view of one) and lives on the
+          model's GPU is copied to pinned host memory on a side CUDA stream, after the compute that
+          made it; its GPU memory is released once that copy is done (record_stream). What stays is a
+          handle. The same tensor saved by several nodes (the normed input of q, k and v) is copied once.
+  unpack  in the backward, the first use of a layer's tensors brings that layer's back (if they are
+          not already) and starts bringing back the previous layer's, on the side stream: the copies
+          of layer i - 1 overlap the backward of layer i. The compute stream waits for the copy's
+          event before it reads the tensor.
+
+Layers are the children of the model's longest nn.ModuleList (its decoder layers); a forward
+pre-hook on each tells the store which layer's tensors are being saved.
+
+With HF's gradient checkpointing (non-reentrant, transformers' default), the tensors saved outside
+the recompute are each checkpointed layer's inputs (torch.utils.checkpoint keeps them as saved
+tensors): those go to the host, the layer's own activations are recomputed as usual. Reentrant
+checkpointing saves its inputs with save_for_backward: the same. Without checkpointing every saved
+activation of 1 MiB or more is a candidate.
+
+Placement. `true`: every candidate goes to the host. `auto`: what fits stays on the GPU — a budget,
+taken at each training forward, of the GPU's memory less what is allocated, less the gradients not
+yet allocated and (before the optimizer's first step) AdamW's two float32 moments per trained
+parameter, less a margin (max(2 GiB, 10 % of the GPU)); the first tensors saved stay until the
+budget is spent, the rest go to the host. Either way the host is never asked for more than its
+MemAvailable less a margin (max(4 GiB, 10 %)): past that, tensors stay on the GPU. Before the
+first training forward, when the host cannot hold what this step would offload (estimated from the
+model's config and the input's tokens), one line says how much is needed and what to change, and
+offload stays off.
+
+On the CPU (no CUDA) there is nothing to offload to; `target="copy"` (tests) runs the same pack and
+unpack path with a copy into a separate CPU tensor in place of the pinned host buffer, so the CPU tests
+prove the mechanism (loss and every gradient equal) without a GPU.
+
+install(model, session, settings) is what start-up calls for each model built under the setting.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from autopatch.session import say
+
+MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are: not worth a copy
+GPU_MARGIN = (2 << 30, 0.10)  # (at least, fraction of the GPU) left free in "auto"
+HOST_MARGIN = (4 << 30, 0.10)  # (at least, fraction of MemAvailable) never offloaded into
+ADAM_BYTES = 8  # AdamW's two float32 moments per trained parameter, before its first step
+_ACTIVE = threading.local()  # the store of the training forward running on this thread, if any
+
+
+# --------------------------------------------------------------------------- the host
+def host_available() -> int | None:
+    """Bytes the host can give without swapping: MemAvailable (psutil, else /proc/meminfo)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - psutil missing: read the kernel's own figure
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _margin(total: int, margin: tuple[int, float]) -> int:
+    return max(margin[0], int(total * margin[1]))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+# --------------------------------------------------------------------------- where tensors go
+class CudaTarget:
+    """Pinned host memory, copies on a side stream of the model's GPU."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device == self.device
+
+    def to_host(self, t: torch.Tensor):
+        stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
+        host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=True)
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # t is made on the compute stream
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        t.record_stream(self.stream)  # t's memory is not reused before the copy read it
+        return host, done
+
+    def to_device(self, host: torch.Tensor, after):
+        current = torch.cuda.current_stream(self.device)
+        dev = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device=self.device)
+        self.stream.wait_stream(current)  # dev's memory may have been freed by compute not yet done
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(after)
+            dev.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return dev, done
+
+    def ready(self, dev: torch.Tensor, done) -> None:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        dev.record_stream(current)
+
+    def budget(self, model, session) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        reserve = _margin(total, GPU_MARGIN)
+        trained = [p for p in model.parameters() if p.requires_grad and p.device == self.device]
+        reserve += sum(p.numel() * p.element_size() for p in trained if p.grad is None)
+        if not getattr(session, "trained", {}).get("optimizer_steps", 0):
+            reserve += ADAM_BYTES * sum(p.numel() for p in trained)
+        return max(0, min(free, total - allocated) - reserve)
+
+
+class CopyTarget:
+    """The CPU stand-in (tests): the 'host' is a separate CPU tensor, copied to and back through the
+    same path. `budget_bytes` plays the GPU budget of "auto"."""
+
+    name = "copy"
+
+    def __init__(self, budget_bytes: int = 0):
+        self.budget_bytes = budget_bytes
+        self.device = torch.device("cpu")
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu"
+
+    def to_host(self, t):
+        stride = torch.empty_like(t, device="meta").stride()
+        host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu")
+        host.copy_(t)
+        return host, None
+
+    def to_device(self, host, after):
+        dev = torch.empty_strided(host.size(), host.stride(), dtype=host.dtype, device="cpu")
+        dev.copy_(host)
+        return dev, None
+
+    def ready(self, dev, done) -> None:
+        pass
+
+    def budget(self, model, session) -> int:
+        return self.budget_bytes
+
+
+# --------------------------------------------------------------------------- one forward's tensors
+class _Handle:
+    """What autograd keeps in place of an offloaded tensor."""
+
+    __slots__ = ("store", "group", "host", "host_done", "dev", "dev_done", "nbytes", "__weakref__")
+
+    def __init__(self, store: "_Store", group: int, t: torch.Tensor):
+        self.store, self.group, self.nbytes = store, group, t.numel() * t.element_size()
+        self.host, self.host_done = store.target.to_host(t)
+        self.dev = self.dev_done = None
+        store.offloader.host_used += self.nbytes
+        store.offloader.stats["offloaded"] += 1
+        store.offloader.stats["offloaded_bytes"] += self.nbytes
+
+    def fetch(self) -> None:
+        if self.dev is None:
+            self.dev, self.dev_done = self.store.target.to_device(self.host, self.host_done)
+            self.store.offloader.stats["fetched"] += 1
+            self.store.offloader.note("fetch", self.group)
+
+    def get(self) -> torch.Tensor:
+        self.store.offloader.note("get", self.group)
+        self.store.arrive(self.group)
+        self.fetch()
+        self.store.target.ready(self.dev, self.dev_done)
+        return self.dev
+
+    def __del__(self):
+        try:
+            self.store.offloader.host_used -= self.nbytes
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _Store:
+    """The saved tensors of one training forward, by layer; pack and unpack are autograd's hooks."""
+
+    def __init__(self, offloader: "Offloader", budget: int):
+        self.offloader, self.target, self.budget = offloader, offloader.target, budget
+        self.group = -1  # the layer whose forward is saving now (-1: before the first)
+        self.groups: dict[int, list] = {}  # layer -> weak references to its handles
+        self.same: dict[tuple, tuple] = {}  # a tensor saved again -> its handle (this forward only)
+        self.kept = 0  # bytes left on the GPU under the budget
+        self.arrived: set[int] = set()
+
+    def pack(self, t):
+        off = self.offloader
+        if not off.candidate(t):
+            return t
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype,
+               t._version)
+        seen = self.same.get(key)
+        if seen is not None and seen[0]() is t:
+            handle = seen[1]()
+            if handle is not None:
+                return handle
+        nbytes = t.numel() * t.element_size()
+        if self.kept + nbytes <= self.budget:
+            self.kept += nbytes
+            off.stats["kept"] += 1
+            return t
+        if off.host_used + nbytes > off.host_cap:
+            off.stats["host_full"] += 1
+            return t
+        handle = _Handle(self, self.group, t)
+        off.note("offload", self.group, tuple(t.shape))
+        self.groups.setdefault(self.group, []).append(weakref.ref(handle))
+        try:
+            self.same[key] = (weakref.ref(t), weakref.ref(handle))
+        except TypeError:  # a tensor without weak references: no sharing
+            pass
+        return handle
+
+    @staticmethod
+    def unpack(saved):
+        return saved.get() if isinstance(saved, _Handle) else saved
+
+    def arrive(self, group: int) -> None:
+        """The backward reached `group`: bring it back whole and start on the layer before it."""
+        if group in self.arrived:
+            return
+        self.arrived.add(group)
+        for g in (group, group - 1):
+            for ref in self.groups.get(g, ()):
+                handle = ref()
+                if handle is not None:
+                    handle.fetch()
+
+    def done(self) -> None:
+        self.same.clear()
+
+
+# --------------------------------------------------------------------------- per model
+class Offloader:
+    """Host offload for one model (see the module docstring)."""
+
+    def __init__(self, model, session, mode: str, target):
+        self.model_ref = weakref.ref(model)
+        self.session, self.mode, self.target = session, mode, target
+        self.min_bytes = MIN_BYTES  # tests lower it for tiny models
+        self.trace: list | None = None  # a list (tests): ("offload" | "fetch" | "get", layer, ...) in order
+        self.host_used = 0
+        self.host_cap = 0
+        self.checked = False
+        self.off_reason = ""
+        self.stats = {"forwards": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": 0, "host_full": 0, "fetched": 0}
+
+    def note(self, *event) -> None:
+        if self.trace is not None:
+            self.trace.append(event)
+
+    def resolve_target(self, model) -> bool:
+        """The GPU the model trains on, found at its first training forward (a model may be built on
+        the meta device or the CPU and moved); False, and offload off, when it is not on CUDA."""
+        if self.target is None:
+            device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+            if device is None or device.type != "cuda":
+                self.off_reason = "the model does not train on a CUDA device"
+                return False
+            self.target = CudaTarget(device)
+        return True
+
+    def candidate(self, t) -> bool:
+        if type(t) is not torch.Tensor or t.layout != torch.strided or not self.target.holds(t):
+            return False  # parameters (nn.Parameter), tensor subclasses, another device
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        if t.is_leaf and t.requires_grad:
+            return False
+        base = t._base
+        return not (base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)))
+
+    # ---------------------------------------------------------------- the forward's hooks
+    def enter(self, module, args, kwargs):
+        if getattr(_ACTIVE, "store", None) is not None or not module.training or not torch.is_grad_enabled():
+            return None
+        if torch.compiler.is_compiling() or self.off_reason:
+            return None
+        if not self.checked:
+            self.checked = True
+            if not self.resolve_target(module) or not self.check_host(module, args, kwargs):
+                return None
+        budget = 0 if self.mode == "true" else self.target.budget(module, self.session)
+        host = host_available()
+        self.host_cap = (self.host_used + max(0, host - _margin(host, HOST_MARGIN))) if host is not None else 1 << 62
+        store = _Store(self, budget)
+        hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
+        hooks.__enter__()
+        _ACTIVE.store, _ACTIVE.hooks, _ACTIVE.owner = store, hooks, self
+        self.stats["forwards"] += 1
+        return None
+
+    def leave(self, module, args, kwargs, output):
+        if getattr(_ACTIVE, "owner", None) is self:
+            store, hooks = _ACTIVE.store, _ACTIVE.hooks
+            _ACTIVE.store = _ACTIVE.hooks = _ACTIVE.owner = None
+            hooks.__exit__(None, None, None)
+            store.done()
+        return None
+
+    def layer_entered(self, index: int):
+        def hook(module, args):
+            store = getattr(_ACTIVE, "store", None)
+            if store is not None and getattr(_ACTIVE, "owner", None) is self:
+                store.group = index
+            return None
+
+        return hook
+
+    # ---------------------------------------------------------------- before the first step
+    def check_host(self, model, args, kwargs) -> bool:
+        """Whether the host can hold what this step would offload; else one line, and offload off."""
+        need = estimate_bytes(model, args, kwargs)
+        if need is None:
+            return True
+        if self.mode != "true":
+            need = max(0, need - self.target.budget(model, self.session))
+        host = host_available()
+        if host is None or need == 0:
+            return True
+        room = max(0, host - _margin(host, HOST_MARGIN))
+        if need <= room:
+            return True
+        self.off_reason = (f"host memory: this step would offload ~{_gib(need)} of saved activations, the host has "
+                           f"{_gib(room)} to give ({_gib(host)} available less a margin)")
+        say(f"autopatch: host offload off: this training step would keep ~{_gib(need)} of activations in host "
+            f"memory and the host has {_gib(room)} to give; shorten the sequence or turn on gradient "
+            f"checkpointing to offload less, or set AUTOPATCH_OFFLOAD=false")
+        return False
+
+
+def _config_of(model):
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    try:
+        return text() if callable(text) else config
+    except Exception:  # noqa: BLE001
+        return config
+
+
+def _tokens(args, kwargs) -> int | None:
+    for name in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(name)
+        if isinstance(t, torch.Tensor):
+            return int(t.shape[0] * t.shape[1]) if t.dim() >= 2 else int(t.numel())
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[0] * t.shape[1])
+    return None
+
+
+def estimate_bytes(model, args, kwargs) -> int | None:
+    """What one training forward saves in candidate tensors, from the config and the input's tokens:
+    under gradient checkpointing each layer's input (tokens × hidden); else per layer about
+    tokens × (10 × hidden + 3 × intermediate) (the norms', attention's and MLP's saved inputs). None
+    when the model does not say."""
+    config = _config_of(model)
+    tokens = _tokens(args, kwargs)
+    hidden = getattr(config, "hidden_size", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not (tokens and isinstance(hidden, int) and isinstance(layers, int)):
+        return None
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    size = torch.empty((), dtype=dtype).element_size()
+    if _checkpointing(model):
+        per_token = hidden
+    else:
+        inter = getattr(config, "intermediate_size", None) or 4 * hidden
+        per_token = 10 * hidden + 3 * inter
+    return tokens * per_token * size * layers
+
+
+def _checkpointing(model) -> bool:
+    """Whether transformers' activation checkpointing is on (the newer name first: the older one warns)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in vars(model):
+            try:
+                return bool(getattr(model, name))
+            except Exception:  # noqa: BLE001
+                return False
+    return False
+
+
+def _layers(model) -> list:
+    """The children of the model's longest nn.ModuleList (its decoder layers)."""
+    best: list = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > len(best):
+            best = list(module)
+    return best
+
+
+def mode_of(settings) -> str:
+    mode = str(getattr(settings, "offload", "false") or "false").lower()
+    return mode if mode in ("auto", "true") else "false"
+
+
+def install(model, session, settings=None, *, target=None) -> Offloader | None:
+    """Offload `model`'s saved tensors in its training forwards as AUTOPATCH_OFFLOAD asks (module
+    docstring). Returns the Offloader, or None when the setting is off. `target`: None (the GPU the
+    model trains on, found at its first training forward; none there: offload stays off), "copy" or a
+    target object (the CPU stand-in for tests). Idempotent."""
+    settings = settings if settings is not None else getattr(session, "settings", None)
+    mode = mode_of(settings)
+    if mode == "false" or not isinstance(model, nn.Module):
+        return None
+    existing = vars(model).get("_autopatch_offload")
+    if existing is not None:
+        return existing
+    if target == "copy":
+        target = CopyTarget()
+    off = Offloader(model, session, mode, target)
+    model.register_forward_pre_hook(off.enter, with_kwargs=True)
+    model.register_forward_hook(off.leave, with_kwargs=True, always_call=True)
+    for index, layer in enumerate(_layers(model)):
+        layer.register_forward_pre_hook(off.layer_entered(index))
+    vars(model)["_autopatch_offload"] = off
+    return off
+
+
+__all__ = ["install", "Offloader", "CopyTarget", "CudaTarget", "estimate_bytes", "host_available", "MIN_BYTES"]

@@ -1,0 +1,271 @@
+"""Host offload of saved activations (autopatch.offload, AUTOPATCH_OFFLOAD) on the CPU through the copy
+target (the pack/unpack path with a separate CPU tensor as the host): loss and every gradient equal to
+the plain model, exactly, on a tiny Llama without checkpointing and under both kinds of HF gradient
+checkpointing (there: each layer's input is what goes), with LoRA, with the tiled MLP; layers brought
+back a layer ahead; parameters and small tensors kept; the "auto" budget; the host check's one line.
+GPU tests (marked `gpu`): the pinned-memory, side-stream path, equal gradients, a lower peak."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from autopatch import offload  # noqa: E402
+from helpers import rel_err  # noqa: E402
+from autopatch.config import load_settings  # noqa: E402
+
+ON = types.SimpleNamespace(offload="true")
+AUTO = types.SimpleNamespace(offload="auto")
+
+
+def _tiny_llama(device="cpu", dtype=torch.float32, hidden=64, layers=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96, max_position_embeddings=1 << 16,
+                         use_cache=False)
+    config._attn_implementation = "eager"  # deterministic on a GPU too (sdpa's backward may use atomics)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.to(dtype).train()
+
+
+def _checkpointing(model, reentrant):
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(a, b, tol=0.0):
+    """Equal loss and gradients: exactly (tol 0), or within a relative `tol` (GPU kernels)."""
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for name, x, y in [("loss", loss_a, loss_b)] + [(n, grads_a[n], grads_b[n]) for n in grads_a]:
+        if tol == 0.0:
+            assert torch.equal(x, y), name
+        else:
+            assert rel_err(x, y) <= tol, (name, rel_err(x, y))
+
+
+def _ids(batch=2, seq=16, seed=1):
+    return torch.randint(0, 96, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _install(model, settings=ON, budget=0):
+    off = offload.install(model, None, settings, target=offload.CopyTarget(budget))
+    off.min_bytes = 1  # the tiny model's activations are far under 1 MiB
+    off.trace = []
+    return off
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["plain", "grad-ckpt", "grad-ckpt-reentrant"])
+def test_loss_and_every_gradient_equal(reentrant):
+    model = _checkpointing(_tiny_llama(), reentrant)
+    ids = _ids()
+    plain = _step(model, ids)
+    off = _install(model)
+    got = _step(model, ids)
+    _assert_same(got, plain)
+    assert off.stats["forwards"] == 1
+    assert off.stats["offloaded"] > 0 and off.stats["fetched"] == off.stats["offloaded"]
+    assert off.host_used == 0  # every host copy released once the backward used it
+    by_layer = {}
+    for event in off.trace:
+        if event[0] == "offload":
+            by_layer.setdefault(event[1], []).append(event[2])
+    assert {0, 1} <= by_layer.keys()
+    if reentrant is not None:
+        # outside the recompute, a checkpointed layer saves only its input
+        assert by_layer[0] == [(2, 16, 64)] and by_layer[1][0] == (2, 16, 64)
+    else:
+        assert len(by_layer[0]) > 10  # every activation of the layer
+    _assert_same(_step(model, ids), plain)  # and again: nothing left over from the first step
+
+
+def test_the_previous_layer_comes_back_while_this_one_runs_backward():
+    model = _tiny_llama(layers=4)
+    off = _install(model)
+    _step(model, _ids())
+    first_get = {}
+    first_fetch = {}
+    for i, (kind, layer, *_) in enumerate(off.trace):
+        if kind == "get":
+            first_get.setdefault(layer, i)
+        elif kind == "fetch":
+            first_fetch.setdefault(layer, i)
+    for layer in (0, 1, 2):
+        # fetched after the backward reached the layer above, before its own first use
+        assert first_get[layer + 1] < first_fetch[layer] < first_get[layer], (layer, off.trace)
+
+
+def test_parameters_views_of_them_and_small_tensors_stay():
+    off = offload.install(nn.Linear(4, 4), None, ON, target="copy")
+    weight = nn.Parameter(torch.randn(1024, 512))
+    big = torch.randn(1024, 512)  # 2 MiB
+    assert off.candidate(big) and off.candidate(big.t()) and off.candidate(big * 2)
+    assert not off.candidate(weight) and not off.candidate(weight.t()) and not off.candidate(weight[:, :300])
+    leaf = torch.randn(1024, 512, requires_grad=True)
+    assert not off.candidate(leaf)
+    assert not off.candidate(torch.randn(100, 100))  # 40 KB: under MIN_BYTES
+    model = _tiny_llama()
+    off = offload.install(model, None, ON, target="copy")  # the default 1 MiB floor
+    ids = _ids()
+    _step(model, ids)
+    assert off.stats["forwards"] == 1 and off.stats["offloaded"] == 0  # a tiny model's are all small
+
+
+def test_not_in_eval_or_without_autograd():
+    model = _tiny_llama()
+    off = _install(model)
+    ids = _ids()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert off.stats["forwards"] == 0 and off.stats["offloaded"] == 0
+
+
+def test_auto_keeps_what_fits_the_budget():
+    model = _tiny_llama()
+    ids = _ids()
+    plain = _step(model, ids)
+    off = _install(model, AUTO, budget=40_000)
+    got = _step(model, ids)
+    _assert_same(got, plain)
+    assert off.stats["kept"] > 0 and off.stats["offloaded"] > 0
+    off.target.budget_bytes = 1 << 40  # everything fits: nothing goes
+    before = off.stats["offloaded"]
+    _assert_same(_step(model, ids), plain)
+    assert off.stats["offloaded"] == before
+
+
+def test_lora_and_tiled_mlp_with_offload(monkeypatch):
+    """LoRA on every linear layer, the tiled MLP on (the glu_mlp rule), gradient checkpointing: the
+    combination the longest contexts run, equal to the same model without offload."""
+    from peft import LoraConfig, get_peft_model
+
+    from autopatch.rules import glu_mlp
+    from autopatch.session import current
+    from helpers import everything, modeling
+
+    glu_mlp.RULE.patch_module(modeling("llama"), current(), everything)
+    monkeypatch.setattr(current(), "settings", types.SimpleNamespace(tiled_mlp_tokens=8))
+    try:
+        base = _checkpointing(_tiny_llama(), False)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        ids = _ids()
+        plain = _step(model, ids)
+        off = _install(base)
+        _assert_same(_step(model, ids), plain)
+        assert off.stats["offloaded"] > 0
+    finally:
+        from autopatch import patching
+
+        patching.restore_all()
+
+
+def test_host_too_small_one_line_and_no_offload(monkeypatch, capsys):
+    monkeypatch.setattr(offload, "host_available", lambda: 3 << 30)  # under the 4 GiB margin: nothing to give
+    model = _tiny_llama()
+    ids = _ids()
+    plain = _step(model, ids)
+    off = _install(model)
+    _assert_same(_step(model, ids), plain)
+    _assert_same(_step(model, ids), plain)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "offload" in line]
+    assert len(lines) == 1, lines
+    assert "host offload off" in lines[0] and "AUTOPATCH_OFFLOAD=false" in lines[0] and "GiB" in lines[0]
+    assert off.stats["offloaded"] == 0 and off.stats["forwards"] == 0 and off.off_reason
+
+
+def test_host_cap_during_the_step_keeps_tensors_on_the_device(monkeypatch):
+    """Past the host's room (a step offloading more than estimated), tensors stay where they are."""
+    monkeypatch.setattr(offload, "estimate_bytes", lambda *a: 0)
+    monkeypatch.setattr(offload, "HOST_MARGIN", (0, 0.0))
+    monkeypatch.setattr(offload, "host_available", lambda: 50_000)
+    model = _tiny_llama()
+    ids = _ids()
+    plain = _step(model, ids)
+    off = _install(model)
+    _assert_same(_step(model, ids), plain)
+    assert off.stats["offloaded"] > 0 and off.stats["host_full"] > 0
+    assert off.stats["offloaded_bytes"] <= 50_000
+
+
+def test_estimate_and_setting():
+    model = _checkpointing(_tiny_llama(), False)
+    ids = _ids(batch=2, seq=16)
+    assert offload.estimate_bytes(model, (), {"input_ids": ids}) == 2 * 16 * 64 * 4 * 2  # tokens × hidden × fp32 × layers
+    plain = _tiny_llama()
+    assert offload.estimate_bytes(plain, (), {"input_ids": ids}) == 2 * 16 * (10 * 64 + 3 * 128) * 4 * 2
+    assert load_settings({}).offload == "false"
+    assert load_settings({"AUTOPATCH_OFFLOAD": "auto"}).offload == "auto"
+    assert load_settings({"AUTOPATCH_OFFLOAD": "1"}).offload == "true"
+    with pytest.raises(ValueError, match="AUTOPATCH_OFFLOAD"):
+        load_settings({"AUTOPATCH_OFFLOAD": "host"})
+    assert offload.install(_tiny_llama(), None, load_settings({})) is None
+    m = _tiny_llama()
+    first = offload.install(m, None, AUTO)
+    assert first is not None and offload.install(m, None, AUTO) is first  # once per model
+    m(input_ids=ids, labels=ids).loss.backward()  # on the CPU with no target given: stays off
+    assert first.off_reason and first.stats["forwards"] == 0
+
+
+# --- the real path: pinned host memory, a side stream --------------------------------------------------
+
+
+def _cuda_step(model, ids):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = _step(model, ids)
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [None, False], ids=["plain", "grad-ckpt"])
+def test_gpu_equal_gradients_and_lower_peak(reentrant):
+    model = _checkpointing(_tiny_llama("cuda", torch.float32, hidden=1024, layers=4), reentrant)
+    ids = torch.randint(0, 96, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain, peak_plain = _cuda_step(model, ids)
+    plain, peak_plain = _cuda_step(model, ids)  # grads allocated once before: both measured alike
+    off = offload.install(model, None, ON)
+    got, peak_off = _cuda_step(model, ids)
+    assert isinstance(off.target, offload.CudaTarget)
+    assert off.stats["offloaded"] > 0 and off.stats["fetched"] == off.stats["offloaded"]
+    _assert_same(got, plain, tol=1e-6)
+    assert peak_off < peak_plain, (peak_off / 2**20, peak_plain / 2**20)
+    torch.cuda.synchronize()
+    assert off.host_used == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_lora_under_checkpointing():
+    """bf16 LoRA under gradient checkpointing at 8K tokens: offload on, the same loss and gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    base = _checkpointing(_tiny_llama("cuda", torch.bfloat16, hidden=512, layers=4), False)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear"))
+    ids = torch.randint(0, 96, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain, _ = _cuda_step(model, ids)
+    off = offload.install(base, None, ON)
+    got, _ = _cuda_step(model, ids)
+    assert off.stats["offloaded"] >= 4  # at least each layer's input
+    _assert_same(got, plain, tol=1e-6)
