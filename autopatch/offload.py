@@ -23,9 +23,10 @@ activation of 1 MiB or more is a candidate.
 
 Placement. `true`: every candidate goes to the host. `auto`: what fits stays on the GPU — a budget,
 taken at each training forward, of the GPU's memory less what is allocated, less the gradients not
-yet allocated and (before the optimizer's first step) AdamW's two float32 moments per trained
-parameter, less a margin (max(2 GiB, 10 % of the GPU)); the first tensors saved stay until the
-budget is spent, the rest go to the host. Either way the host is never asked for more than its
+yet allocated and (before the optimizer's first step) AdamW's two moments per trained parameter,
+less one layer's backward working set (its activations and their gradients, from the config and the
+tokens), less a margin (max(2 GiB, 10 % of the GPU)); the first tensors saved stay until the budget
+is spent, the rest go to the host. Either way the host is never asked for more than its
 MemAvailable less a margin (max(4 GiB, 10 %)): past that, tensors stay on the GPU. Before the
 first training forward, when the host cannot hold what this step would offload (estimated from the
 model's config and the input's tokens), one line says how much is needed and what to change, and
@@ -51,7 +52,7 @@ from autopatch.session import say
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are: not worth a copy
 GPU_MARGIN = (2 << 30, 0.10)  # (at least, fraction of the GPU) left free in "auto"
 HOST_MARGIN = (4 << 30, 0.10)  # (at least, fraction of MemAvailable) never offloaded into
-ADAM_BYTES = 8  # AdamW's two float32 moments per trained parameter, before its first step
+ADAM_MOMENTS = 2  # AdamW's moments per trained parameter (each the parameter's dtype), before its first step
 _ACTIVE = threading.local()  # the store of the training forward running on this thread, if any
 
 
@@ -123,14 +124,14 @@ class CudaTarget:
         current.wait_event(done)
         dev.record_stream(current)
 
-    def budget(self, model, session) -> int:
+    def budget(self, model, session, working: int = 0) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
-        reserve = _margin(total, GPU_MARGIN)
+        reserve = _margin(total, GPU_MARGIN) + working
         trained = [p for p in model.parameters() if p.requires_grad and p.device == self.device]
         reserve += sum(p.numel() * p.element_size() for p in trained if p.grad is None)
         if not getattr(session, "trained", {}).get("optimizer_steps", 0):
-            reserve += ADAM_BYTES * sum(p.numel() for p in trained)
+            reserve += ADAM_MOMENTS * sum(p.numel() * p.element_size() for p in trained)
         return max(0, min(free, total - allocated) - reserve)
 
 
@@ -161,7 +162,7 @@ class CopyTarget:
     def ready(self, dev, done) -> None:
         pass
 
-    def budget(self, model, session) -> int:
+    def budget(self, model, session, working: int = 0) -> int:
         return self.budget_bytes
 
 
@@ -307,7 +308,8 @@ class Offloader:
             self.checked = True
             if not self.resolve_target(module) or not self.check_host(module, args, kwargs):
                 return None
-        budget = 0 if self.mode == "true" else self.target.budget(module, self.session)
+        budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
+                                                                   working_bytes(module, args, kwargs))
         host = host_available()
         self.host_cap = (self.host_used + max(0, host - _margin(host, HOST_MARGIN))) if host is not None else 1 << 62
         store = _Store(self, budget)
@@ -341,7 +343,7 @@ class Offloader:
         if need is None:
             return True
         if self.mode != "true":
-            need = max(0, need - self.target.budget(model, self.session))
+            need = max(0, need - self.target.budget(model, self.session, working_bytes(model, args, kwargs)))
         host = host_available()
         if host is None or need == 0:
             return True
@@ -376,25 +378,42 @@ def _tokens(args, kwargs) -> int | None:
     return None
 
 
-def estimate_bytes(model, args, kwargs) -> int | None:
-    """What one training forward saves in candidate tensors, from the config and the input's tokens:
-    under gradient checkpointing each layer's input (tokens × hidden); else per layer about
-    tokens × (10 × hidden + 3 × intermediate) (the norms', attention's and MLP's saved inputs). None
-    when the model does not say."""
+def _shape(model, args, kwargs):
+    """(tokens, hidden, intermediate, layers, element size) from the config and the input, or None."""
     config = _config_of(model)
     tokens = _tokens(args, kwargs)
     hidden = getattr(config, "hidden_size", None)
     layers = getattr(config, "num_hidden_layers", None)
     if not (tokens and isinstance(hidden, int) and isinstance(layers, int)):
         return None
+    inter = getattr(config, "intermediate_size", None)
+    inter = inter if isinstance(inter, int) else 4 * hidden
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    size = torch.empty((), dtype=dtype).element_size()
-    if _checkpointing(model):
-        per_token = hidden
-    else:
-        inter = getattr(config, "intermediate_size", None) or 4 * hidden
-        per_token = 10 * hidden + 3 * inter
+    return tokens, hidden, inter, layers, torch.empty((), dtype=dtype).element_size()
+
+
+def estimate_bytes(model, args, kwargs) -> int | None:
+    """What one training forward saves in candidate tensors, from the config and the input's tokens:
+    under gradient checkpointing each layer's input (tokens × hidden); else per layer about
+    tokens × (10 × hidden + 3 × intermediate) (the norms', attention's and MLP's saved inputs). None
+    when the model does not say."""
+    shape = _shape(model, args, kwargs)
+    if shape is None:
+        return None
+    tokens, hidden, inter, layers, size = shape
+    per_token = hidden if _checkpointing(model) else 10 * hidden + 3 * inter
     return tokens * per_token * size * layers
+
+
+def working_bytes(model, args, kwargs) -> int:
+    """What the backward of one layer needs on the GPU beside the saved tensors, kept out of the "auto"
+    budget: its activations (recomputed under checkpointing) and their gradients, about
+    2 × tokens × (10 × hidden + 3 × intermediate) elements; 0 when the model does not say."""
+    shape = _shape(model, args, kwargs)
+    if shape is None:
+        return 0
+    tokens, hidden, inter, _, size = shape
+    return 2 * tokens * (10 * hidden + 3 * inter) * size
 
 
 def _checkpointing(model) -> bool:
