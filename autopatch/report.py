@@ -93,12 +93,6 @@ def override(kernel: str, model_type: str = "") -> str:
     return f"AUTOPATCH_{kernel.upper()}=false"
 
 
-def fallback_line(kernel: str, detail: str) -> str:
-    """The one notice a patched component says the first time it runs the original code."""
-    return (f"autopatch: {kernel}: {detail}; running the original code instead "
-            "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
-
-
 def fallback_cause(detail: str) -> str:
     """A fallback's detail said as its cause: tensors on the CPU while Triton's interpreter is off is
     "CPU tensors without TRITON_INTERPRET"."""

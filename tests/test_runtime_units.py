@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from autopatch import _api, hooks, report, rules, runtime
+from autopatch.rules import _kernels
 from autopatch import session as sessions
 from autopatch.config import load_settings
 from autopatch.names import KERNEL_NAMES
@@ -85,22 +86,16 @@ def test_json_report(tmp_path):
     assert "torch" in data["versions"]
 
 
-def fallback_notice(session, kernel, detail):
-    """What a patched forward does before running the original code (autopatch.rules' contract)."""
-    if session.note_fallback(kernel, detail):
-        sessions.say(report.fallback_line(kernel, detail))
-
-
 def test_fallback_notice_once_and_strict(capsys):
     session = Session(load_settings({}))
-    fallback_notice(session, "rope", "apply_rotary_pos_emb got cpu tensors")
-    fallback_notice(session, "rope", "again")
+    _kernels.fallback(session, "rope", "apply_rotary_pos_emb got cpu tensors")
+    _kernels.fallback(session, "rope", "again")
     err = capsys.readouterr().err
     assert err.count("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code") == 1
     assert "again" not in err
     strict = Session(load_settings({"AUTOPATCH_STRICT": "true"}))
     with pytest.raises(StrictModeError, match="AUTOPATCH_STRICT.*rms_norm: got cpu tensors"):
-        fallback_notice(strict, "rms_norm", "got cpu tensors")
+        _kernels.fallback(strict, "rms_norm", "got cpu tensors")
 
 
 def test_report_keeps_no_state():
@@ -150,7 +145,7 @@ def test_notices_start_on_their_own_line_under_a_progress_bar(monkeypatch, fresh
         sessions.say("autopatch: modeling_llama: rms_norm (LlamaRMSNorm)")
         expected = "autopatch: modeling_llama: rms_norm (LlamaRMSNorm)"
     else:
-        fallback_notice(fresh_report, "rope", "apply_rotary_pos_emb got cpu tensors")
+        _kernels.fallback(fresh_report, "rope", "apply_rotary_pos_emb got cpu tensors")
         expected = ("autopatch: rope: apply_rotary_pos_emb got cpu tensors; running the original code instead "
                     "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
     bar.update(3)

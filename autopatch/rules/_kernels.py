@@ -27,6 +27,7 @@ def import_problem() -> str:
 
 
 def fallback_line(kernel: str, detail: str) -> str:
+    """The one notice a patched component says the first time it runs the original code."""
     return (f"autopatch: {kernel}: {detail}; running the original code instead "
             "(Triton runs on CUDA tensors, or on the CPU with TRITON_INTERPRET=1)")
 
