@@ -11,7 +11,11 @@ for every peer (HF's own, non-reentrant), built the way users build (`with torch
                      every parameter trained with AdamW
   tiny_llama         2 layers of hidden 64: the CPU dry run
 Peers: hf (plain transformers), liger (apply_liger_kernel_to_llama: rope, rms_norm, swiglu,
-fused_linear_cross_entropy), ours (FUSED_KERNELS=all through the import hooks, as a user runs it).
+fused_linear_cross_entropy), ours (FUSED_KERNELS=all through the import hooks, as a user runs it), and
+ours with what lets it go further, set in the trial's environment as a user sets it:
+  ours_offload        + AUTOPATCH_OFFLOAD=<--offload, default auto> (saved activations in host memory)
+  ours_tiled          + AUTOPATCH_TILED_MLP_TOKENS=<--tiled-mlp-tokens, default 8192> (the tiled MLP)
+  ours_offload_tiled  both
 
 Each trial (model, peer, length) runs in a fresh process; an out-of-memory step is a failed trial.
 The search doubles the length from --start until a trial fails, then bisects to --granularity.
@@ -65,7 +69,13 @@ MODELS = {
         "lora_r": 4,
     },
 }
-PEERS = ("hf", "liger", "ours")
+PEERS = ("hf", "liger", "ours", "ours_offload", "ours_tiled", "ours_offload_tiled")
+# peer -> the variables its trial runs under (values from --offload / --tiled-mlp-tokens)
+PEER_VARIABLES = {
+    "ours_offload": ("AUTOPATCH_OFFLOAD",),
+    "ours_tiled": ("AUTOPATCH_TILED_MLP_TOKENS",),
+    "ours_offload_tiled": ("AUTOPATCH_OFFLOAD", "AUTOPATCH_TILED_MLP_TOKENS"),
+}
 LIGER_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
 
@@ -84,7 +94,7 @@ def build(model_key: str, peer: str, layers: int | None, device, torch):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
         apply_liger_kernel_to_llama(**LIGER_TOGGLES)
-    elif peer == "ours" and "autopatch._startup" not in sys.modules:
+    elif peer.startswith("ours") and "autopatch._startup" not in sys.modules:
         import autopatch
 
         autopatch.enable()
@@ -97,6 +107,11 @@ def build(model_key: str, peer: str, layers: int | None, device, torch):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if "offload" in peer:
+        # as start-up does for every model built under AUTOPATCH_OFFLOAD (once per model)
+        from autopatch import offload, session
+
+        offload.install(model, session.current(), session.current().settings)
     if spec["lora_r"]:
         from peft import LoraConfig, get_peft_model
 
@@ -144,7 +159,10 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         torch.manual_seed(0)
         model = build(model_key, peer, depth, device, torch)
         steps.append(one_step(model, seq, device, torch))
-        del model
+        offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
+        if offloader is not None:  # what went to the host, or why nothing did
+            steps[-1]["offload"] = dict(offloader.stats, off_reason=offloader.off_reason)
+        del model, offloader
         if device.type == "cuda":
             torch.cuda.empty_cache()
     res.update(steps[0])
@@ -157,6 +175,11 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         res["status"] = "oom"
         res["error"] = f"estimated full-depth peak {res['peak_gib']:.1f} GiB > {res['capacity_gib']:.1f} GiB"
     res["host_peak_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    if peer.startswith("ours"):  # what the trial's autopatch read from its environment
+        from autopatch import session
+
+        settings = session.current().settings
+        res["settings"] = {k: getattr(settings, k, None) for k in ("offload", "tiled_mlp_tokens")}
     return res
 
 
@@ -166,12 +189,18 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
 
 
 def run_trial(model_key, peer, seq, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--trial", "--model", model_key, "--peer", peer,
-           "--seq", str(seq), "--device", args.device]
+    values = {"AUTOPATCH_OFFLOAD": getattr(args, "offload", "auto"),
+              "AUTOPATCH_TILED_MLP_TOKENS": str(getattr(args, "tiled_mlp_tokens", 8192))}
+    variables = [f"{name}={values[name]}" for name in PEER_VARIABLES.get(peer, ())]
+    # env(1) sets the peer's variables for the trial's own interpreter (the worker's environment
+    # carries none of ours), so autopatch's start-up reads them as it reads a user's
+    cmd = (["env", *variables] if variables else []) + [
+        sys.executable, os.path.abspath(__file__), "--trial", "--model", model_key, "--peer", peer,
+        "--seq", str(seq), "--device", args.device]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
     res = run_json_worker(cmd, {"model": model_key, "peer": peer, "seq": seq}, args.trial_timeout_s,
-                          fused_kernels="all" if peer == "ours" else None)
+                          fused_kernels="all" if peer.startswith("ours") else None)
     print(f"[long-context] {model_key} {peer} {seq}: {res.get('status')} "
           f"{res.get('peak_gib', float('nan')):.1f} GiB {res.get('step_s', float('nan')):.1f} s", flush=True)
     return res
@@ -201,12 +230,13 @@ def longest(model_key, peer, args, trials: list) -> int:
 
 
 def table(data: dict) -> str:
-    lines = ["| model | peer | longest fit (tokens) | tokens/s there | peak GiB there |", "|---|---|---|---|---|"]
+    lines = ["| model | peer | longest fit (tokens) | tokens/s there | peak GiB there | host peak GiB there |",
+             "|---|---|---|---|---|---|"]
     for row in data["longest"]:
         at = next((t for t in data["trials"] if t["model"] == row["model"] and t["peer"] == row["peer"]
                    and t["seq"] == row["longest"] and t.get("status") == "ok"), {})
         lines.append(f"| {row['model']} | {row['peer']} | {row['longest']} | {at.get('tokens_per_s', 0):.0f} | "
-                     f"{at.get('peak_gib', float('nan')):.1f} |")
+                     f"{at.get('peak_gib', float('nan')):.1f} | {at.get('host_peak_gib', float('nan')):.1f} |")
     return "\n".join(lines)
 
 
@@ -224,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=1 << 20)
     ap.add_argument("--trial-timeout-s", type=float, default=300)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--offload", default="auto", choices=("auto", "true"), help="AUTOPATCH_OFFLOAD of the offload peers")
+    ap.add_argument("--tiled-mlp-tokens", type=int, default=8192, help="AUTOPATCH_TILED_MLP_TOKENS of the tiled peers")
     ap.add_argument("--result")
     ap.add_argument("--out")
     ap.add_argument("--table", help="print the table of a results JSON")

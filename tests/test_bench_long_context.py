@@ -56,3 +56,23 @@ def test_tiny_run_on_the_cpu(tmp_path):
     for seq, by_peer in losses.items():  # same seed, same weights, same tokens: the same loss
         assert by_peer["ours"] == pytest.approx(by_peer["hf"], rel=1e-5), seq
     assert "| tiny_llama | ours | 32 |" in proc.stdout
+
+
+def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
+    """The ours_offload_tiled peer: its trial runs under AUTOPATCH_OFFLOAD and AUTOPATCH_TILED_MLP_TOKENS
+    (set for the trial's interpreter), the MLPs tiled at 8 tokens; offload has no GPU here and says
+    why; the loss is plain HF's."""
+    out = tmp_path / "lc.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_long_context.py", "--models", "tiny_llama",
+                           "--peers", "hf,ours_offload_tiled", "--device", "cpu", "--start", "32", "--max-seq", "32",
+                           "--granularity", "16", "--tiled-mlp-tokens", "8", "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert [(r["peer"], r["longest"]) for r in data["longest"]] == [("hf", 32), ("ours_offload_tiled", 32)]
+    by_peer = {t["peer"]: t for t in data["trials"]}
+    assert all(t["status"] == "ok" for t in by_peer.values()), by_peer
+    assert by_peer["ours_offload_tiled"]["loss"] == pytest.approx(by_peer["hf"]["loss"], rel=1e-5)
+    assert by_peer["ours_offload_tiled"]["settings"] == {"offload": "auto", "tiled_mlp_tokens": 8}
+    assert by_peer["ours_offload_tiled"]["offload"]["off_reason"] == "the model does not train on a CUDA device"
