@@ -284,3 +284,24 @@ def test_lora_dropout_masks_are_the_same_in_the_recompute(tiled):
     assert_close(y, y_ref, torch.float32, "output", tol=TOL)
     for i, (a, r) in enumerate(zip(grads, grads_ref)):
         assert_close(a, r, torch.float32, f"grad {i}", tol=TOL)
+
+
+def test_bf16_weight_gradients_summed_in_float32(tiled):
+    """bf16: the chunks' weight gradients are summed in float32 and returned in bf16, within bf16's
+    bound of the untiled patched MLP and of the original."""
+    module = modeling("llama")
+    glu_mlp.RULE.patch_module(module, current(), everything)
+    mlp = _build(module.LlamaMLP, module.LlamaConfig(hidden_size=32, intermediate_size=48), 7).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 40, 32, generator=gen).to(torch.bfloat16)
+    grad_out = torch.randn(1, 40, 32, generator=gen).to(torch.bfloat16)
+    tiled(8)
+    y, out = _run(mlp, module.LlamaMLP.forward, x, grad_out)
+    assert _is_tiled(y)
+    tiled(None)
+    _, plain = _run(mlp, module.LlamaMLP.forward, x, grad_out)
+    _, ref = _run(mlp, patching.original(module.LlamaMLP, "forward"), x, grad_out)
+    for i, (a, p, r) in enumerate(zip(out, plain, ref)):
+        assert a.dtype == torch.bfloat16
+        assert_close(a, p, torch.bfloat16, f"tiled vs untiled {i}")
+        assert_close(a, r, torch.bfloat16, f"tiled vs original {i}")

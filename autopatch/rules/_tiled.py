@@ -7,8 +7,8 @@ the up projection and their product; for a GELU MLP the first projection's outpu
 the [tokens, hidden] input and output. Here one autograd node keeps only the input: the forward runs
 the chunks without autograd, writing each chunk's output into one output tensor; the backward runs
 each chunk again with autograd and takes the gradients of the input and of the module's parameters
-from it, chunk by chunk. At most one chunk's activations exist at a time, forward or backward, for
-the price of one more MLP forward.
+from it, chunk by chunk (half-precision weight gradients summed in float32). At most one chunk's
+activations exist at a time, forward or backward, for the price of one more MLP forward.
 
 The chunk's computation is the patched forward's own (the module's own projections, so LoRA and
 other adapters on them are used and trained), and the parameters are inputs of the node, so their
@@ -29,6 +29,9 @@ import math
 from typing import Callable
 
 import torch
+
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def limit_of(session) -> int | None:
@@ -130,9 +133,12 @@ class _TiledMLP(torch.autograd.Function):
                     if g is None:
                         continue
                     if grads[i] is None:
-                        grads[i] = g
+                        # half-precision weight gradients summed over the chunks in float32, as one
+                        # GEMM over all the tokens would accumulate them
+                        grads[i] = g.float() if g.dtype in _HALF and len(ctx.ranges) > 1 else g
                     else:
                         grads[i].add_(g)
+        grads = [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
         gx = grad_x.view(*ctx.lead, flat.shape[-1]) if want_x else None
         ctx.body = ctx.params = None
         return (None, None, None, gx, *grads)
