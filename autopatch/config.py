@@ -548,8 +548,10 @@ class Settings(BaseSettings):
         return kernel in self.kernels()
 
     def active(self) -> bool:
-        """Whether any kernel is on for any model (else the import hooks need not look at models)."""
-        return bool(self.kernels()) or any(v for kernels in self.models.values() for v in kernels.values())
+        """Whether any kernel is on for any model, or host offload is asked for (else the import hooks
+        need not look at models)."""
+        return (bool(self.kernels()) or any(v for kernels in self.models.values() for v in kernels.values())
+                or self.offload != "false")
 
     def summary(self) -> dict:
         return {

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from autopatch import audit, report
+from autopatch import audit, offload, report
 from autopatch import session as sessions
 from autopatch.names import KERNEL_NAMES, NOT_PROVIDED, is_model_module
 from autopatch.session import Record, Session, StrictModeError, say
@@ -212,6 +212,7 @@ def model_built(model) -> None:
     session.note_model(model, getattr(model, "training", None))
     check_model(model, session)
     _watch_first_training_forward(model)
+    offload.install(model, session, session.settings)
 
 
 def _inside_another(model, method: str) -> bool:

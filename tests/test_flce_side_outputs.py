@@ -69,7 +69,8 @@ def test_kernel_stats_reduction_none_keeps_its_own_copy():
 @pytest.fixture
 def mode(monkeypatch):
     def set_mode(value):
-        # apply() keeps the settings of a session that has them
+        # apply() reads the environment, unless the import hooks began the session (their settings hold)
+        monkeypatch.setenv("AUTOPATCH_RETURN_LOGITS", value)
         monkeypatch.setattr(current(), "settings", load_settings({"AUTOPATCH_RETURN_LOGITS": value}))
 
     current().reset_runs()  # notices are once per session

@@ -269,3 +269,26 @@ def test_gpu_bf16_lora_under_checkpointing():
     got, _ = _cuda_step(model, ids)
     assert off.stats["offloaded"] >= 4  # at least each layer's input
     _assert_same(got, plain, tol=1e-6)
+
+
+def test_start_up_installs_offload_on_each_model_built(tmp_path):
+    """AUTOPATCH_OFFLOAD alone (no kernel) starts the hooks, and every model built gets the offloader."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,"
+        " num_key_value_heads=2, vocab_size=128)\n"
+        "model = LlamaForCausalLM(cfg)\n"
+        "off = vars(model).get('_autopatch_offload')\n"
+        "print('offloader', type(off).__name__, off.mode if off is not None else None)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    env.update(AUTOPATCH_OFFLOAD="true", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", "import autopatch; autopatch.enable()\n" + script],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "offloader Offloader true" in proc.stdout, proc.stdout + proc.stderr[-2000:]
