@@ -30,6 +30,9 @@ Variables (process environment, or lines of an env file):
                                           runs at once in training: longer inputs go in chunks,
                                           recomputed in the backward (autopatch.rules._tiled; a
                                           positive whole number; default off)
+    AUTOPATCH_KERNEL_REPO=dir             where `python -m autopatch kernel-repo` writes our kernels as a
+                                          Hub `kernels` layer repository (autopatch.hub; default
+                                          <cache>/autopatch/kernel-repo)
 
 Sources, strongest first: `autopatch run` flags (init keywords here), the process environment, the
 env file, the defaults (nothing on). Sources merge per variable, then the kernel set is computed:
@@ -70,6 +73,7 @@ SCALAR_VARIABLES: dict[str, str] = {
     "FUSED_KERNELS_FLCE_CHUNK_MB": "flce_chunk_mb",
     "AUTOPATCH_OFFLOAD": "offload",
     "AUTOPATCH_TILED_MLP_TOKENS": "tiled_mlp_tokens",
+    "AUTOPATCH_KERNEL_REPO": "kernel_repo",
 }
 RETURN_LOGITS_CHOICES = ("auto", "true", "false")
 OFFLOAD_CHOICES = ("false", "auto", "true")
@@ -367,6 +371,7 @@ class Settings(BaseSettings):
     flce_chunk_mb: int | None = None  # FUSED_KERNELS_FLCE_CHUNK_MB; None: the kernel's default
     offload: str = "false"  # AUTOPATCH_OFFLOAD
     tiled_mlp_tokens: int | None = None  # AUTOPATCH_TILED_MLP_TOKENS; None: the MLPs run whole
+    kernel_repo: str | None = None  # AUTOPATCH_KERNEL_REPO (read by autopatch.hub, which runs without Settings)
     not_provided: frozenset[str] = frozenset()  # Liger keys asked for in the kernel lists, no kernel here
 
     @model_validator(mode="before")

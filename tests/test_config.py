@@ -323,3 +323,20 @@ def test_bad_report_directory(tmp_path):
 def test_error_type_is_value_error(tmp_path):
     # one error type, and a ValueError, so `except ValueError` in user code also catches it
     assert issubclass(ConfigError, ValueError)
+
+
+def test_every_variable_the_package_names_is_a_valid_setting():
+    """A variable autopatch reads (hub's AUTOPATCH_KERNEL_REPO, say) must not stop the program as unknown
+    once transformers is imported: every AUTOPATCH_* name in the package's source is one config accepts."""
+    import pathlib
+    import re
+
+    from autopatch.config import load_settings, valid_variables
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "autopatch"
+    named = {m for path in root.rglob("*.py") for m in re.findall(r'"(AUTOPATCH_[A-Z_]+)"', path.read_text())}
+    named.discard("AUTOPATCH_MODELS__")  # a prefix: per-model overrides
+    assert "AUTOPATCH_KERNEL_REPO" in named
+    valid = set(valid_variables())
+    assert sorted(named - valid) == []
+    assert load_settings({"AUTOPATCH_KERNEL_REPO": "/tmp/repo", "FUSED_KERNELS": "rope"}).kernel_repo == "/tmp/repo"
