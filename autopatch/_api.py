@@ -147,9 +147,12 @@ def _session_for_apply():
     session = sessions.started()
     if session is not None and session.settings is not None and "hooks" in session.installed:
         return session
+    from autopatch import hub
     from autopatch.config import load_settings
 
-    return runtime.begin(load_settings())
+    session = runtime.begin(load_settings())
+    hub.install(session)  # later kernelize passes (train(), eval()) keep what apply() patches
+    return session
 
 
 def apply(model, config=None, **toggles) -> list:

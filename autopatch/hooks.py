@@ -202,9 +202,6 @@ def _on_transformers() -> None:
         already = {n for n, m in list(sys.modules.items()) if m is not None and is_modeling_module_name(n)}
         wrapt.register_post_import_hook(_on_modeling_utils, "transformers.modeling_utils")
         wrapt.register_post_import_hook(lambda module: runtime.watch_training(session, module), "torch.optim.optimizer")
-        from autopatch import hub
-
-        hub.install(session)  # FUSED_KERNELS over transformers' implicit Hub kernel mapping
         for name in sorted(set(modeling_module_names()) | already):
             wrapt.register_post_import_hook(_modeling_hook(session, announce=name in already), name)
     except SystemExit:

@@ -526,3 +526,25 @@ def test_fused_kernels_from_the_environment_beat_the_default_mapping(checkpoint,
     assert written["replaced"] == []
     assert written["hub_kernels"]["RMSNorm LlamaRMSNorm"].startswith("autopatch rms_norm")
     assert written["hub_kernels"]["rotary_pos_emb apply_rotary_pos_emb"].startswith("autopatch rope")
+
+
+def test_apply_without_start_up_watches_later_kernelize_passes(tmp_path):
+    """apply() in a process the import hooks never started still puts FUSED_KERNELS' precedence over
+    later kernelize passes (train() / eval()): the kernelize wrapper is installed by apply() itself."""
+    script = textwrap.dedent("""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        import autopatch
+        from autopatch import hub
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+        assert not hub._state.get("installed")
+        autopatch.apply(model, rms_norm=True)
+        print("installed", hub._state.get("installed"))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "installed True" in proc.stdout
