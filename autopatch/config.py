@@ -156,6 +156,29 @@ def parse_bool(text) -> bool:
     raise ValueError(f"{text!r} is not a boolean; valid: {valid}")
 
 
+def _auto_or_bool(field: str, value, expected: str) -> str:
+    """"auto", "true" or "false" from a variable's text; _BadValue naming `field` otherwise."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        return "true" if parse_bool(text) else "false"
+    except ValueError:
+        raise _BadValue((field,), f"{expected}, got {value!r}") from None
+
+
+def _positive_or_none(field: str, value, expected: str) -> int | None:
+    """A positive whole number from a variable's text (empty: None); _BadValue naming `field` otherwise."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    text = str(value).strip()
+    if not text:
+        return None
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise _BadValue((field,), f"{expected}, got {value!r}")
+
+
 def _canonical(model_type: str) -> str:
     # Environment names cannot carry '-' or '.', so "xlm_roberta" must find "xlm-roberta".
     return model_type.lower().replace("-", "_").replace(".", "_")
@@ -463,50 +486,24 @@ class Settings(BaseSettings):
     @field_validator("return_logits", mode="before")
     @classmethod
     def _return_logits(cls, value):
-        text = str(value).strip().lower()
-        if text == "auto":
-            return text
-        try:
-            return "true" if parse_bool(text) else "false"
-        except ValueError:
-            raise _BadValue(("return_logits",), f"expected auto, true or false, got {value!r}") from None
+        return _auto_or_bool("return_logits", value, "expected auto, true or false")
 
     @field_validator("flce_chunk_mb", mode="before")
     @classmethod
     def _flce_chunk_mb(cls, value):
-        if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        text = str(value).strip()
-        if not text:
-            return None
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-        raise _BadValue(("flce_chunk_mb",), f"expected a positive whole number of MiB for the fused linear cross "
-                                            f"entropy's logits chunk, e.g. 128 (default 252), got {value!r}")
+        return _positive_or_none("flce_chunk_mb", value, "expected a positive whole number of MiB for the fused "
+                                 "linear cross entropy's logits chunk, e.g. 128 (default 252)")
 
     @field_validator("offload", mode="before")
     @classmethod
     def _offload(cls, value):
-        text = str(value).strip().lower()
-        if text == "auto":
-            return text
-        try:
-            return "true" if parse_bool(text) else "false"
-        except ValueError:
-            raise _BadValue(("offload",), f"expected false, auto or true, got {value!r}") from None
+        return _auto_or_bool("offload", value, "expected false, auto or true")
 
     @field_validator("tiled_mlp_tokens", mode="before")
     @classmethod
     def _tiled_mlp_tokens(cls, value):
-        if value is None or isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        text = str(value).strip()
-        if not text:
-            return None
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-        raise _BadValue(("tiled_mlp_tokens",), f"expected a positive whole number of tokens above which the "
-                                                f"MLPs run in chunks, e.g. 8192, got {value!r}")
+        return _positive_or_none("tiled_mlp_tokens", value, "expected a positive whole number of tokens above "
+                                 "which the MLPs run in chunks, e.g. 8192")
 
     @field_validator("report", mode="before")
     @classmethod
