@@ -183,3 +183,45 @@ def plan(config, *call, device, **fields):
     """Any op's plan: `config` is the op's fused_kernels.ops.<op>_config module, the call its `Call`'s fields
     (positionally, then by name), `device` the DeviceFacts planned for."""
     return config.plan(config.Call(*call, **fields), device)
+
+
+# A stand-in Hub kernel repository's __init__.py (tests/test_hub_kernels*.py): layers under the names of
+# kernels-community/liger-kernels and kernels-community/rotary that compute the plain formulas and count
+# their calls, so a test tells whose layer ran without the Hub.
+HUB_STANDIN = '''
+import torch
+import torch.nn as nn
+
+CALLS = {"LigerRMSNorm": 0, "apply_rotary_transformers": 0}
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class LigerRMSNorm(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states):
+        CALLS["LigerRMSNorm"] += 1
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(hidden_states.dtype)
+
+
+class apply_rotary_transformers(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        CALLS["apply_rotary_transformers"] += 1
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+class layers:
+    LigerRMSNorm = LigerRMSNorm
+    apply_rotary_transformers = apply_rotary_transformers
+'''

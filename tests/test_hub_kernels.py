@@ -32,56 +32,20 @@ from transformers.integrations import hub_kernels  # noqa: E402
 import autopatch  # noqa: E402
 from autopatch import hub, hub_layers, patching  # noqa: E402
 from autopatch import session as sessions  # noqa: E402
+from helpers import HUB_STANDIN  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGER = LayerRepository("kernels-community/liger-kernels", layer_name="LigerRMSNorm", version=4)
 ROTARY = LayerRepository("kernels-community/rotary", layer_name="apply_rotary_transformers", version=2)
 TOL = 1e-5
 
-STANDIN = '''
-import torch
-import torch.nn as nn
-
-CALLS = {"LigerRMSNorm": 0, "apply_rotary_transformers": 0}
-
-
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-class LigerRMSNorm(nn.Module):
-    has_backward = True
-    can_torch_compile = True
-
-    def forward(self, hidden_states):
-        CALLS["LigerRMSNorm"] += 1
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(hidden_states.dtype)
-
-
-class apply_rotary_transformers(nn.Module):
-    has_backward = True
-    can_torch_compile = True
-
-    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        CALLS["apply_rotary_transformers"] += 1
-        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-class layers:
-    LigerRMSNorm = LigerRMSNorm
-    apply_rotary_transformers = apply_rotary_transformers
-'''
 
 
 def write_standin(root: Path) -> Path:
     """A stand-in Hub repository (torch-cpu variant) with Liger's and the rotary kernel's layer names."""
     folder = root / "build" / "torch-cpu"
     folder.mkdir(parents=True)
-    (folder / "__init__.py").write_text(STANDIN)
+    (folder / "__init__.py").write_text(HUB_STANDIN)
     ident = "standin_" + format(abs(hash(str(root))), "x")
     (folder / "metadata.json").write_text(json.dumps({
         "id": ident, "name": "standin", "version": 1, "license": "Apache-2.0",

@@ -15,46 +15,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import HUB_STANDIN
 
 pytestmark = pytest.mark.gpu
 
-STANDIN = textwrap.dedent('''
-    import torch
-    import torch.nn as nn
-
-    CALLS = {"LigerRMSNorm": 0, "apply_rotary_transformers": 0}
-
-
-    def _rotate_half(x):
-        h = x.shape[-1] // 2
-        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-    class LigerRMSNorm(nn.Module):
-        has_backward = True
-        can_torch_compile = True
-
-        def forward(self, hidden_states):
-            CALLS["LigerRMSNorm"] += 1
-            x = hidden_states.float()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-            return self.weight * x.to(hidden_states.dtype)
-
-
-    class apply_rotary_transformers(nn.Module):
-        has_backward = True
-        can_torch_compile = True
-
-        def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-            CALLS["apply_rotary_transformers"] += 1
-            cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-    class layers:
-        LigerRMSNorm = LigerRMSNorm
-        apply_rotary_transformers = apply_rotary_transformers
-''')
 
 SCRIPT = textwrap.dedent('''
     import json, sys
@@ -91,7 +55,7 @@ SCRIPT = textwrap.dedent('''
 def _write_standin(root: Path) -> Path:
     folder = root / "build" / "torch-cuda"
     folder.mkdir(parents=True)
-    (folder / "__init__.py").write_text(STANDIN)
+    (folder / "__init__.py").write_text(HUB_STANDIN)
     (folder / "metadata.json").write_text(json.dumps({
         "id": "standin_" + format(abs(hash(str(root))), "x"), "name": "standin", "version": 1,
         "license": "Apache-2.0", "backend": {"type": "cuda"}, "python-depends": []}))
