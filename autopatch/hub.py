@@ -559,15 +559,3 @@ def _dispatch_global(owner, name: str, func_layer) -> None:
 
     dispatch._autopatch_dispatch = True
     setattr(owner, name, dispatch)  # __wrapped__ is ours: the audit and patching.restore see our patch
-
-
-def layer_report() -> dict:
-    """What runs per Hub layer name and class, as the session recorded it (with our layers' own)."""
-    session = _session()
-    with session.lock:
-        out = dict(session.meta.get("hub_kernels", {}))
-    layers = sys.modules.get("autopatch.hub_layers")  # loaded by kernels with our repository, if at all
-    if layers is not None:
-        for (layer, owner), runs in layers.ran().items():
-            out.setdefault(f"{layer} {owner}", runs)
-    return out

@@ -216,8 +216,10 @@ def test_our_repository_through_a_kernel_mapping(repo, checkpoint):
     assert ropes.get("rope_fwd", 0) == 2 and ropes.get("rope_bwd", 0) == 2
     ran = hub_layers.ran()
     assert ran[("RMSNorm", "LlamaRMSNorm")] == "autopatch rms_norm (kernel repository)"
-    assert ran[("rotary_pos_emb", "transformers.models.llama.modeling_llama.apply_rotary_pos_emb")] == \
-        "autopatch rope (kernel repository)"
+    assert ran[("rotary_pos_emb", "apply_rotary_pos_emb")] == "autopatch rope (kernel repository)"
+    reported = sessions.current().meta["hub_kernels"]  # AUTOPATCH_REPORT's hub_kernels
+    assert reported["RMSNorm LlamaRMSNorm"] == reported["rotary_pos_emb apply_rotary_pos_emb"].replace(
+        "rope", "rms_norm") == "autopatch rms_norm (kernel repository)"
 
 
 def test_kernel_config_with_our_repository_trains_with_our_kernels(repo, checkpoint, monkeypatch):

@@ -35,7 +35,7 @@ KERNEL_OF = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "rotary_p
 
 _lock = threading.Lock()
 _resolved: dict = {}  # class (a norm class, or a rotary function's Func class) -> the callable that runs
-_ran: dict = {}  # (layer name, class name) -> what runs there, for the report (autopatch.hub.layer_report)
+_ran: dict = {}  # (layer name, class name) -> what runs there (also in the report's hub_kernels)
 
 
 def _verdict(rule_module, target: str, key, subject, module):
@@ -49,6 +49,8 @@ def _note(layer: str, owner: str, module: str, kernel: str, runs: str, record: R
     session = current()
     with _lock:
         _ran[(layer, owner)] = runs
+    with session.lock:  # the report's `hub_kernels`, beside what autopatch.hub records per kernelize
+        session.meta.setdefault("hub_kernels", {})[f"{layer} {owner}"] = runs
     if record is not None and record not in session.all_records():
         session.add([record])
 
@@ -101,13 +103,12 @@ def _rope_function(func_layer):
         verdict, why = None, f"proof failed ({type(exc).__name__}: {exc})"
     else:
         why = verdict.reason
-    target = f"{plain.__module__}.{name}"
     if verdict is None or verdict.variant is None:
-        _note("rotary_pos_emb", target, plain.__module__, "rope", f"its own function (left alone: {why})",
+        _note("rotary_pos_emb", name, plain.__module__, "rope", f"its own function (left alone: {why})",
               Record("rope", plain.__module__, name, False, reason=f"Hub layer rotary_pos_emb: {why}"))
         return plain
     wrapper = rope.make_wrapper(plain, verdict.variant, current())
-    _note("rotary_pos_emb", target, plain.__module__, "rope", "autopatch rope (kernel repository)",
+    _note("rotary_pos_emb", name, plain.__module__, "rope", "autopatch rope (kernel repository)",
           Record("rope", plain.__module__, name, True, f"{verdict.variant.describe()} (Hub layer rotary_pos_emb)"))
     return wrapper
 
