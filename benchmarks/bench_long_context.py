@@ -27,7 +27,7 @@ activations at that length) times the layers left out is added: the reported pea
 that estimate, and the trial fits when it is under the GPU's memory. `cut_layers` says so in the JSON;
 --cross-check L runs length L both ways (full depth and cut).
 
-Per trial: peak GPU memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host
+Per trial, after a warm-up step of 4096 tokens on the GPU: peak GPU memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host
 memory (ru_maxrss), the step's wall time, tokens/s. The JSON lists every trial and, per model and
 peer, the longest length that fit; --table prints it.
 """
@@ -69,6 +69,7 @@ MODELS = {
         "lora_r": 4,
     },
 }
+WARMUP_TOKENS = 4096  # a short step before the measured one (Triton compiles, cuBLAS picks its kernels)
 PEERS = ("hf", "liger", "ours", "ours_offload", "ours_tiled", "ours_offload_tiled")
 # peer -> the variables its trial runs under (values from --offload / --tiled-mlp-tokens)
 PEER_VARIABLES = {
@@ -158,6 +159,8 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
     for depth in depths:
         torch.manual_seed(0)
         model = build(model_key, peer, depth, device, torch)
+        if device.type == "cuda":  # compiles the kernels first: the measured step's time is a step's
+            one_step(model, min(seq, WARMUP_TOKENS), device, torch)
         steps.append(one_step(model, seq, device, torch))
         offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
         if offloader is not None:  # what went to the host, or why nothing did

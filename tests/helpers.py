@@ -192,7 +192,7 @@ HUB_STANDIN = '''
 import torch
 import torch.nn as nn
 
-CALLS = {"LigerRMSNorm": 0, "apply_rotary_transformers": 0}
+CALLS = {"LigerRMSNorm": 0, "apply_rotary_transformers": 0}  # (Silu: the default mapping's, in inference; not counted)
 
 
 def _rotate_half(x):
@@ -209,6 +209,14 @@ class LigerRMSNorm(nn.Module):
         x = hidden_states.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(hidden_states.dtype)
+
+
+class Silu(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x):
+        return torch.nn.functional.silu(x)
 
 
 class apply_rotary_transformers(nn.Module):

@@ -1,8 +1,9 @@
 """Hub kernels on a CUDA GPU with transformers 5.25 + kernels 0.19.1, offline (HF_HUB_OFFLINE=1): a tiny
 Llama saved with save_pretrained and loaded with from_pretrained(device_map="cuda") (default use_kernels: transformers'
-default mapping kernelizes RMSNorm and rotary_pos_emb). LOCAL_KERNELS points kernels-community/
-liger-kernels and kernels-community/rotary at a stand-in repository each test writes (torch-cuda
-variant), so nothing is fetched. Each scenario runs in a fresh process; AUTOPATCH_REPORT's
+default mapping kernelizes RMSNorm and rotary_pos_emb, and in inference SiLU). LOCAL_KERNELS points
+kernels-community/liger-kernels, kernels-community/rotary and kernels-community/activation at a stand-in
+repository each test writes (torch-cuda variant), so nothing is fetched (offline, a default repository
+without a stand-in fails the load). Each scenario runs in a fresh process; AUTOPATCH_REPORT's
 `hub_kernels` says what ran per layer."""
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def _run(setup, route: str, **env_extra) -> tuple[dict, dict, str]:
     report = tmp_path / f"report-{route}.json"
     env = {k: v for k, v in os.environ.items() if k not in ("FUSED_KERNELS", "USE_HUB_KERNELS")}
     env.update(HF_HUB_OFFLINE="1", TRITON_INTERPRET="0", AUTOPATCH_REPORT=str(report), AUTOPATCH_KERNEL_REPO=str(repo),
-               LOCAL_KERNELS=f"kernels-community/liger-kernels={standin}:kernels-community/rotary={standin}")
+               LOCAL_KERNELS=f"kernels-community/liger-kernels={standin}:kernels-community/rotary={standin}"
+                             f":kernels-community/activation={standin}")
     env.update(env_extra)
     subprocess.run([sys.executable, "-m", "autopatch", "kernel-repo"], env=env, check=True, capture_output=True)
     out = subprocess.run([sys.executable, str(script), str(checkpoint), route, str(repo)], env=env, cwd=tmp_path,
@@ -138,6 +140,7 @@ def test_kernel_config_with_our_repository_runs_our_kernels(setup):
 def test_local_kernels_pointing_the_default_at_our_repository(setup):
     checkpoint, standin, script, repo, tmp_path = setup
     got, _, _ = _run(setup, "default",
-                     LOCAL_KERNELS=f"kernels-community/liger-kernels={repo}:kernels-community/rotary={standin}")
+                     LOCAL_KERNELS=f"kernels-community/liger-kernels={repo}:kernels-community/rotary={standin}"
+                                   f":kernels-community/activation={standin}")
     assert got["inference"]["rms_norm_fwd"] == 5 and got["training"]["rms_norm_fwd"] == 5
     assert got["standin"]["LigerRMSNorm"] == 0
