@@ -75,6 +75,12 @@ def host_available() -> int | None:
     return None
 
 
+def host_room(available: int | None = None) -> int | None:
+    """Bytes the offloader may still place on the host: MemAvailable less its margin."""
+    available = host_available() if available is None else available
+    return None if available is None else max(0, available - _margin(available, HOST_MARGIN))
+
+
 def _margin(total: int, margin: tuple[int, float]) -> int:
     return max(margin[0], int(total * margin[1]))
 
@@ -310,8 +316,8 @@ class Offloader:
                 return None
         budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
                                                                    working_bytes(module, args, kwargs))
-        host = host_available()
-        self.host_cap = (self.host_used + max(0, host - _margin(host, HOST_MARGIN))) if host is not None else 1 << 62
+        room = host_room()
+        self.host_cap = self.host_used + room if room is not None else 1 << 62
         store = _Store(self, budget)
         hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
         hooks.__enter__()

@@ -1,6 +1,7 @@
 """Long context on one GPU: the longest sequence a training step holds, per peer, found by bisection.
 
     python benchmarks/bench_long_context.py --out benchmarks/results/<gpu>-long-context.json
+    python benchmarks/bench_long_context.py --merge run1.json run2.json --out merged.json --plot longest.png
 
 At batch 1, a step is forward, backward and optimizer step on random token ids (labels = ids). Models
 (random weights from a config; nothing is downloaded), bf16, sdpa attention, gradient checkpointing on
@@ -24,7 +25,9 @@ Depth cut (--layers K, fewer than the model's): a full-depth step at long length
 device's per-command limit, so a trial measures the peak of the model cut to K and to K+1 layers at
 that length; the per-layer increment (weights, gradients, optimizer state and the layer's saved
 activations at that length) times the layers left out is added: the reported peak of a cut trial is
-that estimate, and the trial fits when it is under the GPU's memory. `cut_layers` says so in the JSON;
+that estimate, and the trial fits when it is under the GPU's memory. With host offload the bytes sent
+to the host are extrapolated the same way; what would pass the host's cap (MemAvailable less the
+offloader's margin, where the offloader keeps tensors on the GPU) is added to the GPU estimate. `cut_layers` says so in the JSON;
 --cross-check L runs length L both ways (full depth and cut).
 
 Per trial, after a warm-up step of 4096 tokens on the GPU: peak GPU memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host
@@ -146,6 +149,20 @@ def one_step(model, seq: int, device, torch) -> dict:
     return out
 
 
+def _add_host_estimate(res: dict, steps: list, layers: int, full: int) -> None:
+    """Host offload at full depth: the bytes sent to the host grow by one layer's checkpoint per layer
+    (from the cut at K and K + 1). The offloader never asks the host for more than MemAvailable less
+    its margin; past that, tensors stay on the GPU: that overflow is added to the GPU estimate."""
+    from autopatch import offload
+
+    sent = [step["offload"]["offloaded_bytes"] for step in steps]
+    need = sent[0] + (full - layers) * (sent[1] - sent[0])
+    cap = offload.host_room() or 0
+    overflow = max(need - cap, 0)
+    res.update(host_offload_gib=need / 2**30, host_cap_gib=cap / 2**30, host_overflow_gib=overflow / 2**30,
+               peak_gib=res["peak_gib"] + overflow / 2**30)
+
+
 def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: str) -> dict:
     """Peak memory and time of one step at `seq`; with `layers` (a cut), the full depth's peak
     estimated from the cut at `layers` and `layers + 1` (see the module docstring)."""
@@ -174,6 +191,8 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         res.update(cut_layers=layers, full_layers=full, per_layer_gib=per_layer,
                    measured_peak_gib=steps[0]["peak_gib"],
                    peak_gib=steps[0]["peak_gib"] + (full - layers) * per_layer)
+        if "offload" in steps[0] and "offload" in steps[1]:
+            _add_host_estimate(res, steps, layers, full)
     if "peak_gib" in res and res["peak_gib"] > res["capacity_gib"]:
         res["status"] = "oom"
         res["error"] = f"estimated full-depth peak {res['peak_gib']:.1f} GiB > {res['capacity_gib']:.1f} GiB"
@@ -232,14 +251,68 @@ def longest(model_key, peer, args, trials: list) -> int:
     return good
 
 
+def merge(files: list[str]) -> dict:
+    """Several runs' JSON as one: every trial (a later run's trial of the same model, peer and length
+    replaces an earlier one), the longest fit per model and peer recomputed from the trials."""
+    trials: dict = {}
+    environment = None
+    for path in files:
+        with open(path) as f:
+            data = json.load(f)
+        environment = environment or data["environment"]
+        for t in data["trials"]:
+            trials[(t["model"], t["peer"], t["seq"])] = t
+    rows = {}
+    for (model, peer, seq), t in sorted(trials.items()):
+        row = rows.setdefault((model, peer), {"model": model, "peer": peer, "longest": 0, "first_failed": None})
+        if t.get("status") == "ok":
+            row["longest"] = max(row["longest"], seq)
+        elif row["first_failed"] is None or seq < row["first_failed"]:
+            row["first_failed"] = seq
+    for row in rows.values():  # a length that fit above one that failed: the failure was not memory's
+        if row["first_failed"] is not None and row["first_failed"] < row["longest"]:
+            row["first_failed"] = None
+    return {"environment": environment, "trials": list(trials.values()), "longest": list(rows.values())}
+
+
+def plot(data: dict, path: str) -> None:
+    """Bars: the longest length that fit per peer, per model (log scale); an open bound drawn hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in data["longest"]})
+    fig, axes = plt.subplots(len(models), 1, figsize=(7, 1.2 + 0.5 * len(data["longest"])), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        rows = [r for r in data["longest"] if r["model"] == model and r["longest"]]
+        names = [r["peer"] for r in rows]
+        bars = ax.barh(names, [r["longest"] for r in rows], color="#4c72b0")
+        for bar, r in zip(bars, rows):
+            open_bound = r.get("first_failed") is None
+            if open_bound:
+                bar.set_hatch("//")
+            ax.text(bar.get_width() * 1.05, bar.get_y() + bar.get_height() / 2,
+                    f"{'≥' if open_bound else ''}{r['longest'] // 1024}K", va="center", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlim(left=8192, right=max(r["longest"] for r in rows) * 4)
+        ax.set_title(f"{model}: longest sequence a training step holds (batch 1)", fontsize=9)
+    gpu = (data.get("environment") or {}).get("gpu", "")
+    fig.suptitle(f"{gpu}; hatched: no longer length was tried", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def table(data: dict) -> str:
-    lines = ["| model | peer | longest fit (tokens) | tokens/s there | peak GiB there | host peak GiB there |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| model | peer | longest fit (tokens) | tokens/s there | peak GiB there | host peak GiB there "
+             "| to host GiB (full depth) |", "|---|---|---|---|---|---|---|"]
     for row in data["longest"]:
         at = next((t for t in data["trials"] if t["model"] == row["model"] and t["peer"] == row["peer"]
                    and t["seq"] == row["longest"] and t.get("status") == "ok"), {})
-        lines.append(f"| {row['model']} | {row['peer']} | {row['longest']} | {at.get('tokens_per_s', 0):.0f} | "
-                     f"{at.get('peak_gib', float('nan')):.1f} | {at.get('host_peak_gib', float('nan')):.1f} |")
+        bound = "≥" if "first_failed" in row and row["first_failed"] is None else ""
+        lines.append(f"| {row['model']} | {row['peer']} | {bound}{row['longest']} | {at.get('tokens_per_s', 0):.0f} | "
+                     f"{at.get('peak_gib', float('nan')):.1f} | {at.get('host_peak_gib', float('nan')):.1f} | "
+                     f"{at.get('host_offload_gib', 0):.1f} |")
     return "\n".join(lines)
 
 
@@ -262,10 +335,21 @@ def main(argv=None) -> int:
     ap.add_argument("--result")
     ap.add_argument("--out")
     ap.add_argument("--table", help="print the table of a results JSON")
+    ap.add_argument("--merge", nargs="+", help="results JSONs to merge into --out")
+    ap.add_argument("--plot", help="with --table or --merge: draw the longest length per peer into this PNG")
     a = ap.parse_args(argv)
-    if a.table:
+    if a.merge:
+        data = merge(a.merge)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(data, f, indent=1, default=str)
+    elif a.table:
         with open(a.table) as f:
-            print(table(json.load(f)))
+            data = json.load(f)
+    if a.merge or a.table:
+        print(table(data))
+        if a.plot:
+            plot(data, a.plot)
         return 0
     if a.trial:
         try:

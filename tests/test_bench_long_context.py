@@ -76,3 +76,23 @@ def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
     assert by_peer["ours_offload_tiled"]["loss"] == pytest.approx(by_peer["hf"]["loss"], rel=1e-5)
     assert by_peer["ours_offload_tiled"]["settings"] == {"offload": "auto", "tiled_mlp_tokens": 8}
     assert by_peer["ours_offload_tiled"]["offload"]["off_reason"] == "the model does not train on a CUDA device"
+
+
+def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
+    """Two runs merged: the longest fit per peer from all trials, a later trial of the same length
+    replacing an earlier one; an open bound (nothing failed above) is shown as such."""
+    env = {"gpu": "test"}
+    ok = lambda peer, seq: {"model": "m", "peer": peer, "seq": seq, "status": "ok", "peak_gib": 1.0}  # noqa: E731
+    oom = lambda peer, seq: {"model": "m", "peer": peer, "seq": seq, "status": "oom"}  # noqa: E731
+    first = {"environment": env, "trials": [ok("hf", 8192), oom("hf", 16384), oom("ours", 65536)]}
+    second = {"environment": env, "trials": [ok("ours", 32768), ok("ours", 65536)]}
+    paths = []
+    for i, data in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    merged = bench_long_context.merge([str(p) for p in paths])
+    rows = {r["peer"]: r for r in merged["longest"]}
+    assert rows["hf"]["longest"] == 8192 and rows["hf"]["first_failed"] == 16384
+    assert rows["ours"]["longest"] == 65536 and rows["ours"]["first_failed"] is None  # the oom was replaced
+    text = bench_long_context.table(merged)
+    assert "| m | hf | 8192 |" in text and "| m | ours | ≥65536 |" in text
