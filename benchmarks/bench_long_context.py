@@ -228,6 +228,18 @@ def run_trial(model_key, peer, seq, args) -> dict:
     return res
 
 
+def cross_check(model_key, peer, seq, args) -> dict:
+    """Length `seq` at full depth and cut to --layers: the measured peak against the cut's estimate."""
+    full = run_trial(model_key, peer, seq, argparse.Namespace(**{**vars(args), "layers": None}))
+    cut = run_trial(model_key, peer, seq, args)
+    out = {"model": model_key, "peer": peer, "seq": seq, "full": full, "cut": cut}
+    if "peak_gib" in full and "peak_gib" in cut:
+        out["estimate_over_measured"] = cut["peak_gib"] / full["peak_gib"]
+    print(f"[long-context] cross-check {model_key} {peer} {seq}: full {full.get('peak_gib', float('nan')):.2f} GiB, "
+          f"cut estimate {cut.get('peak_gib', float('nan')):.2f} GiB", flush=True)
+    return out
+
+
 def longest(model_key, peer, args, trials: list) -> int:
     """The longest length that fit, by doubling from --start, then bisection to --granularity."""
     fits = lambda r: r.get("status") == "ok"  # noqa: E731
@@ -255,6 +267,7 @@ def merge(files: list[str]) -> dict:
     """Several runs' JSON as one: every trial (a later run's trial of the same model, peer and length
     replaces an earlier one), the longest fit per model and peer recomputed from the trials."""
     trials: dict = {}
+    checks: list = []
     environment = None
     for path in files:
         with open(path) as f:
@@ -262,6 +275,7 @@ def merge(files: list[str]) -> dict:
         environment = environment or data["environment"]
         for t in data["trials"]:
             trials[(t["model"], t["peer"], t["seq"])] = t
+        checks.extend(data.get("cross_checks", []))
     rows = {}
     for (model, peer, seq), t in sorted(trials.items()):
         row = rows.setdefault((model, peer), {"model": model, "peer": peer, "longest": 0, "first_failed": None})
@@ -272,7 +286,8 @@ def merge(files: list[str]) -> dict:
     for row in rows.values():  # a length that fit above one that failed: the failure was not memory's
         if row["first_failed"] is not None and row["first_failed"] < row["longest"]:
             row["first_failed"] = None
-    return {"environment": environment, "trials": list(trials.values()), "longest": list(rows.values())}
+    return {"environment": environment, "trials": list(trials.values()), "longest": list(rows.values()),
+            "cross_checks": checks}
 
 
 def plot(data: dict, path: str) -> None:
@@ -332,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--offload", default="auto", choices=("auto", "true"), help="AUTOPATCH_OFFLOAD of the offload peers")
     ap.add_argument("--tiled-mlp-tokens", type=int, default=8192, help="AUTOPATCH_TILED_MLP_TOKENS of the tiled peers")
+    ap.add_argument("--cross-check", type=int, default=None, metavar="L",
+                    help="instead of the search: length L at full depth and cut to --layers, per model and peer")
     ap.add_argument("--result")
     ap.add_argument("--out")
     ap.add_argument("--table", help="print the table of a results JSON")
@@ -370,10 +387,14 @@ def main(argv=None) -> int:
     import torch
 
     data = {"environment": environment(torch.device(a.device)), "layers_cut": a.layers, "trials": [], "longest": []}
-    for model_key in a.models.split(","):
-        for peer in a.peers.split(","):
-            data["longest"].append({"model": model_key, "peer": peer,
-                                    "longest": longest(model_key, peer, a, data["trials"])})
+    if a.cross_check:
+        data["cross_checks"] = [cross_check(model_key, peer, a.cross_check, a)
+                                for model_key in a.models.split(",") for peer in a.peers.split(",")]
+    else:
+        for model_key in a.models.split(","):
+            for peer in a.peers.split(","):
+                data["longest"].append({"model": model_key, "peer": peer,
+                                        "longest": longest(model_key, peer, a, data["trials"])})
     print(table(data))
     if a.out:
         with open(a.out, "w") as f:

@@ -96,3 +96,16 @@ def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
     assert rows["ours"]["longest"] == 65536 and rows["ours"]["first_failed"] is None  # the oom was replaced
     text = bench_long_context.table(merged)
     assert "| m | hf | 8192 |" in text and "| m | ours | ≥65536 |" in text
+
+
+def test_cross_check_runs_full_depth_and_the_cut(monkeypatch):
+    asked = []
+
+    def fake_trial(model_key, peer, seq, args):
+        asked.append(args.layers)
+        return {"status": "ok", "seq": seq, "peak_gib": 10.0 if args.layers is None else 10.5}
+
+    monkeypatch.setattr(bench_long_context, "run_trial", fake_trial)
+    args = SimpleNamespace(layers=2, device="cpu")
+    out = bench_long_context.cross_check("tiny_llama", "ours", 4096, args)
+    assert asked == [None, 2] and out["estimate_over_measured"] == pytest.approx(1.05)
