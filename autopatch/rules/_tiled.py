@@ -58,9 +58,11 @@ def _sharded(param) -> bool:
 def wanted(module, x: torch.Tensor, limit: int | None) -> bool:
     """Whether this call runs tiled: a limit set, more tokens than it, autograd recording, no compile,
     no sharded parameter."""
-    if limit is None or x.dim() < 2 or tokens_of(x) <= limit or not torch.is_grad_enabled():
+    # torch.compile first: the token count compared under a trace is a guard on the sequence length,
+    # which recompiled the graph when a length crossed the limit, for an answer that is "no" either way
+    if limit is None or torch.compiler.is_compiling() or x.dim() < 2 or not torch.is_grad_enabled():
         return False
-    if torch.compiler.is_compiling():
+    if tokens_of(x) <= limit:
         return False
     return not any(_sharded(p) for p in module.parameters())
 

@@ -645,8 +645,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_options(reduction, ignore_index, label_smoothing, z_loss, softcap, num_items_in_batch):
-    """Validate the options shared with fused_linear_cross_entropy; return (divisor, divisor_value)."""
+def check_options(reduction, ignore_index, label_smoothing, z_loss, softcap, num_items_in_batch, device=None):
+    """Validate the options shared with fused_linear_cross_entropy; return (divisor, divisor_value).
+    Under torch.compile an int num_items_in_batch becomes a 0-d float32 tensor on `device` (the divisor)."""
     check_choice("reduction", reduction, REDUCTIONS)
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
@@ -670,6 +671,14 @@ def check_options(reduction, ignore_index, label_smoothing, z_loss, softcap, num
                 f"{tuple(num_items_in_batch.shape)} and dtype {num_items_in_batch.dtype}"
             )
         return num_items_in_batch, -1.0
+    if (torch.compiler.is_compiling() and isinstance(num_items_in_batch, int)
+            and not isinstance(num_items_in_batch, bool)):
+        # A count that changes between calls (the tokens of each batch) is a symbolic int in the trace:
+        # math.isfinite stopped the trace on it and float() would guard on its value. As a tensor it is
+        # a graph input of any value, divided by in the kernel as a tensor divisor is.
+        if num_items_in_batch < 0:
+            raise ValueError(f"num_items_in_batch must be None, a number >= 0 or a tensor, got {num_items_in_batch!r}")
+        return torch.full((), num_items_in_batch, dtype=torch.float32, device=device), -1.0
     if not _is_number(num_items_in_batch) or not (math.isfinite(num_items_in_batch) and num_items_in_batch >= 0):
         raise ValueError(f"num_items_in_batch must be None, a number >= 0 or a tensor, got {num_items_in_batch!r}")
     return None, float(num_items_in_batch)
@@ -721,7 +730,7 @@ def cross_entropy(
     check_target(target, logits.shape[:-1], f"logits shape {tuple(logits.shape)} without its last (class) dimension",
                  logits.device)
     divisor, divisor_value = check_options(reduction, ignore_index, label_smoothing, z_loss, softcap,
-                                           num_items_in_batch)
+                                           num_items_in_batch, logits.device)
     require_triton("cross_entropy", logits, target)
     v = logits.shape[-1]
     x = _rows(logits, v)

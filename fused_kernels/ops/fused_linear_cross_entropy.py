@@ -537,7 +537,7 @@ def fused_linear_cross_entropy(
     if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not math.isfinite(logit_scale):
         raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
     divisor, divisor_value = _ce.check_options(reduction, ignore_index, label_smoothing, z_loss, softcap,
-                                               num_items_in_batch)
+                                               num_items_in_batch, hidden.device)
     check_chunk_mb(chunk_mb)
     if torch.is_autocast_enabled(hidden.device.type):
         dtype = torch.get_autocast_dtype(hidden.device.type)
