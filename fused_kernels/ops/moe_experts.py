@@ -25,6 +25,13 @@ kernel (together with dw, dh, dgu and wh: one pass), and y (S·H) is never kept.
 grouped_mm path keeps x_s, gu, h and y (S·(2H + 3I)·b bytes per layer: 1.5 GiB for Qwen3-30B-A3B's
 shape at 16384 tokens in bf16, against 0.4 GiB here).
 
+The backward's memory, beyond gu and its inputs: its gradients (dW1, dW2, dhidden, dw) and one S × H
+buffer at a time (g_s with dh_raw and wh, then x_s, then dx_s), nothing S × 2I: dgu is written over gu
+when the backward frees the graph after it (no retain_graph / create_graph, not under torch.compile:
+moe_experts_bwd_into_gu), and the outputs nobody differentiates (gu and the routing) get None, not
+zeros, as their gradients. At Qwen3-30B-A3B's shape and 16384 tokens each is an S × 2I bf16 buffer
+(0.375 GiB) not made; the backward's high-water mark drops by 0.69 GiB (docs/kernels/moe_experts.md).
+
 Bytes moved outside the GEMMs, b bytes per element: forward gather S·H·b read + write, activation
 3·S·I·b, combine S·H·b + T·H·b; backward two gathers 2·(2·S·H·b), the elementwise pass 6·S·I·b,
 combine S·H·b + T·H·b.
@@ -83,10 +90,12 @@ def _combine_kernel(Y, INV, W, OUT, n_cols, stride_y, stride_out,
 
 @triton.jit
 def _act_bwd_kernel(GU, DH, WS, DGU, WH, DW, n_rows, n_cols, stride_gu, stride_dh, stride_dgu, stride_wh,
-                    ACT: tl.constexpr, NEED_WH: tl.constexpr, NEED_DW: tl.constexpr,
+                    ACT: tl.constexpr, NEED_WH: tl.constexpr, NEED_DW: tl.constexpr, IN_PLACE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EXACT_BF16: tl.constexpr):
     # Rows of gu = [gate | up] (n_cols each) and dh_raw: h = act(gate)·up (rounded as the forward stored
     # it), dw = Σ dh_raw·h, dh = w·dh_raw, dgate = dh·up·act'(gate), dup = dh·act(gate), wh = w·h.
+    # IN_PLACE: DGU is GU. Every element is read once and written once by the same program, after the
+    # chunk's loads (the barrier orders them across the program's threads, whatever the layouts).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     rows64 = rows.to(tl.int64)
@@ -99,6 +108,8 @@ def _act_bwd_kernel(GU, DH, WS, DGU, WH, DW, n_rows, n_cols, stride_gu, stride_d
         g = tl.load(gu_rows, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_rows + n_cols, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(DH + rows64[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if IN_PLACE:
+            tl.debug_barrier()
         a, da = gate_act_and_grad(g, ACT)
         h = rounded(a * u, GU.dtype.element_ty, EXACT_BF16)
         if NEED_DW:
@@ -243,7 +254,7 @@ def _forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act: i
 
 
 def _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets, act: int,
-              transposed: bool, need_hidden: bool, need_weights: bool, need_routing: bool):
+              transposed: bool, need_hidden: bool, need_weights: bool, need_routing: bool, gu_scratch: bool):
     count_launch("moe_experts_bwd")
     n_tokens, k = top_k_weights.shape
     w1, w2 = _views(gate_up_proj, down_proj, transposed)
@@ -257,7 +268,8 @@ def _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, in
     g_s = dout.index_select(0, token)
     dh_raw = _gmm(g_s, w2.transpose(1, 2), offsets, p.path, bounds)
     w_s = top_k_weights.reshape(-1).index_select(0, perm)
-    dgu = _new_output(gu.shape, gu.dtype, gu.device)
+    # gu_scratch: nothing reads gu after this backward (the graph is freed), so dgu takes its place
+    dgu = gu if gu_scratch else _new_output(gu.shape, gu.dtype, gu.device)
     wh = _new_output((n_rows, width), gu.dtype, gu.device) if need_weights else dgu
     dw = _new_output((n_rows,), torch.float32, gu.device) if need_routing else w_s
     if n_rows:
@@ -266,11 +278,13 @@ def _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, in
             launch(_act_bwd_kernel, grid,
                    (gu, dh_raw, w_s, dgu, wh, dw, n_rows, width, gu.stride(0), dh_raw.stride(0), dgu.stride(0),
                     wh.stride(0)),
-                   dict(ACT=act, NEED_WH=need_weights, NEED_DW=need_routing, BLOCK_M=cfg.bwd_block_m,
-                        BLOCK_N=cfg.bwd_block_n, EXACT_BF16=_INTERPRETED, num_warps=cfg.bwd_warps))
+                   dict(ACT=act, NEED_WH=need_weights, NEED_DW=need_routing, IN_PLACE=dgu is gu,
+                        BLOCK_M=cfg.bwd_block_m, BLOCK_N=cfg.bwd_block_n, EXACT_BF16=_INTERPRETED,
+                        num_warps=cfg.bwd_warps))
     del dh_raw
     # Order for memory: each S-row temporary is freed before the next one is made (g_s before x_s,
-    # x_s before dx_s), so the backward holds at most gu, dgu and two S × H tensors at once.
+    # x_s before dx_s), so beyond gu (dgu in its place) and the weight gradients the backward holds
+    # one S × H tensor at a time (g_s with wh, then x_s, then dx_s).
     d_w1 = d_w2 = None
     if need_weights:
         d_w2 = (_gmm_rows(wh.t(), g_s, offsets, p.path, bounds) if transposed  # stored (E, I, H)
@@ -319,10 +333,22 @@ def _moe_experts_bwd(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: to
                      need_weights: bool, need_routing: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets, act, transposed,
-                     need_hidden, need_weights, need_routing)
+                     need_hidden, need_weights, need_routing, gu_scratch=False)
+
+
+@torch.library.custom_op("fused_kernels::moe_experts_bwd_into_gu", mutates_args=("gu",))
+def _moe_experts_bwd_into_gu(dout: torch.Tensor, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                             gate_up_proj: torch.Tensor, down_proj: torch.Tensor, gu: torch.Tensor,
+                             perm: torch.Tensor, inv: torch.Tensor, offsets: torch.Tensor, act: int, transposed: bool,
+                             need_hidden: bool, need_weights: bool, need_routing: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_experts_bwd that writes gu's gradient over gu: for a backward that frees the graph after it."""
+    return _backward(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets, act, transposed,
+                     need_hidden, need_weights, need_routing, gu_scratch=True)
 
 
 @_moe_experts_bwd.register_fake
+@_moe_experts_bwd_into_gu.register_fake
 def _(dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets, act, transposed, need_hidden,
       need_weights, need_routing):
     return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
@@ -337,13 +363,34 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets)
     ctx.act, ctx.transposed = act, transposed
     ctx.mark_non_differentiable(gu, perm, inv, offsets)
+    # The backward gets None, not zeros, for the outputs nobody differentiates: materialised, gu's
+    # zeros alone would be S × 2I elements allocated for the whole backward.
+    ctx.set_materialize_grads(False)
+
+
+def _graph_freed() -> bool:
+    """Whether the running backward frees the graph after it (no retain_graph / create_graph), so a saved
+    tensor is read once and the backward may overwrite it. False where that is not known: outside an
+    eager backward, under torch.compile (its graphs own their buffers), or a torch without the query."""
+    if torch.compiler.is_compiling():
+        return False
+    keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    try:
+        return keep_graph is not None and not keep_graph()
+    except RuntimeError:
+        return False
 
 
 def _autograd(ctx, dout, *_unused):
-    hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets = ctx.saved_tensors
     need = ctx.needs_input_grad
+    if dout is None:  # the output took no part in what is differentiated
+        return (None,) * 7
+    hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets = ctx.saved_tensors
     need_weights = bool(need[3] or need[4])
-    d_hidden, d_routing, d_w1, d_w2 = torch.ops.fused_kernels.moe_experts_bwd(
+    # gu is read once when the graph is freed after this backward: its gradient then goes in its place
+    # (S × 2I elements fewer at the backward's peak); else (retain_graph, create_graph, torch.compile) not.
+    bwd = torch.ops.fused_kernels.moe_experts_bwd_into_gu if _graph_freed() else torch.ops.fused_kernels.moe_experts_bwd
+    d_hidden, d_routing, d_w1, d_w2 = bwd(
         dout, hidden, top_k_weights, gate_up_proj, down_proj, gu, perm, inv, offsets, ctx.act, ctx.transposed,
         bool(need[0]), need_weights, bool(need[2]))
     return (d_hidden if need[0] else None, None, d_routing if need[2] else None,
