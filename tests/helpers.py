@@ -231,5 +231,6 @@ class apply_rotary_transformers(nn.Module):
 
 class layers:
     LigerRMSNorm = LigerRMSNorm
+    Silu = Silu
     apply_rotary_transformers = apply_rotary_transformers
 '''
