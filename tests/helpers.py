@@ -87,8 +87,8 @@ def poisoned_outputs(module):
     to write starts as NaN, so an element the kernels never write shows up."""
     original = module._new_output
 
-    def nan_filled(shape, dtype, device):
-        return original(shape, dtype, device).fill_(float("nan"))
+    def nan_filled(*args, **kwargs):  # whatever the op's allocator takes (rope's: a tensor and a dim order)
+        return original(*args, **kwargs).fill_(float("nan"))
 
     module._new_output = nan_filled
     try:

@@ -160,16 +160,6 @@ def test_layer_norm_far_rows(arena, monkeypatch, path):
 
 # --- RoPE: q, k, cos, sin and the output gradients with far batches ----------------------------------------
 
-@contextlib.contextmanager
-def _poisoned_rope_outputs():
-    original = rope_module._new_output
-    rope_module._new_output = lambda *args: poison_(original(*args))
-    try:
-        yield
-    finally:
-        rope_module._new_output = original
-
-
 def _rope_reference(x64, cos64, sin64, interleaved):
     """transformers' apply_rotary_pos_emb on the first rot channels (unsqueeze_dim=1), the rest passed."""
     rot = cos64.shape[-1]
@@ -202,7 +192,7 @@ def test_rope_far_batches(arena, interleaved):
     col += 2 * seq * rot
     dq_out, dk_out = batch_far(hq, d), batch_far(hk, d)
     q_in, k_in = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
-    with _poisoned_rope_outputs():
+    with poisoned_outputs(rope_module):
         q_out, k_out = fused_kernels.rope(q_in, k_in, cos, sin, 1, interleaved=interleaved)
         torch.autograd.backward((q_out, k_out), (dq_out, dk_out))
     q64, k64 = q.double().requires_grad_(True), k.double().requires_grad_(True)

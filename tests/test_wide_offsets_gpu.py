@@ -180,16 +180,6 @@ def test_layer_norm_past_2_31(n_cols):
 
 # --- RoPE ---------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _poisoned_rope_outputs():
-    original = rope_module._new_output
-    rope_module._new_output = lambda *args: poison_(original(*args))
-    try:
-        yield
-    finally:
-        rope_module._new_output = original
-
-
 def _rope_reference(x64, cos64, sin64):
     """transformers' apply_rotary_pos_emb (half rotation) on (tokens, heads, head_dim) rows."""
     half = x64.shape[-1] // 2
@@ -215,7 +205,7 @@ def check_rope(device, n_tokens: int, first_far: int, q_heads: int, k_heads: int
     dq_out = randn(1, n_tokens, q_heads, head_dim, device=device)
     dk_out = randn(1, n_tokens, k_heads, head_dim, device=device)
     q_in, k_in = heads_view(q).detach().requires_grad_(True), heads_view(k).detach().requires_grad_(True)
-    with _poisoned_rope_outputs():
+    with poisoned_outputs(rope_module):
         q_out, k_out = fused_kernels.rope(q_in, k_in, cos, sin, 1)
         torch.autograd.backward((q_out, k_out), (heads_view(dq_out), heads_view(dk_out)))
 
