@@ -82,19 +82,19 @@ def tensors_with_history() -> int:
 
 
 @contextlib.contextmanager
-def poisoned_outputs(module):
-    """Every buffer `module` (an op of fused_kernels) allocates through its `_new_output` for its kernels
-    to write starts as NaN, so an element the kernels never write shows up."""
-    original = module._new_output
+def poisoned_outputs(module, allocator: str = "_new_output"):
+    """Every buffer `module` (an op of fused_kernels) allocates through `allocator` for its kernels to
+    write starts as NaN, so an element the kernels never write shows up."""
+    original = getattr(module, allocator)
 
     def nan_filled(*args, **kwargs):  # whatever the op's allocator takes (rope's: a tensor and a dim order)
         return original(*args, **kwargs).fill_(float("nan"))
 
-    module._new_output = nan_filled
+    setattr(module, allocator, nan_filled)
     try:
         yield
     finally:
-        module._new_output = original
+        setattr(module, allocator, original)
 
 
 def launch_shapes(monkeypatch, module, launcher: str) -> list:

@@ -16,7 +16,6 @@ GLU's in-place backward writes into the caller's far rows, so it is checked here
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -212,16 +211,6 @@ def _glu_reference(op, gate64, up64):
     return act * up64
 
 
-@contextlib.contextmanager
-def _poisoned_glu_outputs():
-    original = glu_module._empty_output
-    glu_module._empty_output = lambda shape, like: poison_(original(shape, like))
-    try:
-        yield
-    finally:
-        glu_module._empty_output = original
-
-
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])
 def test_glu_far_rows(arena, op):
     """gate and up as the halves of far gate_up rows (row stride STRIDE): plan() picks 64-bit indexing, and the
@@ -235,7 +224,7 @@ def test_glu_far_rows(arena, op):
     ref = _glu_reference(op, gate64, up64)
     ref.backward(dout.double())
     gate_in, up_in = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-    with _poisoned_glu_outputs():
+    with poisoned_outputs(glu_module, "_empty_output"):
         out = getattr(fused_kernels, op)(gate_in, up_in)
         out.backward(dout)
     assert_rows_close(out, ref, "out")

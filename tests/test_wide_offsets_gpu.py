@@ -14,7 +14,6 @@ the GLU's row-view and flat paths. The failure message names the planned path.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 
@@ -235,16 +234,6 @@ def test_rope_past_2_31():
 
 # --- SwiGLU / GeGLU -----------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _poisoned_glu_outputs():
-    original = glu_module._empty_output
-    glu_module._empty_output = lambda shape, like: poison_(original(shape, like))
-    try:
-        yield
-    finally:
-        glu_module._empty_output = original
-
-
 def check_glu(device, op: str, layout: str, n_cols: int):
     """`layout` "halves": gate and up the halves of one gate_up projection (row views, offsets up to 2·2**31);
     "contiguous": two tensors of their own (one flat row each)."""
@@ -259,7 +248,7 @@ def check_glu(device, op: str, layout: str, n_cols: int):
     where = f" [{op} {n_rows} x {n_cols} bf16, {layout}]"
     dout = randn(n_rows, n_cols, device=device)
     gate_in, up_in = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-    with _poisoned_glu_outputs():
+    with poisoned_outputs(glu_module, "_empty_output"):
         out = getattr(fused_kernels, op)(gate_in, up_in)
         out.backward(dout)
 
