@@ -181,6 +181,30 @@ def test_lora_and_tiled_mlp_with_offload(monkeypatch):
         patching.restore_all()
 
 
+def test_lora_layer_zero_input_is_the_embedding_leaf_and_stays():
+    """peft with checkpointing makes the frozen embedding's output a leaf that requires grad
+    (enable_input_require_grads); autograd's AccumulateGrad holds that leaf, so it stays on the device
+    and layer 0 has nothing to bring back: from the third layer on the backward holds one prefetched
+    checkpoint that a 2-layer model does not (what a depth cut at 2 and 3 layers must not count per
+    layer). Trained embedding (full fine-tune): layer 0's input goes to the host like the others."""
+    from peft import LoraConfig, get_peft_model
+
+    layers = 4
+    hidden_shape = (2, 16, 64)
+    went = {}
+    for lora in (False, True):
+        base = _checkpointing(_tiny_llama(layers=layers), False)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                target_modules="all-linear")) if lora else base
+        off = _install(base)
+        _step(model, _ids())
+        went[lora] = {layer for kind, layer, *shape in off.trace if kind == "offload" and tuple(shape) == (hidden_shape,)}
+        fetched = {layer for kind, layer, *_ in off.trace if kind == "fetch"}
+        assert went[lora] <= fetched, off.trace
+    assert went[False] >= set(range(layers)), went
+    assert 0 not in went[True] and went[True] >= set(range(1, layers)), went
+
+
 def test_host_too_small_one_line_and_no_offload(monkeypatch, capsys):
     monkeypatch.setattr(offload, "host_available", lambda: 3 << 30)  # under the 4 GiB margin: nothing to give
     model = _tiny_llama()
