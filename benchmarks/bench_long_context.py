@@ -22,7 +22,7 @@ Each trial (model, peer, length) runs in a fresh process; an out-of-memory step 
 The search doubles the length from --start until a trial fails, then bisects to --granularity.
 
 Depth cut (--layers K, fewer than the model's): a full-depth step at long lengths can outrun the
-device's per-command limit, so a trial measures the peak of the model cut to K and to K+1 layers at
+device's per-command limit, so a trial measures the peak of the model cut to K (at least 3) and to K+1 layers at
 that length; the per-layer increment (weights, gradients, optimizer state and the layer's saved
 activations at that length) times the layers left out is added: the reported peak of a cut trial is
 that estimate, and the trial fits when it is under the GPU's memory. With host offload the bytes sent
@@ -72,6 +72,7 @@ MODELS = {
         "lora_r": 4,
     },
 }
+MIN_CUT = 3  # the shallowest depth cut that holds a full depth's steady state (see main())
 WARMUP_TOKENS = 4096  # a short step before the measured one (Triton compiles, cuBLAS picks its kernels)
 PEERS = ("hf", "liger", "ours", "ours_offload", "ours_tiled", "ours_offload_tiled")
 # peer -> the variables its trial runs under (values from --offload / --tiled-mlp-tokens)
@@ -279,6 +280,8 @@ def merge(files: list[str]) -> dict:
     rows = {}
     for (model, peer, seq), t in sorted(trials.items()):
         row = rows.setdefault((model, peer), {"model": model, "peer": peer, "longest": 0, "first_failed": None})
+        if t.get("status") == "void":  # a trial found unsound afterwards (its void_reason says why): kept, not counted
+            continue
         if t.get("status") == "ok":
             row["longest"] = max(row["longest"], seq)
         elif row["first_failed"] is None or seq < row["first_failed"]:
@@ -355,6 +358,10 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", nargs="+", help="results JSONs to merge into --out")
     ap.add_argument("--plot", help="with --table or --merge: draw the longest length per peer into this PNG")
     a = ap.parse_args(argv)
+    if a.layers is not None and a.layers < MIN_CUT:
+        ap.error(f"--layers {a.layers}: a cut needs at least {MIN_CUT} layers (with LoRA the first layer's input is "
+                 "peft's embedding leaf, which stays on the GPU, so a 2-layer cut prefetches no checkpoint in the "
+                 f"backward and the extrapolation adds one checkpoint per layer left out); use --layers {MIN_CUT}")
     if a.merge:
         data = merge(a.merge)
         if a.out:

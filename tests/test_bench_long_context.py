@@ -106,6 +106,12 @@ def test_cross_check_runs_full_depth_and_the_cut(monkeypatch):
         return {"status": "ok", "seq": seq, "peak_gib": 10.0 if args.layers is None else 10.5}
 
     monkeypatch.setattr(bench_long_context, "run_trial", fake_trial)
-    args = SimpleNamespace(layers=2, device="cpu")
+    args = SimpleNamespace(layers=3, device="cpu")
     out = bench_long_context.cross_check("tiny_llama", "ours", 4096, args)
-    assert asked == [None, 2] and out["estimate_over_measured"] == pytest.approx(1.05)
+    assert asked == [None, 3] and out["estimate_over_measured"] == pytest.approx(1.05)
+
+
+def test_a_cut_shallower_than_three_layers_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        bench_long_context.main(["--layers", "2", "--models", "tiny_llama", "--device", "cpu"])
+    assert "use --layers 3" in capsys.readouterr().err
