@@ -8,6 +8,9 @@ there now, for the classes a built model uses:
   - an instance's own `forward` (in vars(module)): Trainer's use_liger_kernel and Liger's instance
     path, Hub `kernels.kernelize`.
 
+Other libraries' classes we patched (autopatch.names.LIBRARY_MODULES: peft's lora.Linear) are watched
+the same way in the models that hold them; our own swap there is ours, not a replacement.
+
 Each replacement is recorded once (Session.note_replaced(kernel, class, by)) and said in one line
 (autopatch.report.replaced_line; those by Liger-Kernel grouped in one line, report.liger_line). The
 kernel of a patched attribute is the one of the session's patched record for that class or function.
@@ -22,7 +25,7 @@ import sys
 import types
 
 from autopatch import patching, report
-from autopatch.names import is_model_module
+from autopatch.names import LIBRARY_MODULES, is_model_module
 from autopatch.session import Session
 from autopatch.session import say as _say
 
@@ -47,7 +50,7 @@ def _modeling_names(model) -> set[str]:
     if callable(modules_fn):
         classes += [type(m) for m in modules_fn()]
     return {c.__module__ for c in classes if isinstance(getattr(c, "__module__", None), str)
-            and is_model_module(c.__module__)}
+            and (is_model_module(c.__module__) or c.__module__ in LIBRARY_MODULES)}
 
 
 def _kernel_index(session: Session) -> dict[tuple[str, str, str], str]:
@@ -134,12 +137,27 @@ def audit_model(model, session: Session, *, say: bool = True) -> list[tuple[str,
     (kernel, target, by). Never raises."""
     try:
         found = find(model, session)
+        if say:
+            say_library_lines(model, session)
     except Exception:  # noqa: BLE001 - an audit must never break the model or the loop
         return []
     new = [item for item in found if session.note_replaced(*item)]
     if new and say:
         say_lines(new, session, model_type_of(model))
     return new
+
+
+def say_library_lines(model, session: Session) -> list[str]:
+    """Say the waiting lines of the other libraries' modules whose classes `model` holds (peft's LoRA
+    layers: injected after the model was built, seen here first); returns them."""
+    names = _modeling_names(model) & set(LIBRARY_MODULES)
+    if not names:
+        return []
+    with session.lock:
+        lines = [session.pending.pop(n) for n in list(session.pending) if n in names]
+    for line in lines:
+        _say(line)
+    return lines
 
 
 def model_type_of(model) -> str:

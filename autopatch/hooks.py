@@ -204,6 +204,10 @@ def _on_transformers() -> None:
         wrapt.register_post_import_hook(lambda module: runtime.watch_training(session, module), "torch.optim.optimizer")
         for name in sorted(set(modeling_module_names()) | already):
             wrapt.register_post_import_hook(_modeling_hook(session, announce=name in already), name)
+        from autopatch.names import LIBRARY_MODULES
+
+        for name, rule_name in LIBRARY_MODULES.items():  # peft's LoRA layers: one rule each
+            wrapt.register_post_import_hook(_library_hook(session, rule_name), name)
     except SystemExit:
         raise
     except Exception as exc:  # our bug must not break the user's import
@@ -233,6 +237,41 @@ def _patch_hooked(module, session, *, announce: bool) -> None:
         raise
     except Exception as exc:
         _say(f"{module.__name__.rpartition('.')[2]}: internal error ({type(exc).__name__}: {exc}); left unpatched")
+
+
+def _library_hook(session, rule_name: str):
+    def hook(module):
+        _patch_library(module, session, rule_name)
+
+    return hook
+
+
+def _patch_library(module, session, rule_name: str) -> None:
+    """Run one rule over another library's module (autopatch.names.LIBRARY_MODULES) and record it. Its
+    line waits in session.pending until a model holding the module's classes is audited (a library
+    imported but not used says nothing: Trainer imports peft)."""
+    if _state["suspended"]:
+        return
+    try:
+        key = f"module:{module.__name__}:{id(module)}"
+        with session.lock:
+            if key in session.installed:
+                return
+            session.installed.add(key)
+        from autopatch import report, rules, runtime
+
+        enabled = runtime.enabled_in(session.settings, module.__name__)
+        skip = frozenset(r.name for r in rules.all_rules() if r.name != rule_name)
+        records = runtime.run_rules(module, session, enabled, skip)
+        session.add(records)
+        line = report.summary_line(module.__name__.partition(".")[0], records, enabled)  # "autopatch: peft: ..."
+        if line:
+            with session.lock:
+                session.pending[module.__name__] = line
+    except SystemExit:
+        raise
+    except Exception as exc:
+        _say(f"{module.__name__}: internal error ({type(exc).__name__}: {exc}); left unpatched")
 
 
 def _on_modeling_utils(modeling_utils) -> None:

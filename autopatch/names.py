@@ -27,6 +27,8 @@ KERNELS: dict[str, str] = {
     "masked_attention": "not a kernel: SDPA under a boolean mask (sliding windows, image blocks, padding, packed "
                         "documents) -> one SDPA call per 1024-query block over only the keys its mask allows, "
                         "instead of the whole [queries, keys] square",
+    "lora_input": "not a kernel: peft's LoRA Linear (one plain adapter, no dropout in training) keeps its input "
+                  "in its own dtype for the backward, not its float32 cast (recomputed there, in chunks)",
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
@@ -45,7 +47,7 @@ NOT_PROVIDED: dict[str, str] = {
 # forward ones first (a backward that recomputes the forward counts it as <op>_recompute, not a call). A gelu_mlp component launches gelu_fwd/gelu_bwd (fused_kernels.gelu_linear); a
 # gated MLP through glu_linear launches swiglu_*/geglu_*; MoE experts launch moe_experts_* for SiLU
 # (swiglu) and GELU (geglu) experts alike. The non-kernels (causal_mask, vision_attention,
-# masked_attention) launch nothing of ours: their rules count the calls that took the patched path.
+# masked_attention, lora_input) launch nothing of ours: their rules count the calls that took the patched path.
 FORWARD_OPS: dict[str, tuple[str, ...]] = {
     "rope": ("rope_fwd",),
     "rms_norm": ("rms_norm_fwd",),
@@ -58,6 +60,7 @@ FORWARD_OPS: dict[str, tuple[str, ...]] = {
     "causal_mask": (),
     "vision_attention": (),
     "masked_attention": (),
+    "lora_input": (),
 }
 LAUNCH_OPS: dict[str, tuple[str, ...]] = {  # + the backward and a backward's recomputation of the forward
     kernel: ops + tuple(op[: -len("_fwd")] + end for end in ("_bwd", "_recompute") for op in ops)
@@ -73,6 +76,13 @@ SHARED_OPS: frozenset[str] = frozenset(
 # where the rule counts nothing).
 UNCOUNTED: frozenset[str] = frozenset({"causal_mask"})
 LOSS_KERNELS: tuple[str, ...] = ("fused_linear_cross_entropy", "cross_entropy")
+
+# Modules of other libraries that a rule patches, and that rule's name (autopatch.rules): the import
+# hooks run that rule alone over the module when it is imported; the audit watches its classes in the
+# models that hold them.
+LIBRARY_MODULES: dict[str, str] = {
+    "peft.tuners.lora.layer": "lora",
+}
 
 
 def is_model_module(name: str) -> bool:

@@ -164,7 +164,8 @@ def test_apply_keywords():
     assert _api.resolve_toggles({}) == {"rope": True, "rms_norm": True, "layer_norm": True, "swiglu": True,
                                         "geglu": True, "gelu_mlp": True,
                                         "cross_entropy": False, "fused_linear_cross_entropy": True,
-                                        "causal_mask": True, "vision_attention": True, "masked_attention": True}
+                                        "causal_mask": True, "vision_attention": True, "masked_attention": True,
+                                        "lora_input": False}  # peft's layers: the import hooks' only
     liger = {"rope": True, "rms_norm": False, "swiglu": True, "cross_entropy": True,
              "fused_linear_cross_entropy": False}
     got = _api.resolve_toggles(liger)
@@ -230,7 +231,7 @@ def test_apply_runs_rules_over_the_models_modules(fake_world, fresh_report, caps
     assert name == FAKE_MODELING
     assert seen == {"rope": False, "rms_norm": True, "layer_norm": True, "swiglu": True, "geglu": True,
                     "gelu_mlp": True, "cross_entropy": True, "fused_linear_cross_entropy": True, "causal_mask": True,
-                    "vision_attention": True, "masked_attention": True}
+                    "vision_attention": True, "masked_attention": True, "lora_input": False}
     assert capsys.readouterr().err == "autopatch: modeling_fake: swiglu (FakeMLP)\n"
     with pytest.raises(TypeError, match="unexpected keyword argument"):
         _api.apply(model, rotary=True)

@@ -20,7 +20,7 @@ from typing import Callable
 
 from autopatch import patching
 from autopatch.rules import (
-    causal_mask, gelu_mlp, glu_mlp, layer_norm, loss, masked_attention, moe_experts, moe_gate, rms_norm, rope,
+    causal_mask, gelu_mlp, glu_mlp, layer_norm, lora, loss, masked_attention, moe_experts, moe_gate, rms_norm, rope,
     vision_attention,
 )
 from autopatch.session import Record
@@ -39,6 +39,7 @@ RULES: tuple = (
     causal_mask.RULE,
     vision_attention.RULE,
     masked_attention.RULE,
+    lora.RULE,  # peft's lora.Linear only (autopatch.names.LIBRARY_MODULES): no candidate in a modeling module
 )
 
 
