@@ -221,15 +221,22 @@ def _modeling_hook(session, *, announce: bool):
     return hook
 
 
-def _patch_hooked(module, session, *, announce: bool) -> None:
+def _first_visit(module, session) -> bool:
+    """True once per module object (a reload is another object), and never while hooks are suspended."""
     if _state["suspended"]:
+        return False
+    key = f"module:{module.__name__}:{id(module)}"
+    with session.lock:
+        if key in session.installed:
+            return False
+        session.installed.add(key)
+    return True
+
+
+def _patch_hooked(module, session, *, announce: bool) -> None:
+    if not _first_visit(module, session):
         return
     try:
-        key = f"module:{module.__name__}:{id(module)}"
-        with session.lock:
-            if key in session.installed:
-                return  # this very module object was patched already
-            session.installed.add(key)
         from autopatch import runtime
 
         runtime.patch_module(module, session, announce=announce)
@@ -250,14 +257,9 @@ def _patch_library(module, session, rule_name: str) -> None:
     """Run one rule over another library's module (autopatch.names.LIBRARY_MODULES) and record it. Its
     line waits in session.pending until a model holding the module's classes is audited (a library
     imported but not used says nothing: Trainer imports peft)."""
-    if _state["suspended"]:
+    if not _first_visit(module, session):
         return
     try:
-        key = f"module:{module.__name__}:{id(module)}"
-        with session.lock:
-            if key in session.installed:
-                return
-            session.installed.add(key)
         from autopatch import report, rules, runtime
 
         enabled = runtime.enabled_in(session.settings, module.__name__)
