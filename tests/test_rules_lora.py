@@ -58,12 +58,15 @@ def _tiny_peft_llama(dtype, dropout=0.0, use_dora=False, layers=2, seed=0):
     return model.train()
 
 
-def _step(model, dtype, seed=3):
+def _step(model, dtype, seed=3, autocast=None):
+    """One step; `autocast`: the forward under torch.autocast("cpu", dtype=autocast), the backward
+    outside it (as HF Trainer and accelerate run it)."""
     gen = torch.Generator().manual_seed(seed)
     embeds = (torch.randn(2, 9, 32, generator=gen) * 0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, 64, (2, 9), generator=gen)
     model.zero_grad(set_to_none=True)
-    loss = model(inputs_embeds=embeds, labels=labels).loss
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = model(inputs_embeds=embeds, labels=labels).loss
     loss.backward()
     grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()
              if p.requires_grad}
@@ -117,6 +120,7 @@ def test_chunk_rows_bound_the_transient():
 def test_probe_verdict():
     verdict = _probe.sealed(lora.RULE.prove, lora.RULE.candidates(LAYER)[0], LAYER)
     assert verdict.variant is not None, verdict.reason
+    assert torch.bfloat16 in verdict.variant.autocast  # proved under torch.autocast("cpu", bfloat16)
     assert lora.RULE.candidates(types.ModuleType("transformers.models.llama.modeling_llama")) == []
 
 
@@ -186,6 +190,73 @@ def _saved(layer, x):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         layer(x).sum().backward()
     return saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_lora_delta_in_autocast_dtype_against_float64(dtype, rows):
+    """LoraDelta with compute = bfloat16 (what autocast gives it), float32 adapters, buffers poisoned,
+    against the formula in float64; the output in the base's dtype, dA and dB in float32."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(7, 12, generator=gen).to(dtype).requires_grad_()
+    base = torch.randn(7, 10, generator=gen).to(dtype)
+    a = torch.randn(3, 12, generator=gen).requires_grad_()
+    b = torch.randn(10, 3, generator=gen).requires_grad_()
+    dy = torch.randn(7, 10, generator=gen).to(dtype)
+    with poisoned_outputs(lora, "_empty"):
+        y = lora.lora_delta(x, base, a, b, 0.75, rows=rows, compute=torch.bfloat16)
+        grads = torch.autograd.grad(y, (x, a, b), dy)
+    x64, a64, b64 = (t.detach().double().requires_grad_() for t in (x, a, b))
+    y64 = base.double() + (x64 @ a64.t()) @ b64.t() * 0.75
+    grads64 = torch.autograd.grad(y64, (x64, a64, b64), dy.double())
+    assert y.dtype == dtype and grads[0].dtype == dtype and grads[1].dtype == grads[2].dtype == torch.float32
+    assert_close(y, y64, torch.bfloat16, "output")
+    for what, g, g64 in zip(("dx", "dA", "dB"), grads, grads64):
+        assert_close(g, g64, torch.bfloat16, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_llama_matches_peft_under_autocast(dtype):
+    """The forward under torch.autocast("cpu", dtype=torch.bfloat16) (HF Trainer's bf16=True): every
+    LoRA linear takes our path and the loss, the input gradient and every LoRA gradient equal peft's
+    under the same autocast."""
+    model = _tiny_peft_llama(dtype)
+    ref = _step(model, dtype, autocast=torch.bfloat16)
+    session = current()
+    _patch(session)
+    before = _calls(session)
+    with poisoned_outputs(lora, "_empty"):
+        got = _step(model, dtype, autocast=torch.bfloat16)
+    assert _calls(session) - before == 2 * 7
+    # one chunk at these sizes and the same operations in the same dtypes: the same bits (matmuls in
+    # float32 instead, the LoRA gradients differ from peft's by about 2e-2)
+    assert torch.equal(got[0], ref[0]), (got[0], ref[0])
+    _assert_same(got, ref, torch.bfloat16, f"{dtype} base under bf16 autocast")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_under_autocast(reentrant):
+    """Checkpointing replays the forward under the autocast state it recorded: ours again in the recompute."""
+    model = _tiny_peft_llama(torch.bfloat16)
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()
+    ref = _step(model, torch.bfloat16, autocast=torch.bfloat16)
+    session = current()
+    _patch(session)
+    before = _calls(session)
+    got = _step(model, torch.bfloat16, autocast=torch.bfloat16)
+    assert 2 * 7 < _calls(session) - before <= 2 * 2 * 7
+    _assert_same(got, ref, torch.bfloat16, f"checkpointing under autocast (reentrant={reentrant})")
+
+
+def test_unproved_autocast_dtype_runs_peft():
+    """An autocast dtype the proof did not cover keeps peft's forward, and says which."""
+    model, layer = _one_layer_case(lora_dropout=0.0)
+    x = torch.ones(2, 16)
+    assert lora.why_not(layer, LAYER.Linear, x, (), {}, ()) == ""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lora.why_not(layer, LAYER.Linear, x, (), {}, (torch.bfloat16,)) == ""
+        assert lora.why_not(layer, LAYER.Linear, x, (), {}, ()) == "under autocast to torch.bfloat16 (not proved)"
 
 
 def test_saved_bytes_drop_by_the_float32_copy():
@@ -330,3 +401,38 @@ def test_hooks_patch_peft_and_say_it_when_a_lora_model_runs(tmp_path):
     assert line in err and err.index(line) > err.index("BUILT"), err
     off = _hooked(tmp_path, AUTOPATCH_LORA_INPUT="false")
     assert "PATCHED False" in off and "CALLS 0" in off and line not in off, off
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_saved_bytes_under_autocast_drop_by_the_cast_copy(x_dtype):
+    """One LoRA linear (bf16 base, float32 adapters) under torch.autocast("cpu", bfloat16): peft casts
+    x to float32 and autocast casts that to bf16 for lora_A, so autograd saves a bf16 copy of x
+    (T·H·2 bytes) beside x, and bf16 casts of A and B (r·H·2, O·r·2); ours saves x itself (the
+    caller's tensor, bf16 or float32), the float32 A and B, and h = x·Aᵀ in bf16 (T·r·2)."""
+    tokens, hidden, out, rank = 64, 48, 40, 4
+    model = _tiny_peft_llama(torch.bfloat16)
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    layer.base_layer = nn.Linear(hidden, out, dtype=torch.bfloat16).requires_grad_(False)
+    layer.lora_A["default"] = nn.Linear(hidden, rank, bias=False)
+    layer.lora_B["default"] = nn.Linear(rank, out, bias=False)
+    # not a leaf, as a layer's input is: autocast caches its casts of leaves that require grad
+    x = torch.randn(tokens, hidden, dtype=x_dtype, requires_grad=True).clone()
+    kept_anyway = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def saved_under_autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _saved(layer, x)
+
+    def bytes_beside(saved):
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        return sum(n for ptr, n in storages.items() if ptr not in kept_anyway)
+
+    peft_saved = saved_under_autocast()  # the frozen base keeps its weight only (no dW: no x needed)
+    assert sum(t.dtype == torch.bfloat16 and t.shape == x.shape for t in peft_saved) == 1
+    _patch()
+    ours = saved_under_autocast()
+    assert any(t.data_ptr() == x.data_ptr() for t in ours), "ours keeps the caller's x"
+    assert not any(t.shape == x.shape and t.data_ptr() != x.data_ptr() for t in ours)
+    cast_copy = tokens * hidden * 2
+    assert bytes_beside(peft_saved) - bytes_beside(ours) == cast_copy + (rank * hidden + out * rank) * 2
+    assert bytes_beside(ours) == tokens * rank * 2  # h, bf16
