@@ -353,7 +353,7 @@ class Offloader:
         host = host_available()
         if host is None or need == 0:
             return True
-        room = max(0, host - _margin(host, HOST_MARGIN))
+        room = host_room(host)
         if need <= room:
             return True
         self.off_reason = (f"host memory: this step would offload ~{_gib(need)} of saved activations, the host has "

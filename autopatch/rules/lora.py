@@ -118,7 +118,7 @@ class LoraDelta(torch.autograd.Function):
         x, weight_a, weight_b, h = ctx.saved_tensors
         scaling, rows, compute = ctx.scaling, ctx.rows, ctx.compute
         need_x, need_base, need_a, need_b = ctx.needs_input_grad[:4]
-        acc = torch.float32 if compute in (torch.bfloat16, torch.float16) else compute
+        acc = torch.float32 if compute in _HALF else compute
         with _autocast_off(x.device.type):
             a, b = weight_a.to(compute), weight_b.to(compute)
             x2 = x.reshape(-1, x.shape[-1])
