@@ -264,6 +264,25 @@ def longest(model_key, peer, args, trials: list) -> int:
     return good
 
 
+def longest_rows(trials: list[dict]) -> list[dict]:
+    """Per model and peer, the longest length that fit and the shortest that failed above it (None: no
+    longer length was tried), from the trials."""
+    rows = {}
+    for t in sorted(trials, key=lambda t: (t["model"], t["peer"], t["seq"])):
+        model, peer, seq = t["model"], t["peer"], t["seq"]
+        row = rows.setdefault((model, peer), {"model": model, "peer": peer, "longest": 0, "first_failed": None})
+        if t.get("status") == "void":  # a trial found unsound afterwards (its void_reason says why): kept, not counted
+            continue
+        if t.get("status") == "ok":
+            row["longest"] = max(row["longest"], seq)
+        elif row["first_failed"] is None or seq < row["first_failed"]:
+            row["first_failed"] = seq
+    for row in rows.values():  # a length that fit above one that failed: the failure was not memory's
+        if row["first_failed"] is not None and row["first_failed"] < row["longest"]:
+            row["first_failed"] = None
+    return list(rows.values())
+
+
 def merge(files: list[str]) -> dict:
     """Several runs' JSON as one: every trial (a later run's trial of the same model, peer and length
     replaces an earlier one), the longest fit per model and peer recomputed from the trials."""
@@ -277,20 +296,13 @@ def merge(files: list[str]) -> dict:
         for t in data["trials"]:
             trials[(t["model"], t["peer"], t["seq"])] = t
         checks.extend(data.get("cross_checks", []))
-    rows = {}
-    for (model, peer, seq), t in sorted(trials.items()):
-        row = rows.setdefault((model, peer), {"model": model, "peer": peer, "longest": 0, "first_failed": None})
-        if t.get("status") == "void":  # a trial found unsound afterwards (its void_reason says why): kept, not counted
-            continue
-        if t.get("status") == "ok":
-            row["longest"] = max(row["longest"], seq)
-        elif row["first_failed"] is None or seq < row["first_failed"]:
-            row["first_failed"] = seq
-    for row in rows.values():  # a length that fit above one that failed: the failure was not memory's
-        if row["first_failed"] is not None and row["first_failed"] < row["longest"]:
-            row["first_failed"] = None
-    return {"environment": environment, "trials": list(trials.values()), "longest": list(rows.values()),
-            "cross_checks": checks}
+    return {"environment": environment, "trials": list(trials.values()),
+            "longest": longest_rows(list(trials.values())), "cross_checks": checks}
+
+
+def _write(path: str, data: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
 
 
 def plot(data: dict, path: str) -> None:
@@ -327,7 +339,7 @@ def table(data: dict) -> str:
     for row in data["longest"]:
         at = next((t for t in data["trials"] if t["model"] == row["model"] and t["peer"] == row["peer"]
                    and t["seq"] == row["longest"] and t.get("status") == "ok"), {})
-        bound = "≥" if "first_failed" in row and row["first_failed"] is None else ""
+        bound = "≥" if row.get("first_failed", 0) is None else ""
         lines.append(f"| {row['model']} | {row['peer']} | {bound}{row['longest']} | {at.get('tokens_per_s', 0):.0f} | "
                      f"{at.get('peak_gib', float('nan')):.1f} | {at.get('host_peak_gib', float('nan')):.1f} | "
                      f"{at.get('host_offload_gib', 0):.1f} |")
@@ -365,8 +377,7 @@ def main(argv=None) -> int:
     if a.merge:
         data = merge(a.merge)
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(data, f, indent=1, default=str)
+            _write(a.out, data)
     elif a.table:
         with open(a.table) as f:
             data = json.load(f)
@@ -404,8 +415,7 @@ def main(argv=None) -> int:
                                         "longest": longest(model_key, peer, a, data["trials"])})
     print(table(data))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(data, f, indent=1, default=str)
+        _write(a.out, data)
     return 0
 
 
