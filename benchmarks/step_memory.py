@@ -24,18 +24,11 @@ import os
 import subprocess
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: our ops accept the CPU tensors
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-for path in (ROOT, HERE):
-    if path not in sys.path:
-        sys.path.insert(1, path)
+# first: moe_memory sets TRITON_INTERPRET=1 before triton is imported and puts the repository on sys.path
+from moe_memory import GiB, MiB, LiveBytes, _hook_labels, stand_ins  # isort: skip
 
 import torch  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-
-from moe_memory import GiB, MiB, LiveBytes, _hook_labels, stand_ins  # noqa: E402
 
 
 class HostLiveBytes(LiveBytes):
