@@ -56,7 +56,7 @@ import torch
 from autopatch.rules._causal_lm_source import resolve_attribute
 from autopatch.rules._kernels import fallback, kernels, notice
 from autopatch.rules._lazy_logits import LazyLogits
-from autopatch.rules._loss_callers import WRAPPER_CODES, look_for_bypass, wants_look
+from autopatch.rules._loss_callers import WRAPPER_CODES, look_for_bypass, note_training_call, wants_look
 from autopatch.rules._loss_ce import (
     CALL_ATTR, KERNEL_DTYPES, LossPatch, original_causal_lm_loss, reduce_like_fixed_cross_entropy, shifted_targets,
 )
@@ -287,6 +287,7 @@ def make_forward(original_forward, patch: LossPatch):
         if labels is not None and self.training and torch.is_grad_enabled():
             if not torch.compiler.is_compiling():
                 patch.session.count_training_call()
+                note_training_call(patch.session, type(self))  # lm_head reads so far did not pass it over
             if patch.fused_linear:
                 call = start_fused_call(self, patch)
         if call is None:
