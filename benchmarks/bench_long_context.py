@@ -241,13 +241,15 @@ def cross_check(model_key, peer, seq, args) -> dict:
     return out
 
 
-def longest(model_key, peer, args, trials: list) -> int:
-    """The longest length that fit, by doubling from --start, then bisection to --granularity."""
+def longest(model_key, peer, args, trials: list, saved=lambda: None) -> int:
+    """The longest length that fit, by doubling from --start, then bisection to --granularity;
+    `saved()` after each trial (a time box that kills the search keeps what was measured)."""
     fits = lambda r: r.get("status") == "ok"  # noqa: E731
     good, bad, seq = 0, None, args.start
     while seq <= args.max_seq:
         res = run_trial(model_key, peer, seq, args)
         trials.append(res)
+        saved()
         if not fits(res):
             bad = seq
             break
@@ -260,6 +262,7 @@ def longest(model_key, peer, args, trials: list) -> int:
             break
         res = run_trial(model_key, peer, mid, args)
         trials.append(res)
+        saved()
         good, bad = (mid, bad) if fits(res) else (good, mid)
     return good
 
@@ -405,17 +408,24 @@ def main(argv=None) -> int:
     import torch
 
     data = {"environment": environment(torch.device(a.device)), "layers_cut": a.layers, "trials": [], "longest": []}
+
+    def saved() -> None:
+        data["longest"] = longest_rows(data["trials"])
+        if a.out:
+            _write(a.out, data)
+
     if a.cross_check:
-        data["cross_checks"] = [cross_check(model_key, peer, a.cross_check, a)
-                                for model_key in a.models.split(",") for peer in a.peers.split(",")]
+        data["cross_checks"] = []
+        for model_key in a.models.split(","):
+            for peer in a.peers.split(","):
+                data["cross_checks"].append(cross_check(model_key, peer, a.cross_check, a))
+                saved()
     else:
         for model_key in a.models.split(","):
             for peer in a.peers.split(","):
-                data["longest"].append({"model": model_key, "peer": peer,
-                                        "longest": longest(model_key, peer, a, data["trials"])})
+                longest(model_key, peer, a, data["trials"], saved)
+    saved()
     print(table(data))
-    if a.out:
-        _write(a.out, data)
     return 0
 
 

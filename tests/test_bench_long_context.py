@@ -55,7 +55,7 @@ def test_tiny_run_on_the_cpu(tmp_path):
         losses.setdefault(t["seq"], {})[t["peer"]] = t["loss"]
     for seq, by_peer in losses.items():  # same seed, same weights, same tokens: the same loss
         assert by_peer["ours"] == pytest.approx(by_peer["hf"], rel=1e-5), seq
-    assert "| tiny_llama | ours | 32 |" in proc.stdout
+    assert "| tiny_llama | ours | ≥32 |" in proc.stdout  # no longer length tried: an open bound
 
 
 def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
