@@ -27,13 +27,15 @@ def _launch_counts() -> dict[str, int]:
 
 def runs(session=None) -> dict[str, dict]:
     """Per patched kernel: {"calls": its forward launches (autopatch.names.FORWARD_OPS) plus the calls
-    its rules counted (None where nothing is counted), "launches": {op: count}}. An op several kernels
-    launch (MoE experts) is credited to each of them that patched something."""
+    its rules counted (None where nothing is counted), "launches": {op: count}}, and "original_calls"
+    where its patched code counted the calls it gave to the original (Session.count_original). An op
+    several kernels launch (MoE experts) is credited to each of them that patched something."""
     session = _session(session)
     launches = _launch_counts()
     with session.lock:
         kernels = list(dict.fromkeys(r.kernel for r in session.records if r.patched and r.kernel in KERNEL_NAMES))
         calls = dict(session.calls)
+        originals = dict(session.originals)
     out = {}
     for kernel in kernels:
         ops = {op: launches[op] for op in LAUNCH_OPS[kernel] if launches.get(op)}
@@ -42,6 +44,8 @@ def runs(session=None) -> dict[str, dict]:
         else:
             counted = sum(launches.get(op, 0) for op in FORWARD_OPS[kernel]) + calls.get(kernel, 0)
         out[kernel] = {"calls": counted, "launches": ops}
+        if kernel in originals:
+            out[kernel]["original_calls"] = originals[kernel]
     return out
 
 
@@ -192,6 +196,26 @@ def exit_verdict(session=None, strict: bool | None = None) -> str | None:
                 f"({override(loss[0], model_type)}, or {loss[0]}=False in autopatch.apply), or unset "
                 "AUTOPATCH_STRICT.")
     return f"autopatch: {line}"
+
+
+def mostly_original(session=None) -> str | None:
+    """The exit check's line for patched kernels whose patched code gave most of its calls to the
+    original (Session.count_original against the calls counted), with the first reason kept for each
+    (Session.note_bypass); None when there are none. Not a strict-mode failure: a per-call choice of the
+    patched code, as a fallback is."""
+    session = _session(session)
+    state = runs(session)
+    with session.lock:
+        why = {k: v["why"] for k, v in session.bypassed.items()}
+    parts = []
+    for kernel, counts in state.items():
+        original, ours = counts.get("original_calls", 0), counts["calls"] or 0
+        if original > ours:
+            part = f"{kernel} ran the original code in {original} of {original + ours} calls"
+            parts.append(part + (f" (the first reason: {why[kernel]})" if kernel in why else ""))
+    if not parts:
+        return None
+    return "autopatch: " + "; ".join(parts)
 
 
 # --------------------------------------------------------------------------- one stderr line per module

@@ -294,6 +294,9 @@ def at_exit(session: Session) -> None:
         if line is not None:
             say(line)
             failed = failed or session.strict
+        mostly = report.mostly_original(session)  # said, never a strict failure
+        if mostly is not None:
+            say(mostly)
     except Exception:  # noqa: BLE001 - at exit: never raise
         pass
     write_report(session)

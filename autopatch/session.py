@@ -4,9 +4,10 @@ A `Session` holds what autopatch decided and what it saw happen:
   - `settings`: the validated autopatch.config.Settings it was started with (None for a session
     that apply() created without start-up having run);
   - `records`: every patch and every refusal (`Record`), in order;
-  - run counters: the calls a rule counted itself (`count_call`), the training calls and optimizer
-    steps, per kernel the first time a patched component had to run the original code
-    (`note_fallback`) and what passed a patch over (`note_bypass`);
+  - run counters: the calls a rule counted itself (`count_call`) and those where its patched code
+    chose the original (`count_original`), the training calls and optimizer steps, per kernel the
+    first time a patched component had to run the original code (`note_fallback`) and what passed a
+    patch over (`note_bypass`);
   - `replaced`: our forwards that something else replaced after we patched them (Liger, Hub
     `kernels.kernelize`, a user's monkeypatch), with what replaced them (`note_replaced`);
   - `built`: the modeling modules whose classes a built model uses (strict mode and the exit check
@@ -80,6 +81,7 @@ class Session:
         self.lock = threading.RLock()
         self.records: list[Record] = []
         self.calls: dict[str, int] = {}
+        self.originals: dict[str, int] = {}  # kernel -> calls its patched code gave to the original
         self.trained = {"optimizer_steps": 0, "training_calls": 0}
         self.bypassed: dict[str, dict] = {}
         self.fallbacks: dict[str, str] = {}  # kernel -> the first fallback's detail
@@ -113,6 +115,12 @@ class Session:
         or whose launches carry another op's name)."""
         with self.lock:
             self.calls[kernel] = self.calls.get(kernel, 0) + n
+
+    def count_original(self, kernel: str, n: int = 1) -> None:
+        """A patched component chose the original code for `n` calls (a per-call check, as lora_input's:
+        the exit check says so when these outnumber count_call's)."""
+        with self.lock:
+            self.originals[kernel] = self.originals.get(kernel, 0) + n
 
     def count_training_call(self) -> None:
         """A patched model was called in training mode with labels (grad enabled)."""
@@ -210,6 +218,7 @@ class Session:
         """Forget the counted calls, training, fallbacks, bypasses and replacements (tests)."""
         with self.lock:
             self.calls.clear()
+            self.originals.clear()
             self.bypassed.clear()
             self.fallbacks.clear()
             self.replaced.clear()
