@@ -27,8 +27,9 @@ KERNELS: dict[str, str] = {
     "masked_attention": "not a kernel: SDPA under a boolean mask (sliding windows, image blocks, padding, packed "
                         "documents) -> one SDPA call per 1024-query block over only the keys its mask allows, "
                         "instead of the whole [queries, keys] square",
-    "lora_input": "not a kernel: peft's LoRA Linear (one plain adapter, no dropout in training) keeps its input "
-                  "in its own dtype for the backward, not its float32 cast (recomputed there, in chunks)",
+    "lora_input": "not a kernel: peft's LoRA Linear (one plain adapter) keeps its input in its own dtype "
+                  "for the backward, not its float32 cast (recomputed there, in chunks); LoRA dropout's mask is drawn "
+                  "again in the backward from the random state it was drawn from",
 }
 
 KERNEL_NAMES: tuple[str, ...] = tuple(KERNELS)
