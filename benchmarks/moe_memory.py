@@ -20,6 +20,11 @@ exception: their Python bodies run here, so the transients inside the experts' f
 count op by op. A read of a value (`.item()`) answers 1 (the loss's range flag, Liger's tile count);
 the RMSNorm weights are taken to hold no zeros (bench_e2e's are ones); transformers' mask code is told
 it is not tracing, so that, as on the GPU, no 4-D causal mask is built for a batch without padding.
+Two things a dispatch mode changes are put back: autograd's engine sums two gradients of one tensor in
+place into an operand only it holds (not a view, not kept by a hook), which it never does for tensor
+subclasses or under a dispatch mode, so the mode does it for it where the engine would (LiveBytes.
+_accumulated); and the modules' backward labels come from gradient hooks on their outputs, not from
+full backward hooks, which keep a module's output gradients alive until its backward ends.
 SDPA runs the CPU's choice of kernel: for equal head dims that is a fused one that keeps what a GPU's
 keeps (output and log-sum-exp), and the Qwen3-MoE step's accounting comes within 0.07 GiB of the
 measured peaks of all three peers (docs/kernels/moe_experts.md); where the CPU takes the math path
@@ -52,6 +57,7 @@ for path in (ROOT, HERE):
         sys.path.insert(1, path)
 
 import torch  # noqa: E402
+from torch._prims_common import is_non_overlapping_and_dense_or_false  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
@@ -66,10 +72,16 @@ class LiveBytes(TorchDispatchMode):
     A storage counts from the op that returned it until its last reference goes; storages in `ignore`
     (the weights) never count. `label` names where the step is (set by module hooks); each storage keeps
     the label it was made under. `trace(prefix)` records (label, op, shape, MiB, live MiB after) for every
-    allocation made under a label starting with prefix."""
+    allocation made under a label starting with prefix. With `where_min` bytes set, every allocation of at
+    least that size also keeps where it was made (`where[serial]`: the op and the innermost Python frames
+    of the repository, transformers, peft and torch's checkpoint/autograd code on the stack)."""
 
-    def __init__(self, ignore=(), ops=None):
+    def __init__(self, ignore=(), ops=None, where_min=None):
         super().__init__()
+        self.where_min = where_min
+        self.where: dict[int, str] = {}  # serial -> "op <- frame <- frame ..." (allocations >= where_min)
+        self.freed: dict[int, str] = {}  # serial -> the label (and next op) when it was found freed
+        self._op = None  # the op being dispatched
         self.ignore = set(ignore)
         self.ops = ops or {}  # op overload -> Python function run in its place (under this mode)
         self.live: dict[int, tuple] = {}  # storage key -> (bytes, shape, dtype, label, serial)
@@ -83,12 +95,55 @@ class LiveBytes(TorchDispatchMode):
         self.trace_prefix = None
         self.trace: list[tuple] = []
         self.square = 0  # ... × n × n softmax outputs: attention probabilities, which a GPU's fused SDPA never makes
+        self.label_peak: dict[str, int] = {}  # label -> the most bytes alive after an allocation made under it
+        self._probe: list | None = None
+        self._exclusive = self._calibrate()
+
+    def _calibrate(self):
+        """The owner counts (_owner_pair) that each operand of autograd's accumulation of two gradients shows
+        here when the engine holds the last reference to it: a probe backward whose one accumulation adds
+        two matmul outputs that nothing else holds. None where the probe finds no such add."""
+        self._probe = []
+        with self:
+            x = torch.ones(4, 4, requires_grad=True)
+            w = torch.ones(4, 4)
+            h = x * 2
+            ((h @ w) + (h @ w.t())).sum().backward()
+        seen, self._probe = self._probe, None
+        self.live.clear()
+        self._refs.clear()
+        self.now = self.peak = self._serial = 0
+        self.at_peak = {}
+        self.label_peak.clear()
+        return seen[0] if len(seen) == 1 else None
+
+    def _accumulated(self, args, owners):
+        """Autograd's engine sums two gradients of one tensor (InputBuffer::accumulate) in place into an
+        operand it holds the last reference to, first the one it had, then the new one; it does so only
+        for tensors that are not tensor subclasses and while no dispatch mode is on, so under this mode
+        (and fake tensors) it always allocates the sum. Here the sum goes where the engine would put it
+        without them: the operand found held by the engine alone, as the probe's were (its owner counts);
+        None where the engine would allocate (both held elsewhere too: a hook, a saved tensor, a view's
+        base). An add of two whole tensors inside a C++ node's formula that met the same counts would be
+        taken in place too: one temporary fewer counted there."""
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device):
+            return None
+        for i, (own, other) in enumerate(((a, b), (b, a))):
+            if owners[i] == self._exclusive[i] and is_non_overlapping_and_dense_or_false(own):
+                own.add_(other)
+                return own
+        return None
 
     def _sweep(self) -> None:
         kept = []
         for key, ref in self._refs:
             if ref.expired():
-                self.now -= self.live.pop(key)[0]
+                entry = self.live.pop(key)
+                self.now -= entry[0]
+                if entry[4] in self.where:
+                    self.freed[entry[4]] = f"{self.label}, before {_op_name(self._op)}"
             else:
                 kept.append((key, ref))
         self._refs = kept
@@ -101,10 +156,14 @@ class LiveBytes(TorchDispatchMode):
         n = storage.nbytes()
         self._serial += 1  # a freed storage's key can come back: serials tell allocations apart
         self.live[key] = (n, tuple(t.shape), str(t.dtype).replace("torch.", ""), self.label, self._serial)
+        if self.where_min is not None and n >= self.where_min:
+            self.where[self._serial] = f"{_op_name(op)} <- {_frames()}"
         self._refs.append((key, StorageWeakRef(storage)))
         self.now += n
         if self.trace_prefix is not None and self.label.split(" ", 1)[-1].startswith(self.trace_prefix):
             self.trace.append((self.label, str(op), tuple(t.shape), n / MiB, self.now / MiB))
+        if self.now > self.label_peak.get(self.label, 0):
+            self.label_peak[self.label] = self.now
         if self.now > self.peak:
             self.peak, self.peak_label, self.at_peak = self.now, self.label, dict(self.live)
 
@@ -127,6 +186,15 @@ class LiveBytes(TorchDispatchMode):
         if func in self.ops:
             with self:  # its ops are counted one by one
                 return self.ops[func](*args, **kwargs)
+        if func is torch.ops.aten.add.Tensor and len(args) == 2 and not kwargs and _called_by_engine():
+            owners = _owner_pair(*args)  # first: the probe's and the step's counts taken at the same point
+            if self._probe is not None:
+                self._probe.append(owners)
+            elif self._exclusive is not None:
+                summed = self._accumulated(args, owners)
+                if summed is not None:
+                    return summed
+        self._op = func
         out = func(*args, **kwargs)
         if (func in (torch.ops.aten._softmax.default, torch.ops.aten._safe_softmax.default) and out.dim() >= 3
                 and out.shape[-1] == out.shape[-2] > 1):
@@ -136,6 +204,51 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t, func)
         return out
+
+
+_DISPATCH_FILES = ("torch/_dynamo/eval_frame.py", "torch/_compile.py", "torch/utils/_python_dispatch.py")
+
+
+def _called_by_engine() -> bool:
+    """Whether the op being dispatched was called from autograd's C++ engine (its gradient sums, or a C++
+    node's formula: no Python frame between the backward's entry and this dispatch), not from a Python
+    backward."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.endswith(_DISPATCH_FILES):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_engine_run_backward"
+
+
+def _owner_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Per operand: (C++ references to its TensorImpl, Python references to its wrapper, references to its
+    storage), as seen from LiveBytes' dispatch through this one call path, the probe's and the step's
+    alike (so that the counts compare)."""
+    return tuple((t._use_count(), sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+                 for t in (a, b))
+
+
+_WHERE_PARTS = ("/autopatch/", "/fused_kernels/", "/transformers/", "/peft/", "torch/utils/checkpoint.py",
+                "torch/autograd/function.py", "torch/autograd/graph.py", "/benchmarks/")
+
+
+def _op_name(op) -> str:
+    name = str(op)
+    return name[len("aten."):] if name.startswith("aten.") else name
+
+
+def _frames(keep: int = 5) -> str:
+    """The innermost `keep` frames of the stack in the code that makes a step's tensors (the repository,
+    transformers, peft, torch's checkpoint and autograd.Function), as file:line function, this file's and
+    the dispatch machinery's left out."""
+    out = []
+    frame = sys._getframe(2)
+    while frame is not None and len(out) < keep:
+        path = frame.f_code.co_filename
+        if path != __file__ and frame.f_code.co_name != "_add" and any(part in path for part in _WHERE_PARTS):
+            tail = "/".join(path.split("/")[-2:])
+            out.append(f"{tail}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return " <- ".join(out) or "(C++: autograd engine)"
 
 
 @contextlib.contextmanager
@@ -209,18 +322,33 @@ def build(model_key: str, peer: str):
 
 
 def _hook_labels(model, tracker: LiveBytes, depth: int) -> None:
-    """Forward and backward pre-hooks that set tracker.label to "fwd NAME" / "bwd NAME". Not on lm_head:
-    a hooked lm_head is not the plain Linear a fused loss takes."""
+    """Forward pre-hooks that set tracker.label to "fwd NAME", and on each module's outputs gradient hooks
+    that set it to "bwd NAME" when the gradient of that output is ready (the module's backward starts).
+    Not a module's full backward hooks: those keep the gradients of its outputs alive until the module's
+    backward ends (BackwardHook.grad_outputs), a tensor a step without them frees earlier. Not on
+    lm_head: a hooked lm_head is not the plain Linear a fused loss takes."""
 
     def at(label):
         def hook(*_args, **_kwargs):
             tracker.label = label
         return hook
 
+    def on_outputs(label):
+        set_label = at(label)
+
+        def hook(_module, _args, output):
+            if not torch.is_grad_enabled():
+                return None
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(set_label)  # returns None: the gradient is neither kept nor changed
+            return None
+        return hook
+
     for name, module in model.named_modules():
         if name and name != "lm_head" and name.count(".") < depth:
             module.register_forward_pre_hook(at(f"fwd {name}"))
-            module.register_full_backward_pre_hook(at(f"bwd {name}"))
+            module.register_forward_hook(on_outputs(f"bwd {name}"))
 
 
 def _layer(label: str) -> str:

@@ -13,6 +13,15 @@ depths is what one more layer costs at that length, beyond its weights:
         python benchmarks/step_memory.py --model llama3.1_8b_lora --seq 16384 --layers 2
 
 Each depth runs in a fresh interpreter (our patches are process-wide).
+
+The offloader's prefetch asks the target for the GPU's room: here `--device-gib` (79.2, an H100's) less
+the full-depth model's weights less what is counted now. `--where MIB` names, for each tensor of at least
+MIB alive at the high-water mark, the op and the Python frames that made it and where in the step it was
+found freed (its holder let go there: a saved tensor at its node's backward, the recompute's inputs at
+the recompute's end); the highest level under each label shows the other moments near the mark:
+
+    FUSED_KERNELS=all AUTOPATCH_OFFLOAD=true AUTOPATCH_TILED_MLP_TOKENS=8192 \
+        python benchmarks/step_memory.py --model llama3.1_8b_lora --seq 65536 --layers 3 --where 256
 """
 
 from __future__ import annotations
@@ -35,8 +44,8 @@ class HostLiveBytes(LiveBytes):
     """LiveBytes that leaves out the storages in `hosted` while they live (host copies)."""
 
     def __init__(self, *args, **kwargs):
+        self.hosted: dict[int, object] = {}  # storage key -> its weak reference (before LiveBytes' probe runs)
         super().__init__(*args, **kwargs)
-        self.hosted: dict[int, object] = {}  # storage key -> its weak reference
 
     def host(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -60,13 +69,22 @@ class HostLiveBytes(LiveBytes):
 
 class HostTarget:
     """The offloader's target in a fake step: a host copy leaves the tracker's count while it lives
-    (pinned host memory on a GPU), a copy back is counted as any allocation."""
+    (pinned host memory on a GPU), a copy back is counted as any allocation. The GPU's room (what the
+    offloader's prefetch asks) is `device_bytes` less the full-depth model's weights less what the
+    tracker counts now, less the offloader's margin, as CudaTarget.room reads it on the GPU."""
 
     name = "fake-host"
 
-    def __init__(self, tracker: "HostLiveBytes"):
+    def __init__(self, tracker: "HostLiveBytes", device_bytes: int = 0, weights: int = 0):
         self.tracker = tracker
         self.device = torch.device("cpu")
+        self.device_bytes, self.weights = device_bytes, weights
+
+    def room(self) -> int:
+        from autopatch import offload
+
+        free = self.device_bytes - self.weights - self.tracker.settle()
+        return free - offload._margin(self.device_bytes, offload.GPU_MARGIN)
 
     def holds(self, t) -> bool:
         return t.device.type == "cpu"
@@ -134,16 +152,29 @@ def build(model_key: str, layers: int):
     return model.train(), offloader
 
 
-def account(model_key: str, layers: int, seq: int) -> dict:
+def full_depth_weights(model, model_key: str, layers: int) -> int:
+    """The parameter bytes of the model at its full depth: the cut's, and one decoder layer's (its
+    adapters included) for each layer left out."""
+    import bench_long_context as blc
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    per_layer = sum(p.numel() * p.element_size() for p in base.model.layers[0].parameters())
+    cut = sum(p.numel() * p.element_size() for p in model.parameters())
+    return cut + (blc.MODELS[model_key]["config"]["num_hidden_layers"] - layers) * per_layer
+
+
+def account(model_key: str, layers: int, seq: int, where_mib: float = 0, device_gib: float = 79.2) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model, offloader = build(model_key, layers)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = full_depth_weights(model, model_key, layers)
     with stand_ins(), FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        tracker = HostLiveBytes(ignore={t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())})
+        tracker = HostLiveBytes(ignore={t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())},
+                                where_min=int(where_mib * MiB) if where_mib else None)
         if offloader is not None:
-            offloader.target = HostTarget(tracker)
+            offloader.target = HostTarget(tracker, int(device_gib * GiB), weights)
             offloader.candidate = _fake_candidate(offloader)
             offloader.checked = True  # the host check reads the real host: not this step's question
         _hook_labels(model.get_base_model() if hasattr(model, "get_base_model") else model, tracker, 5)
@@ -168,9 +199,12 @@ def account(model_key: str, layers: int, seq: int) -> dict:
             "peak_beyond_weights_gib": tracker.peak / GiB, "peak_at": tracker.peak_label,
             "forward_peak_gib": forward_peak / GiB, "after_forward_gib": after_forward / GiB,
             "after_backward_gib": after_backward / GiB,
-            "at_peak": sorted(([lab, list(sh), dt, round(n / MiB, 1), serial in grads]
+            "at_peak": sorted(([lab, list(sh), dt, round(n / MiB, 1), serial in grads, tracker.where.get(serial, ""),
+                                tracker.freed.get(serial, "alive at the end")]
                                for n, sh, dt, lab, serial in tracker.at_peak.values() if n >= MiB), key=lambda e: -e[3]),
             "offload": dict(offloader.stats) if offloader is not None else None,
+            "highest_by_label": sorted(([lab, round(n / GiB, 3)] for lab, n in tracker.label_peak.items()),
+                                       key=lambda e: -e[1]),
             "after_forward": sorted(([lab, list(sh), dt, c, round(n / MiB, 1)]
                                      for (lab, sh, dt), (n, c) in kept.items()), key=lambda e: -e[4])}
 
@@ -180,16 +214,21 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama3.1_8b_lora")
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--layers", type=int, default=2, help="K: the step is accounted at K and K + 1 layers")
+    ap.add_argument("--where", type=float, default=0, metavar="MIB",
+                    help="for tensors of at least MIB alive at the high-water mark: the op and the Python frames "
+                         "that made each, and where in the step it was freed")
+    ap.add_argument("--device-gib", type=float, default=79.2,
+                    help="the GPU's memory, for the offloader's prefetch decisions (H100: 79.2)")
     ap.add_argument("--worker", action="store_true", help="internal: one depth, its JSON printed")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.worker:
-        print("RESULT " + json.dumps(account(a.model, a.layers, a.seq)))
+        print("RESULT " + json.dumps(account(a.model, a.layers, a.seq, a.where, a.device_gib)))
         return 0
     results = []
     for depth in (a.layers, a.layers + 1):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", a.model, "--seq", str(a.seq),
-               "--layers", str(depth)]
+               "--layers", str(depth), "--where", str(a.where), "--device-gib", str(a.device_gib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -204,9 +243,13 @@ def main(argv=None) -> int:
         print("alive after the forward (MiB):")
         for label, shape, dtype, count, mib in res["after_forward"][:24]:
             print(f"    {mib:9.1f}  x{count} {label:50s} {shape} {dtype}")
+        print("the highest level under each label (GiB): " + ", ".join(f"{lab} {gib:.3f}"
+                                                                      for lab, gib in res["highest_by_label"][:8]))
         print("alive at the high-water mark (MiB; True: a parameter's gradient):")
-        for label, shape, dtype, mib, grad in res["at_peak"][:30]:
+        for label, shape, dtype, mib, grad, where, freed in res["at_peak"][:30]:
             print(f"    {mib:9.1f}  {label:50s} {shape} {dtype} {grad}")
+            if where:
+                print(f"                 made by {where}\n                 freed in {freed}")
     lo, hi = results
     print(f"\nper layer at {a.seq} tokens: high-water mark +{(hi['peak_beyond_weights_gib'] - lo['peak_beyond_weights_gib']) * 1024:.1f} MiB, "
           f"after the forward +{(hi['after_forward_gib'] - lo['after_forward_gib']) * 1024:.1f} MiB, "
