@@ -2,7 +2,8 @@
 GELU MLPs run over chunks of the tokens and recomputed in the backward give the output and every
 gradient of the untiled patched forward and of the original (fp32, 1e-5) — alone, in a tiny Llama
 with and without gradient checkpointing, with LoRA (peft) on the MLP's projections, LoRA dropout's
-masks the same in the recompute — and a module the rule cannot prove is left alone, untiled."""
+masks the same in the recompute — and a module the rule cannot prove is left alone, untiled. Under
+non-reentrant checkpointing the layer's recompute stops before the chunks."""
 
 from __future__ import annotations
 
@@ -205,6 +206,39 @@ def test_tiny_llama_loss_and_every_gradient(tiled, reentrant):
     loss, grads = _step(model, ids)
     assert_close(loss, loss_ref, torch.float32, "loss", tol=TOL)
     assert grads.keys() == grads_ref.keys() and len(grads) == len(list(model.parameters()))
+    for name in grads:
+        assert_close(grads[name], grads_ref[name], torch.float32, name, tol=TOL)
+
+
+def test_checkpoint_recompute_stops_before_the_chunks(tiled, monkeypatch):
+    """Under non-reentrant checkpointing the backward's recompute of a decoder layer stops at the last
+    tensor the layer saved: the MLP's input, saved by its own node before the chunks run, so the tiled
+    forward (its chunks and its [tokens, hidden] output) does not run again in the backward (it ran once
+    per layer there, for an output the recompute throws away). Loss and every gradient as untiled."""
+    glu_mlp.RULE.patch_module(modeling("llama"), current(), everything)
+    model = _tiny_llama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    tiled(None)
+    loss_ref, grads_ref = _step(model, ids)
+    forwards = []
+    tiled_forward = _tiled._TiledMLP.forward
+
+    def counted(ctx, *args):
+        forwards.append(1)
+        return tiled_forward(ctx, *args)
+
+    monkeypatch.setattr(_tiled._TiledMLP, "forward", staticmethod(counted))
+    tiled(5)
+    torch.manual_seed(11)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert len(forwards) == 2  # one per layer
+    loss.backward()
+    assert len(forwards) == 2, f"{len(forwards) - 2} tiled forwards in the backward's recompute"
+    assert_close(loss.detach(), loss_ref, torch.float32, "loss", tol=TOL)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == grads_ref.keys()
     for name in grads:
         assert_close(grads[name], grads_ref[name], torch.float32, name, tol=TOL)
 

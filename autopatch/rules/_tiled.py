@@ -8,7 +8,8 @@ the [tokens, hidden] input and output. Here one autograd node keeps only the inp
 the chunks without autograd, writing each chunk's output into one output tensor; the backward runs
 each chunk again with autograd and takes the gradients of the input and of the module's parameters
 from it, chunk by chunk (half-precision weight gradients summed in float32). At most one chunk's
-activations exist at a time, forward or backward, for the price of one more MLP forward.
+activations exist at a time, forward or backward, for the price of one more MLP forward (none under
+non-reentrant checkpointing, whose recompute then skips the MLP: below).
 
 The chunk's computation is the patched forward's own (the module's own projections, so LoRA and
 other adapters on them are used and trained), and the parameters are inputs of the node, so their
@@ -16,6 +17,16 @@ gradients reach autograd's graph as any gradient does (hooks, DDP's reducer, acc
 .grad). The random state (CPU and the input's device) is kept from the forward and restored for the
 recompute, so a dropout inside a projection (LoRA's) draws the same masks in both; the autocast state
 is kept the same way.
+
+The input is saved by a node of its own placed before the tiled node (_KeptInput: x itself forward
+and backward), which the tiled node reads it from in its backward. Saving comes when a node is made,
+after its forward: saved by the tiled node, x was saved after all the chunks had run. In a layer
+under torch.utils.checkpoint (non-reentrant), the backward's recompute of the layer stops at the
+last tensor the layer saves; in a pre-norm decoder layer that is the MLP's input (the residual add
+after it saves nothing), so the recompute ran the whole MLP again, for an output it throws away: one
+MLP forward of compute and a [tokens, hidden] output beside the recompute's other tensors. Saved
+first, it stops the recompute before the chunks run. Where something after the MLP saves a tensor
+too, the recompute goes on through the MLP as before.
 
 Not tiled: without autograd recording (inference, a reentrant checkpoint's first pass: the whole MLP
 runs as patched), under torch.compile (the compiled graph chooses its own memory plan), and modules
@@ -71,7 +82,11 @@ def run(module, x: torch.Tensor, body: Callable[[torch.Tensor], torch.Tensor], l
     """body(x) (a token-wise MLP of `module`) over chunks of at most `limit` tokens, recomputed in the
     backward (module docstring)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    return _TiledMLP.apply(body, limit, len(params), x, *params)
+    keeper = None
+    if x.requires_grad:  # else no node saves anything: the tiled node keeps x itself
+        x = _KeptInput.apply(x)
+        keeper = x.grad_fn
+    return _TiledMLP.apply(body, limit, len(params), keeper, x, *params)
 
 
 def _autocast_state(device_type: str) -> list[tuple[str, torch.dtype, bool]]:
@@ -82,9 +97,24 @@ def _autocast_state(device_type: str) -> list[tuple[str, torch.dtype, bool]]:
     return states
 
 
+class _KeptInput(torch.autograd.Function):
+    """x itself, forward and backward; the node saves x for the tiled node after it, which reads it
+    from here (`keeper.saved_tensors`) in its backward: saved before the chunks run (module docstring).
+    Its own backward passes the gradient through and reads nothing."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, body, limit, n_params, x, *params):
+    def forward(ctx, body, limit, n_params, keeper, x, *params):
         flat = x.reshape(-1, x.shape[-1])
         ranges = chunks(flat.shape[0], limit)
         ctx.body, ctx.ranges, ctx.params = body, ranges, params
@@ -101,15 +131,18 @@ class _TiledMLP(torch.autograd.Function):
                     out = y.new_empty((flat.shape[0], *y.shape[1:]))
                 out[start:end] = y
                 del y
-        ctx.save_for_backward(x)
+        ctx.keeper = keeper  # x's node (_KeptInput), or None: x saved here
+        if keeper is None:
+            ctx.save_for_backward(x)
         return out.view(*ctx.lead, *out.shape[1:])
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.saved_tensors if ctx.keeper is None else ctx.keeper.saved_tensors
+        ctx.keeper = None
         params = ctx.params
-        want_x = ctx.needs_input_grad[3]
-        want_p = [ctx.needs_input_grad[4 + i] for i in range(len(params))]
+        want_x = ctx.needs_input_grad[4]
+        want_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
         flat = x.detach().reshape(-1, x.shape[-1])
         grad_flat = grad_out.reshape(flat.shape[0], -1)
         grad_x = torch.empty_like(flat) if want_x else None
@@ -143,7 +176,7 @@ class _TiledMLP(torch.autograd.Function):
         grads = [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
         gx = grad_x.view(*ctx.lead, flat.shape[-1]) if want_x else None
         ctx.body = ctx.params = None
-        return (None, None, None, gx, *grads)
+        return (None, None, None, None, gx, *grads)
 
 
 class _autocast:
