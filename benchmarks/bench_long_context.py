@@ -150,15 +150,19 @@ def one_step(model, seq: int, device, torch) -> dict:
     return out
 
 
-def _add_host_estimate(res: dict, steps: list, layers: int, full: int) -> None:
-    """Host offload at full depth: the bytes sent to the host grow by one layer's checkpoint per layer
-    (from the cut at K and K + 1). The offloader never asks the host for more than MemAvailable less
-    its margin; past that, tensors stay on the GPU: that overflow is added to the GPU estimate."""
-    from autopatch import offload
+def _host_room() -> int:
+    from autopatch import offload  # the offload peers only: the others' processes stay free of autopatch
 
+    return offload.host_room() or 0
+
+
+def _add_host_estimate(res: dict, steps: list, layers: int, full: int, cap: int) -> None:
+    """Host offload at full depth: the bytes sent to the host grow by one layer's checkpoint per layer
+    (from the cut at K and K + 1). The offloader never asks the host for more than `cap`, MemAvailable
+    less its margin taken before the trial's first step (after it, the process's own cached pinned
+    buffers count as used); past that, tensors stay on the GPU: that overflow is added to the GPU estimate."""
     sent = [step["offload"]["offloaded_bytes"] for step in steps]
     need = sent[0] + (full - layers) * (sent[1] - sent[0])
-    cap = offload.host_room() or 0
     overflow = max(need - cap, 0)
     res.update(host_offload_gib=need / 2**30, host_cap_gib=cap / 2**30, host_overflow_gib=overflow / 2**30,
                peak_gib=res["peak_gib"] + overflow / 2**30)
@@ -169,6 +173,7 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
     estimated from the cut at `layers` and `layers + 1` (see the module docstring)."""
     import torch
 
+    host_cap = _host_room() if "offload" in peer else 0  # before this process pins any host memory
     device = torch.device(device_name)
     full = MODELS[model_key]["config"]["num_hidden_layers"]
     res = {"model": model_key, "peer": peer, "seq": seq, "status": "ok"}
@@ -193,7 +198,7 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
                    measured_peak_gib=steps[0]["peak_gib"],
                    peak_gib=steps[0]["peak_gib"] + (full - layers) * per_layer)
         if "offload" in steps[0] and "offload" in steps[1]:
-            _add_host_estimate(res, steps, layers, full)
+            _add_host_estimate(res, steps, layers, full, host_cap)
     if "peak_gib" in res and res["peak_gib"] > res["capacity_gib"]:
         res["status"] = "oom"
         res["error"] = f"estimated full-depth peak {res['peak_gib']:.1f} GiB > {res['capacity_gib']:.1f} GiB"
