@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU machine: the long-context measurements still open, each part one device command (<= 10 min),
+# JSON per part under $OUT (written after every trial, so a time box keeps what was measured).
+#
+#   PART=liger3b   bash dev/long_context_gpu.sh   Liger's 3B bound: 262144, then bisection      (~4 min)
+#   PART=cost64k   bash dev/long_context_gpu.sh   the offload's cost at 64K: 3B full depth, ours_tiled and
+#                                                 ours_offload_tiled, twice each (target <= 1.15x) (~5 min)
+#   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B   (~6 min)
+#   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
+#   PART=8b        bash dev/long_context_gpu.sh   8B LoRA ours_offload_tiled at 393216 (256K fits, 512K not) (~4 min)
+#
+# cost64k's two runs are read side by side (a merge keeps one trial per model, peer and length).
+# Then, here: python benchmarks/bench_long_context.py --merge <the committed JSON> $OUT/*.json \
+#   --out <the committed JSON> --plot <its .png>
+# Run from the repository root with the wheels of dev/device_wheels.sh in .whl/ (HUB_STACK=1 for
+# transformers 5.25).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source dev/device_env.sh >/dev/null 2>&1
+OUT=${OUT:-/tmp/long_context_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader
+free -g | head -2
+bench() { python3 benchmarks/bench_long_context.py --offload true --tiled-mlp-tokens 8192 "$@"; }
+case "${PART:?set PART: liger3b, cost64k, common, cross or 8b}" in
+  liger3b) timeout 560 bench --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
+             --granularity 16384 --trial-timeout-s 200 --out "$OUT/3b-liger.json" ;;
+  cost64k) for run in 1 2; do
+             timeout 270 bench --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
+               --max-seq 65536 --trial-timeout-s 130 --out "$OUT/3b-64k-full-depth-run$run.json"
+           done ;;
+  common)  timeout 560 bench --models llama3.2_3b_full --peers hf,liger,ours,ours_offload_tiled --start 32768 \
+             --max-seq 32768 --trial-timeout-s 130 --out "$OUT/3b-32k-full-depth.json" ;;
+  cross)   timeout 560 bench --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
+             --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
+  8b)      timeout 560 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 393216 \
+             --max-seq 393216 --trial-timeout-s 250 --out "$OUT/8b-ours-393216.json" ;;
+  *) echo "unknown PART=$PART"; exit 2 ;;
+esac
