@@ -30,6 +30,12 @@ Variables (process environment, or lines of an env file):
                                           runs at once in training: longer inputs go in chunks,
                                           recomputed in the backward (autopatch.rules._tiled; a
                                           positive whole number; default off)
+    AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS=8192
+                                          with masked_attention on: causal attention (no mask)
+                                          over more than twice this many queries runs as one SDPA
+                                          call per block of this many queries, so flash's backward
+                                          workspace is a block's (autopatch.rules.masked_attention;
+                                          a positive whole number; 0 or unset: off)
     AUTOPATCH_KERNEL_REPO=dir             where `python -m autopatch kernel-repo` writes our kernels as a
                                           Hub `kernels` layer repository (autopatch.hub; default
                                           <cache>/autopatch/kernel-repo)
@@ -73,6 +79,7 @@ SCALAR_VARIABLES: dict[str, str] = {
     "FUSED_KERNELS_FLCE_CHUNK_MB": "flce_chunk_mb",
     "AUTOPATCH_OFFLOAD": "offload",
     "AUTOPATCH_TILED_MLP_TOKENS": "tiled_mlp_tokens",
+    "AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS": "attention_query_block_tokens",
     "AUTOPATCH_KERNEL_REPO": "kernel_repo",
 }
 RETURN_LOGITS_CHOICES = ("auto", "true", "false")
@@ -394,6 +401,7 @@ class Settings(BaseSettings):
     flce_chunk_mb: int | None = None  # FUSED_KERNELS_FLCE_CHUNK_MB; None: the kernel's default
     offload: str = "false"  # AUTOPATCH_OFFLOAD
     tiled_mlp_tokens: int | None = None  # AUTOPATCH_TILED_MLP_TOKENS; None: the MLPs run whole
+    attention_query_block_tokens: int | None = None  # AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS; None: one call
     kernel_repo: str | None = None  # AUTOPATCH_KERNEL_REPO (read by autopatch.hub, which runs without Settings)
     not_provided: frozenset[str] = frozenset()  # Liger keys asked for in the kernel lists, no kernel here
 
@@ -505,6 +513,14 @@ class Settings(BaseSettings):
         return _positive_or_none("tiled_mlp_tokens", value, "expected a positive whole number of tokens above "
                                  "which the MLPs run in chunks, e.g. 8192")
 
+    @field_validator("attention_query_block_tokens", mode="before")
+    @classmethod
+    def _attention_query_block_tokens(cls, value):
+        if isinstance(value, (int, str)) and not isinstance(value, bool) and str(value).strip() == "0":
+            return None  # 0: off, as unset
+        return _positive_or_none("attention_query_block_tokens", value, "expected a positive whole number of "
+                                 "queries per causal attention call, e.g. 8192, or 0 (off)")
+
     @field_validator("report", mode="before")
     @classmethod
     def _report(cls, value):
@@ -566,6 +582,7 @@ class Settings(BaseSettings):
             "flce_chunk_mb": self.flce_chunk_mb,
             "offload": self.offload,
             "tiled_mlp_tokens": self.tiled_mlp_tokens,
+            "attention_query_block_tokens": self.attention_query_block_tokens,
         }
 
 

@@ -24,6 +24,49 @@ and the blocks covering at most MAX_COVERED of the square. Everything else — n
 masks, dropout, position_bias, softcap, torch.compile / export / jit tracing, a CUDA graph capture, devices
 other than CUDA and CPU — goes to transformers' function unchanged.
 
+Causal attention in query blocks (AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS=N, off unless set). Without
+a mask (is_causal, the training path of every decoder) the memory is in the backward: PyTorch's vendored
+flash-attention 2 (flash_api.cpp, mha_bwd) allocates, beside dq, dk and dv, a float32 dq accumulator of
+[batch, T_q rounded up to 128, heads, d rounded up to 32 (64 above 128)] (always: its `loop` is fixed to true) and, when
+there are fewer key heads than query heads (GQA, which transformers sends with enable_gqa=True), dk and
+dv at the query-head count, [batch, T_k, heads, d] in the input's dtype, summed down to the key heads
+after the kernel. None of it is a tensor autograd or a fake-tensor accounting sees. With N set, causal
+attention over more than 2·N queries (no mask, no cache: as many keys as queries) runs one SDPA call per
+block of N queries: queries [s, e) over keys [0, e) under a lower-right-aligned causal mask
+(torch.nn.attention.bias.causal_lower_right(e - s, e), which flash and memory-efficient attention take
+natively: no mask tensor; the first block is plain is_causal; on the CPU, CausalBias materialises its
+[e - s, e] boolean mask). Each query sees the keys it saw before, under the same scale, so the block's
+rows are the rows of the one call; the queries come from one split() (its backward concatenates the
+blocks' dq once), the keys are prefix views, and the blocks' outputs, transposed to transformers'
+[batch, tokens, heads, d], are concatenated along the tokens: one copy (after one flash call
+sdpa_attention_forward's .contiguous() copies nothing: flash writes [batch, tokens, heads, d]).
+
+Bytes per attention backward, with U = T·heads·d·b (the q gradient; b bytes per element), K the same
+for the key heads, and T/N blocks run last block first:
+    one call    dq U, dk + dv 2K, dq accumulator 2U (float32), GQA-expanded dk + dv 2U   = 5U + 2K
+    block [s,e) dq N/T·U, dk + dv 2K·e/T, accumulator 2U·N/T, expanded dk + dv 2U·e/T,
+                plus what earlier blocks left: their dq pieces (1 - e/T)·U, the summed dk + dv 2K;
+                each block's dk, dv come back as full-length [batch, kv heads, T, d] (slice backward)
+                before they are summed: one K each at a time
+that is, for a block, U·(1 + 3N/T + e/T) + 2K·(1 + e/T) (2K less for the first one run, e = T), largest
+for the second one run (e = T − N); the q gradient's concatenation at the end (U beside its pieces' U,
+plus the summed 2K) comes when no expanded dk, dv are left. Llama-3.1-8B (32 heads, 8 key heads, d 128)
+at T = 524288, bf16, N = 8192: U = 4 GiB, K = 1 GiB; one call 22 GiB, blocked at most 12.1 GiB
+(8.1 + 4.0 at e = T − N; 10.2 at e = T), ≈ 9.9 GiB less while the attention's backward runs. The
+forward keeps the blocks' outputs (U, as the one call keeps its output) and returns their concatenation
+(U more, alive until o_proj's backward ends, which comes before the attention's). FLOPs: the same as
+the one call: each block computes only its causal part (the lower-right triangle of its [N, e]
+rectangle) and nothing is recomputed; T/N kernel launches per direction instead of one. Not measured
+on a GPU yet.
+
+When (causal blocks): the setting on, the masked_attention toggle on for the model, the call
+transformers would run with is_causal=True (no mask, q_len > 1, is_causal not False) with as many keys
+as queries, more than 2·N queries, autograd recording, no dropout, position_bias, softcap or
+output_attentions, key heads that transformers passes with enable_gqa (or none to group), CPU or CUDA;
+on CUDA flash (or memory-efficient attention without GQA) must be able to take the last block (else
+the lower-right mask would be materialised: one call instead). Excluded as for masks: torch.compile,
+export and jit tracing, CUDA graph capture.
+
 Scope. The wrapper sits in transformers' attention registry ("sdpa") and acts for the attention classes
 of the modeling modules this rule patched (a marker on the module: per-model toggles and apply(...,
 masked_attention=False) take it back); every other caller gets transformers' function.
@@ -135,16 +178,106 @@ def _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner
     return _cached_plan(attention_mask, query.shape[2], key.shape[2], block)
 
 
+# --------------------------------------------------------------------------- causal attention in query blocks
+def causal_block_of(session) -> int | None:
+    """Queries per SDPA call of causal attention without a mask, or None (one call):
+    AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS (Settings.attention_query_block_tokens), read at each call."""
+    value = getattr(getattr(session, "settings", None), "attention_query_block_tokens", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def causal_blocks(q_len: int, block: int) -> list[tuple[int, int]]:
+    """[(s, e)]: the query blocks, N queries each (the last one shorter); block [s, e) sees keys [0, e)."""
+    return [(s, min(q_len, s + block)) for s in range(0, q_len, block)]
+
+
+def _native_lower_right(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block: int,
+                        enable_gqa: bool) -> bool:
+    """Whether a CUDA backend takes the last block's lower-right causal mask without materialising it:
+    flash (GQA native), or memory-efficient attention when there is nothing to group (CausalBias's own
+    dispatch, which honours sdpa_kernel(...))."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    params = SDPAParams(query[:, :, -block:], key, value, None, 0.0, False, enable_gqa)
+    return can_use_flash_attention(params) or (not enable_gqa and can_use_efficient_attention(params))
+
+
+def _causal_block_for(module, query, key, value, attention_mask, dropout, is_causal, kwargs, check_owner: bool,
+                      block: int | None) -> tuple[int, bool] | None:
+    """(queries per call, enable_gqa) for causal attention in query blocks, or None: one call (see the module
+    docstring, "When (causal blocks)")."""
+    if block is None or attention_mask is not None or dropout:
+        return None
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    q_len = query.shape[2]
+    if q_len <= 2 * block or key.shape[2] != q_len:  # more keys (a cache's prefill): transformers crops them
+        return None
+    if kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("output_attentions"):
+        return None
+    if query.device.type not in ("cuda", "cpu"):
+        return None
+    if not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
+        return None  # without a backward there is no workspace to save
+    if torch.compiler.is_compiling() or _probe.tracing_for_export():
+        return None
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if check_owner and not _patched_for(module):
+        return None
+    enable_gqa = False
+    if getattr(module, "num_key_value_groups", 1) > 1:
+        from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+        if not use_gqa_in_sdpa(None, key, value):  # transformers would repeat the keys: one call
+            return None
+        enable_gqa = True
+    if query.is_cuda and not _native_lower_right(query, key, value, block, enable_gqa):
+        return None
+    return block, enable_gqa
+
+
+def causal_in_query_blocks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                           block: int, enable_gqa: bool) -> torch.Tensor:
+    """Causal SDPA of [batch, heads, T, d] queries over as many keys, one call per block of `block` queries,
+    as [batch, T, heads, d] (sdpa_attention_forward's layout): block [s, e) over keys [0, e) under a
+    lower-right causal mask. One concatenation of the blocks' outputs; the query gradient is concatenated
+    once by split()'s backward."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    outs = []
+    for q, (s, e) in zip(query.split(block, dim=2), causal_blocks(query.shape[2], block)):
+        mask = None if s == 0 else causal_lower_right(e - s, e)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, key[:, :, :e], value[:, :, :e], attn_mask=mask, dropout_p=0.0, is_causal=s == 0, scale=scaling,
+            enable_gqa=enable_gqa)
+        outs.append(out.transpose(1, 2))
+    return torch.cat(outs, dim=1)
+
+
 def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = True,
-                     block: int | None = None, session=None) -> Callable:
+                     block: int | None = None, session=None, causal_block: int | None = None) -> Callable:
     """An attention interface with sdpa_attention_forward's signature and results, built on `sdpa`
-    (transformers' own): the query blocks of plan() one SDPA call each, else `sdpa` unchanged. With
-    `check_owner` (the registry's wrapper) only for attention modules of patched modeling modules; each
-    blocked call counted as a run of the toggle in `session` (default: the process's) unless `count` is
-    False (the rule's probe). `block`:
-    queries per call (QUERY_BLOCK, read at each call, when None)."""
+    (transformers' own): the query blocks of plan() one SDPA call each; causal attention without a mask in
+    blocks of `causal_block` queries (AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS of `session`, read at each
+    call, when None; off when neither is set); else `sdpa` unchanged. With `check_owner` (the registry's
+    wrapper) only for attention modules of patched modeling modules; each blocked call counted as a run of
+    the toggle in `session` (default: the process's) unless `count` is False (the rule's probe). `block`:
+    queries per call under a mask (QUERY_BLOCK, read at each call, when None)."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        if attention_mask is None:
+            wanted = causal_block or causal_block_of(session or current())
+            causal = _causal_block_for(module, query, key, value, attention_mask, dropout, is_causal, kwargs,
+                                       check_owner, wanted)
+            if causal is None:
+                return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            is_causal=is_causal, **kwargs)
+            out = causal_in_query_blocks(query, key, value, scaling, *causal)
+            if count:
+                (session or current()).count_call(KERNEL)
+            return out, None
         chunks = _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner, block or QUERY_BLOCK)
         if chunks is None:
             return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -187,10 +320,10 @@ def _registry():
 
 @functools.lru_cache(maxsize=1)
 def _numbers_agree() -> str | None:
-    """masked_attention against sdpa_attention_forward on one tiny fp32 case: GQA (4 query heads, 2 key
+    """masked_attention against sdpa_attention_forward on tiny fp32 cases: GQA (4 query heads, 2 key
     heads), 40 tokens in blocks of 8, a causal sliding window of 12 with a bidirectional block in one row
-    and right padding in the other; the output and the gradients of q, k and v. None when equal within
-    1e-6 and the blocks were used."""
+    and right padding in the other; then causal attention without a mask, 37 tokens in blocks of 8; the
+    output and the gradients of q, k and v. None when equal within 1e-6 and the blocks were used."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     with _probe.probing(), torch.enable_grad():
@@ -213,7 +346,21 @@ def _numbers_agree() -> str | None:
             out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=0.4, is_causal=None)
             results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
         err = max(_probe.rel_err(a, b) for a, b in zip(results[1], results[0]))
-    return None if err <= 1e-6 else f"masked attention differs from sdpa_attention_forward by {err:.1e} on the probe"
+        if err > 1e-6:
+            return f"masked attention differs from sdpa_attention_forward by {err:.1e} on the probe"
+        # causal attention without a mask, 37 queries in blocks of 8 (the last one of 5)
+        q, k, v = (t[:, :, :37].detach().requires_grad_() for t in (q, k, v))
+        grad = grad[:, :37]
+        if _causal_block_for(module, q, k, v, None, 0.0, None, {}, False, 8) is None:
+            return "the probe's causal attention gave no query blocks"
+        results = []
+        for fn in (sdpa_attention_forward,
+                   masked_attention(sdpa_attention_forward, False, False, causal_block=8)):
+            out, _ = fn(module, q, k, v, None, dropout=0.0, scaling=0.4, is_causal=None)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        err = max(_probe.rel_err(a, b) for a, b in zip(results[1], results[0]))
+    return None if err <= 1e-6 else (f"causal attention in query blocks differs from sdpa_attention_forward by "
+                                     f"{err:.1e} on the probe")
 
 
 def _uses_registry(cls: type) -> bool:
