@@ -17,6 +17,8 @@ ours with what lets it go further, set in the trial's environment as a user sets
   ours_offload        + AUTOPATCH_OFFLOAD=<--offload, default auto> (saved activations in host memory)
   ours_tiled          + AUTOPATCH_TILED_MLP_TOKENS=<--tiled-mlp-tokens, default 8192> (the tiled MLP)
   ours_offload_tiled  both
+  ours_offload_tiled_qblocks  both, and causal attention in query blocks (AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS=
+                     <--query-block-tokens, default 8192>: flash's backward buffers per block, not per sequence)
 
 Each trial (model, peer, length) runs in a fresh process; an out-of-memory step is a failed trial.
 The search doubles the length from --start until a trial fails, then bisects to --granularity.
@@ -74,12 +76,14 @@ MODELS = {
 }
 MIN_CUT = 3  # the shallowest depth cut that holds a full depth's steady state (see main())
 WARMUP_TOKENS = 4096  # a short step before the measured one (Triton compiles, cuBLAS picks its kernels)
-PEERS = ("hf", "liger", "ours", "ours_offload", "ours_tiled", "ours_offload_tiled")
+PEERS = ("hf", "liger", "ours", "ours_offload", "ours_tiled", "ours_offload_tiled", "ours_offload_tiled_qblocks")
 # peer -> the variables its trial runs under (values from --offload / --tiled-mlp-tokens)
 PEER_VARIABLES = {
     "ours_offload": ("AUTOPATCH_OFFLOAD",),
     "ours_tiled": ("AUTOPATCH_TILED_MLP_TOKENS",),
     "ours_offload_tiled": ("AUTOPATCH_OFFLOAD", "AUTOPATCH_TILED_MLP_TOKENS"),
+    "ours_offload_tiled_qblocks": ("AUTOPATCH_OFFLOAD", "AUTOPATCH_TILED_MLP_TOKENS",
+                                   "AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS"),
 }
 LIGER_TOGGLES = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
@@ -207,7 +211,7 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         from autopatch import session
 
         settings = session.current().settings
-        res["settings"] = {k: getattr(settings, k, None) for k in ("offload", "tiled_mlp_tokens")}
+        res["settings"] = {k: getattr(settings, k, None) for k in ("offload", "tiled_mlp_tokens", "attention_query_block_tokens")}
     return res
 
 
@@ -218,7 +222,8 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
 
 def run_trial(model_key, peer, seq, args) -> dict:
     values = {"AUTOPATCH_OFFLOAD": getattr(args, "offload", "auto"),
-              "AUTOPATCH_TILED_MLP_TOKENS": str(getattr(args, "tiled_mlp_tokens", 8192))}
+              "AUTOPATCH_TILED_MLP_TOKENS": str(getattr(args, "tiled_mlp_tokens", 8192)),
+              "AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS": str(getattr(args, "query_block_tokens", 8192))}
     variables = [f"{name}={values[name]}" for name in PEER_VARIABLES.get(peer, ())]
     # env(1) sets the peer's variables for the trial's own interpreter (the worker's environment
     # carries none of ours), so autopatch's start-up reads them as it reads a user's
@@ -370,6 +375,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--offload", default="auto", choices=("auto", "true"), help="AUTOPATCH_OFFLOAD of the offload peers")
     ap.add_argument("--tiled-mlp-tokens", type=int, default=8192, help="AUTOPATCH_TILED_MLP_TOKENS of the tiled peers")
+    ap.add_argument("--query-block-tokens", type=int, default=8192,
+                    help="AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS of the qblocks peer")
     ap.add_argument("--cross-check", type=int, default=None, metavar="L",
                     help="instead of the search: length L at full depth and cut to --layers, per model and peer")
     ap.add_argument("--result")

@@ -8,6 +8,8 @@
 #   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B   (~6 min)
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
 #   PART=8b        bash dev/long_context_gpu.sh   8B LoRA ours_offload_tiled at 393216 (256K fits, 512K not) (~4 min)
+#   PART=qblocks   bash dev/long_context_gpu.sh   the query-block attention: its GPU test, then 8B LoRA
+#                                                 ours_offload_tiled_qblocks at 524288                  (~6 min)
 #
 # cost64k's two runs are read side by side (a merge keeps one trial per model, peer and length).
 # Then, here: python benchmarks/bench_long_context.py --merge <the committed JSON> $OUT/*.json \
@@ -22,7 +24,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 free -g | head -2
 bench() { python3 benchmarks/bench_long_context.py --offload true --tiled-mlp-tokens 8192 "$@"; }
-case "${PART:?set PART: liger3b, cost64k, common, cross or 8b}" in
+case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
   liger3b) timeout 560 bench --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
              --granularity 16384 --trial-timeout-s 200 --out "$OUT/3b-liger.json" ;;
   cost64k) for run in 1 2; do
@@ -35,5 +37,8 @@ case "${PART:?set PART: liger3b, cost64k, common, cross or 8b}" in
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
   8b)      timeout 560 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 393216 \
              --max-seq 393216 --trial-timeout-s 250 --out "$OUT/8b-ours-393216.json" ;;
+  qblocks) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_query_blocks.py
+           timeout 420 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled_qblocks --start 524288 \
+             --max-seq 524288 --trial-timeout-s 400 --out "$OUT/8b-qblocks-524288.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac

@@ -74,7 +74,8 @@ def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
     by_peer = {t["peer"]: t for t in data["trials"]}
     assert all(t["status"] == "ok" for t in by_peer.values()), by_peer
     assert by_peer["ours_offload_tiled"]["loss"] == pytest.approx(by_peer["hf"]["loss"], rel=1e-5)
-    assert by_peer["ours_offload_tiled"]["settings"] == {"offload": "auto", "tiled_mlp_tokens": 8}
+    assert by_peer["ours_offload_tiled"]["settings"] == {"offload": "auto", "tiled_mlp_tokens": 8,
+                                                        "attention_query_block_tokens": None}
     assert by_peer["ours_offload_tiled"]["offload"]["off_reason"] == "the model does not train on a CUDA device"
 
 
