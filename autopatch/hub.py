@@ -51,6 +51,7 @@ import threading
 from pathlib import Path
 
 from autopatch import patching
+from autopatch import session as sessions
 from autopatch.session import Session, say
 
 ENV_REPO = "AUTOPATCH_KERNEL_REPO"
@@ -65,7 +66,9 @@ from autopatch.hub_layers import layers  # noqa: F401
 '''
 
 _lock = threading.RLock()
-_state = {"installed": False}
+# Process-wide, not a Session's: wrapt's post-import hooks on kernels and transformers' hub modules are
+# registered once per interpreter and cannot be taken back, whichever session is current.
+_hooks_registered = False
 _hidden: contextvars.ContextVar[frozenset] = contextvars.ContextVar("autopatch_hub_hidden", default=frozenset())
 
 
@@ -135,11 +138,12 @@ def layer_names() -> list[str]:
 # =========================================================================== precedence
 def install(session: Session) -> None:
     """Once per process, when transformers is imported: wrap `kernels.kernelize` wherever it is bound
-    (now or when kernels / transformers' hub integration is imported). Never raises."""
+    (now or when kernels / transformers' hub integration is imported). `session` is not kept: each
+    kernelize reports to the session current when it runs (sessions.current()). Never raises."""
+    global _hooks_registered
     with _lock:
-        first = not _state["installed"]
-        _state["installed"] = True
-        _state["session"] = session
+        first = not _hooks_registered
+        _hooks_registered = True
     try:
         if not first:  # again: a test may have restored every patch since
             _on_kernels()
@@ -155,10 +159,9 @@ def install(session: Session) -> None:
         say(f"autopatch: internal error while watching Hub kernels ({type(exc).__name__}: {exc})")
 
 
-def _session() -> Session:
-    from autopatch import session as sessions
-
-    return _state.get("session") or sessions.current()
+def installed() -> bool:
+    """Whether install() ran in this process (kernelize is watched from then on)."""
+    return _hooks_registered
 
 
 def _on_kernels(_module=None) -> None:
@@ -457,7 +460,7 @@ def _settle(model, plan: _Plan) -> None:
     """After kernelize: say and record the user's explicit choices that took a layer of ours; drop a
     default Hub forward left on an instance whose class is ours (an earlier kernelize, before the
     patch); record what runs per layer."""
-    session = _session()
+    session = sessions.current()
     try:
         for module in plan.hidden_modules:
             _drop_default_forward(module)

@@ -12,6 +12,7 @@ A `Session` holds what autopatch decided and what it saw happen:
     `kernels.kernelize`, a user's monkeypatch), with what replaced them (`note_replaced`);
   - `built`: the modeling modules whose classes a built model uses (strict mode and the exit check
     judge those, not every module a library happened to import);
+  - `meta["hub_kernels"]`: per Hub layer name and class, what runs (autopatch.hub, autopatch.hub_layers);
   - `strict`, and `exit_status` (what the process should end with, once decided).
 
 Start-up (autopatch.hooks) and apply() make the one process session through `begin()` / `current()`

@@ -329,6 +329,23 @@ def test_fused_kernels_beat_the_implicit_default_mapping(checkpoint, cpu_default
     assert "replaced" not in err and "your Hub kernel" not in err and "kernel_config" not in err
 
 
+def test_kernelize_reports_to_the_session_current_then(checkpoint, cpu_defaults, monkeypatch):
+    """apply() under a session that is gone by the next kernelize (a fresh one put in and taken out
+    again): what runs per layer goes to the session current at that kernelize, not the gone one."""
+    kept = sessions.current()
+    gone = sessions.Session()
+    gone.installed.update({"exit", "optimizer"})  # no exit check nor optimizer hook from a unit test
+    monkeypatch.setattr(sessions, "_current", gone)
+    patch_classes()  # apply() begins `gone` and installs the kernelize wrapper with it
+    monkeypatch.setattr(sessions, "_current", kept)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    model.train()
+    assert "forward" not in vars(model.model.norm)
+    assert kept.meta["hub_kernels"]["RMSNorm LlamaRMSNorm"].startswith("autopatch rms_norm")
+    assert kept.meta["hub_kernels"]["rotary_pos_emb apply_rotary_pos_emb"].startswith("autopatch rope")
+    assert "hub_kernels" not in gone.meta
+
+
 def test_without_our_patch_the_default_mapping_stays(checkpoint, cpu_defaults):
     """The control: nothing patched, transformers' default kernelizes and its layers run."""
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
@@ -504,9 +521,9 @@ def test_apply_without_start_up_watches_later_kernelize_passes(tmp_path):
         from autopatch import hub
         model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
-        assert not hub._state.get("installed")
+        assert not hub.installed()
         autopatch.apply(model, rms_norm=True)
-        print("installed", hub._state.get("installed"))
+        print("installed", hub.installed())
     """)
     env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])

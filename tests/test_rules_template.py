@@ -134,6 +134,23 @@ def test_a_swap_another_rule_made_is_refused():
     assert vars(_SiluMLP)["forward"] is swapped and ours.made == []
 
 
+def test_a_restored_swap_made_again_elsewhere_is_not_the_old_rules():
+    """A rule's swap restored, then the same attribute patched by something that is not a rule: the
+    rule that made the first swap is not named, and no rule takes the attribute."""
+    other, ours = _FakeRule("other"), _FakeRule("ours")
+    module = _fake_module(_SiluMLP)
+    assert verdict_of(other.patch_module(module, Session(), everything), "_SiluMLP").patched
+    patching.restore_all()
+
+    def foreign(self, x):
+        return x - 1
+
+    patching.replace(_SiluMLP, "forward", foreign)
+    record = verdict_of(ours.patch_module(module, Session(), everything), "_SiluMLP")
+    assert not record.patched and record.reason == "forward patched by another rule"
+    assert vars(_SiluMLP)["forward"] is foreign and ours.made == []
+
+
 def test_already_ours_is_patched_without_a_second_swap():
     rule = _FakeRule()
     module = _fake_module(_SiluMLP)

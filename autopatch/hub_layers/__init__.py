@@ -35,7 +35,6 @@ KERNEL_OF = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "rotary_p
 
 _lock = threading.Lock()
 _resolved: dict = {}  # class (a norm class, or a rotary function's Func class) -> the callable that runs
-_ran: dict = {}  # (layer name, class name) -> what runs there (also in the report's hub_kernels)
 
 
 def _verdict(rule_module, target: str, key, subject, module):
@@ -47,8 +46,6 @@ def _verdict(rule_module, target: str, key, subject, module):
 
 def _note(layer: str, owner: str, module: str, kernel: str, runs: str, record: Record | None) -> None:
     session = current()
-    with _lock:
-        _ran[(layer, owner)] = runs
     with session.lock:  # the report's `hub_kernels`, beside what autopatch.hub records per kernelize
         session.meta.setdefault("hub_kernels", {})[f"{layer} {owner}"] = runs
     if record is not None and record not in session.all_records():
@@ -136,16 +133,23 @@ def prepare(instance) -> None:
 
 
 def reset() -> None:
-    """Forget what each class resolved to (tests that patch and unpatch classes)."""
+    """Forget what each class resolved to, and the current session's `hub_kernels` record (tests that
+    patch and unpatch classes)."""
     with _lock:
         _resolved.clear()
-        _ran.clear()
+    session = current()
+    with session.lock:
+        session.meta.pop("hub_kernels", None)
 
 
 def ran() -> dict:
-    """(layer name, class or function) -> what runs there, for the classes our layers served."""
-    with _lock:
-        return dict(_ran)
+    """(layer name, class or function) -> what runs there, read from the current session's
+    `hub_kernels` record (the report's): what our layers resolved, and what autopatch.hub decided at
+    each kernelize."""
+    session = current()
+    with session.lock:
+        record = dict(session.meta.get("hub_kernels", {}))
+    return {tuple(key.split(" ", 1)): runs for key, runs in record.items()}
 
 
 # --------------------------------------------------------------------------- the layer classes

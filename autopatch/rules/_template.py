@@ -87,11 +87,18 @@ class Swap:
         else:
             patching.replace(self.owner, self.name, value)
 
+    def installed(self):
+        """What autopatch.patching set under this swap's key (None when not patched)."""
+        return patching.installed(self.owner, ("item", self.name) if self.item else self.name)
+
     def label(self) -> str:
         return f"{self.name!r} of the attention registry" if self.item else str(self.name)
 
 
-# patching key -> the name of the rule whose swap it is (valid while patching holds the key)
+# Swap.key -> (the rule that made the swap, the value it set). Process-wide, not a Session's, because the
+# swaps are: autopatch.patching holds them for the interpreter, and one made under a Session stays in
+# force under another (doctor's own, a test's). An entry counts only while its value is the one patching
+# holds, so a patch restored and made again by something else is never taken for the rule's.
 _owners: dict = {}
 _owners_lock = threading.Lock()
 
@@ -101,8 +108,18 @@ def owner_of(swap: Swap) -> str | None:
     not made by a rule (a test, an older patch)."""
     if not swap.in_force():
         return None
+    installed = swap.installed()
     with _owners_lock:
-        return _owners.get(swap.key, "")
+        rule, value = _owners.get(swap.key, ("", None))
+        if value is not installed:
+            _owners.pop(swap.key, None)  # left by a patch since restored
+            return ""
+        return rule
+
+
+def _note_owner(swap: Swap, rule: str) -> None:
+    with _owners_lock:
+        _owners[swap.key] = (rule, swap.installed())
 
 
 class Rule:
@@ -198,8 +215,7 @@ class Rule:
             return record(False, variant, problem)
         for swap in pending:
             swap.apply()
-            with _owners_lock:
-                _owners[swap.key] = self.name
+            _note_owner(swap, self.name)
         self.patched(candidate, verdict)
         return record(True, variant)
 
