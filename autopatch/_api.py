@@ -151,7 +151,7 @@ def _session_for_apply():
     from autopatch.config import load_settings
 
     session = runtime.begin(load_settings())
-    hub.install(session)  # later kernelize passes (train(), eval()) keep what apply() patches
+    hub.install()  # later kernelize passes (train(), eval()) keep what apply() patches
     return session
 
 

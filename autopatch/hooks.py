@@ -196,7 +196,7 @@ def _on_transformers() -> None:
 
         from autopatch import hub
 
-        hub.install(session)  # Hub kernels: FUSED_KERNELS over transformers' default kernelize
+        hub.install()  # Hub kernels: FUSED_KERNELS over transformers' default kernelize
         # imported before the hooks were installed (enable() late): patched at once by wrapt, and
         # said now, as their models may be built already
         already = {n for n, m in list(sys.modules.items()) if m is not None and is_modeling_module_name(n)}

@@ -136,10 +136,10 @@ def layer_names() -> list[str]:
 
 
 # =========================================================================== precedence
-def install(session: Session) -> None:
+def install() -> None:
     """Once per process, when transformers is imported: wrap `kernels.kernelize` wherever it is bound
-    (now or when kernels / transformers' hub integration is imported). `session` is not kept: each
-    kernelize reports to the session current when it runs (sessions.current()). Never raises."""
+    (now or when kernels / transformers' hub integration is imported). Each kernelize reports to the
+    session current when it runs (sessions.current()). Never raises."""
     global _hooks_registered
     with _lock:
         first = not _hooks_registered

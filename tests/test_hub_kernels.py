@@ -70,7 +70,7 @@ def clean():
     session.reset_runs()
     session.meta.pop("hub_kernels", None)
     hub_layers.reset()
-    hub.install(session)
+    hub.install()
     yield session
     glob._KERNEL_MAPPING.reset(token)
     layer._CACHED_LAYER.clear()

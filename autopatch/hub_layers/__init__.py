@@ -221,7 +221,7 @@ def _watch_kernelize() -> None:
     try:
         from autopatch import hub
 
-        hub.install(current())
+        hub.install()
     except Exception as exc:  # noqa: BLE001 - loading the layers must not fail on this
         say(f"autopatch: internal error while watching Hub kernels ({type(exc).__name__}: {exc})")
 
