@@ -198,6 +198,11 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help="internal: one depth, its JSON printed")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if os.environ.get("AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS", "0") not in ("", "0"):
+        ap.error("AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS: the query blocks' lower-right causal mask (CausalBias) "
+                 "cannot be built under fake tensors, and what they save, flash-attention's backward workspace, "
+                 "is no tensor a fake step sees: measure them on a GPU (bench_long_context.py, peer "
+                 "ours_offload_tiled_qblocks); unset the variable here")
     if a.worker:
         print("RESULT " + json.dumps(account(a.model, a.layers, a.seq, a.where)))
         return 0
