@@ -26,7 +26,8 @@ KERNELS: dict[str, str] = {
                         "instead of one call per window",
     "masked_attention": "not a kernel: SDPA under a boolean mask (sliding windows, image blocks, padding, packed "
                         "documents) -> one SDPA call per 1024-query block over only the keys its mask allows, "
-                        "instead of the whole [queries, keys] square",
+                        "instead of the whole [queries, keys] square; with AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS, long "
+                        "causal attention in query blocks too (flash's backward workspace a block's)",
     "lora_input": "not a kernel: peft's LoRA Linear (one plain adapter) keeps its input in its own dtype "
                   "for the backward, not its float32 cast (recomputed there, in chunks); LoRA dropout's mask is drawn "
                   "again in the backward from the random state it was drawn from",
