@@ -7,7 +7,9 @@
 #                                                 ours_offload_tiled, twice each (target <= 1.15x) (~5 min)
 #   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B   (~6 min)
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
-#   PART=8b        bash dev/long_context_gpu.sh   8B LoRA ours_offload_tiled at 393216 (256K fits, 512K not) (~4 min)
+#   PART=8b        bash dev/long_context_gpu.sh   8B LoRA ours_offload_tiled at 500000, and 458752 if that
+#                                                 fails (256K fit at 39.6 GiB; 524288 estimated ~80.3 with
+#                                                 the host's room read before the step, so ~72 at 500000) (~7 min)
 #   PART=qblocks   bash dev/long_context_gpu.sh   the query-block attention: its GPU test, then 8B LoRA
 #                                                 ours_offload_tiled_qblocks at 524288                  (~6 min)
 #
@@ -35,8 +37,12 @@ case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
              --max-seq 32768 --trial-timeout-s 130 --out "$OUT/3b-32k-full-depth.json" ;;
   cross)   timeout 560 bench --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
-  8b)      timeout 560 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 393216 \
-             --max-seq 393216 --trial-timeout-s 250 --out "$OUT/8b-ours-393216.json" ;;
+  8b)      timeout 300 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
+             --max-seq 500000 --trial-timeout-s 280 --out "$OUT/8b-ours-500000.json"
+           if ! grep -q '"longest": 500000' "$OUT/8b-ours-500000.json" 2>/dev/null; then
+             timeout 260 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
+               --max-seq 458752 --trial-timeout-s 240 --out "$OUT/8b-ours-458752.json"
+           fi ;;
   qblocks) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_query_blocks.py
            timeout 420 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled_qblocks --start 524288 \
              --max-seq 524288 --trial-timeout-s 400 --out "$OUT/8b-qblocks-524288.json" ;;
