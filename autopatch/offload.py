@@ -41,6 +41,7 @@ install(model, session, settings) is what start-up calls for each model built un
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -79,6 +80,40 @@ def host_room(available: int | None = None) -> int | None:
     """Bytes the offloader may still place on the host: MemAvailable less its margin."""
     available = host_available() if available is None else available
     return None if available is None else max(0, available - _margin(available, HOST_MARGIN))
+
+
+def pinned_bytes(nbytes: int, alloc_conf: str | None = None) -> int:
+    """The pinned host bytes PyTorch's caching host allocator reserves for a request of `nbytes`: the
+    next power of two (its free lists are power-of-two buckets), unless the allocator's configuration
+    (PYTORCH_ALLOC_CONF, or PYTORCH_CUDA_ALLOC_CONF) sets pinned_max_round_threshold_mb or
+    pinned_max_cached_size_mb below the request. A 500000-token checkpoint of a 4096-wide bf16 model
+    (3.81 GiB) takes 4 GiB; one of 270000 tokens (2.06 GiB) takes 4 GiB."""
+    if nbytes <= 0:
+        return 0
+    if alloc_conf is None:
+        alloc_conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    for item in alloc_conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
+            try:
+                if nbytes > float(value) * 2**20:
+                    return nbytes
+            except ValueError:
+                pass
+    return 1 << (nbytes - 1).bit_length()
+
+
+def cached_pinned_bytes() -> int:
+    """Pinned host bytes PyTorch's caching host allocator holds free for reuse (a previous step's host
+    copies: MemAvailable counts them as used); 0 where torch does not say."""
+    stats_of = getattr(torch.cuda, "host_memory_stats", None)
+    if stats_of is None or not torch.cuda.is_available():
+        return 0
+    try:
+        stats = stats_of()
+        return max(0, int(stats.get("allocated_bytes.current", 0)) - int(stats.get("active_bytes.current", 0)))
+    except Exception:  # noqa: BLE001 - an older torch's stats: count nothing
+        return 0
 
 
 def _margin(total: int, margin: tuple[int, float]) -> int:
@@ -130,6 +165,12 @@ class CudaTarget:
         current.wait_event(done)
         dev.record_stream(current)
 
+    def pinned(self, nbytes: int) -> int:
+        return pinned_bytes(nbytes)
+
+    def cached(self) -> int:
+        return cached_pinned_bytes()
+
     def budget(self, model, session, working: int = 0) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
@@ -143,13 +184,21 @@ class CudaTarget:
 
 class CopyTarget:
     """The CPU stand-in (tests): the 'host' is a separate CPU tensor, copied to and back through the
-    same path. `budget_bytes` plays the GPU budget of "auto"."""
+    same path. `budget_bytes` plays the GPU budget of "auto"; with `round_pinned` a host copy counts as
+    the pinned allocator would reserve it (pinned_bytes); `cached_bytes` plays its free cached blocks."""
 
     name = "copy"
 
-    def __init__(self, budget_bytes: int = 0):
+    def __init__(self, budget_bytes: int = 0, round_pinned: bool = False, cached_bytes: int = 0):
         self.budget_bytes = budget_bytes
+        self.round_pinned, self.cached_bytes = round_pinned, cached_bytes
         self.device = torch.device("cpu")
+
+    def pinned(self, nbytes: int) -> int:
+        return pinned_bytes(nbytes) if self.round_pinned else nbytes
+
+    def cached(self) -> int:
+        return self.cached_bytes
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
@@ -176,15 +225,16 @@ class CopyTarget:
 class _Handle:
     """What autograd keeps in place of an offloaded tensor."""
 
-    __slots__ = ("store", "group", "host", "host_done", "dev", "dev_done", "nbytes", "__weakref__")
+    __slots__ = ("store", "group", "host", "host_done", "dev", "dev_done", "nbytes", "pinned", "__weakref__")
 
-    def __init__(self, store: "_Store", group: int, t: torch.Tensor):
-        self.store, self.group, self.nbytes = store, group, t.numel() * t.element_size()
+    def __init__(self, store: "_Store", group: int, t: torch.Tensor, pinned: int):
+        self.store, self.group, self.nbytes, self.pinned = store, group, t.numel() * t.element_size(), pinned
         self.host, self.host_done = store.target.to_host(t)
         self.dev = self.dev_done = None
-        store.offloader.host_used += self.nbytes
+        store.offloader.host_used += pinned
         store.offloader.stats["offloaded"] += 1
         store.offloader.stats["offloaded_bytes"] += self.nbytes
+        store.offloader.stats["pinned_bytes"] += pinned
 
     def fetch(self) -> None:
         if self.dev is None:
@@ -201,7 +251,7 @@ class _Handle:
 
     def __del__(self):
         try:
-            self.store.offloader.host_used -= self.nbytes
+            self.store.offloader.host_used -= self.pinned
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -233,10 +283,11 @@ class _Store:
             self.kept += nbytes
             off.stats["kept"] += 1
             return t
-        if off.host_used + nbytes > off.host_cap:
+        pinned = self.target.pinned(nbytes)  # what the host copy reserves in pinned memory
+        if off.host_used + pinned > off.host_cap:
             off.stats["host_full"] += 1
             return t
-        handle = _Handle(self, self.group, t)
+        handle = _Handle(self, self.group, t, pinned)
         off.note("offload", self.group, tuple(t.shape))
         self.groups.setdefault(self.group, []).append(weakref.ref(handle))
         try:
@@ -277,7 +328,8 @@ class Offloader:
         self.host_cap = 0
         self.checked = False
         self.off_reason = ""
-        self.stats = {"forwards": 0, "offloaded": 0, "offloaded_bytes": 0, "kept": 0, "host_full": 0, "fetched": 0}
+        self.stats = {"forwards": 0, "offloaded": 0, "offloaded_bytes": 0, "pinned_bytes": 0, "kept": 0, "host_full": 0,
+                      "fetched": 0}
 
     def note(self, *event) -> None:
         if self.trace is not None:
@@ -317,7 +369,9 @@ class Offloader:
         budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
                                                                    working_bytes(module, args, kwargs))
         room = host_room()
-        self.host_cap = self.host_used + room if room is not None else 1 << 62
+        # the allocator's free cached blocks (a previous step's copies) are ours to reuse, though
+        # MemAvailable counts them as used: without them a second step would offload less than the first
+        self.host_cap = self.host_used + room + self.target.cached() if room is not None else 1 << 62
         store = _Store(self, budget)
         hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
         hooks.__enter__()
@@ -345,7 +399,7 @@ class Offloader:
     # ---------------------------------------------------------------- before the first step
     def check_host(self, model, args, kwargs) -> bool:
         """Whether the host can hold what this step would offload; else one line, and offload off."""
-        need = estimate_bytes(model, args, kwargs)
+        need = estimate_bytes(model, args, kwargs, self.target.pinned)
         if need is None:
             return True
         if self.mode != "true":
@@ -353,7 +407,7 @@ class Offloader:
         host = host_available()
         if host is None or need == 0:
             return True
-        room = host_room(host)
+        room = host_room(host) + self.target.cached()
         if need <= room:
             return True
         self.off_reason = (f"host memory: this step would offload ~{_gib(need)} of saved activations, the host has "
@@ -398,17 +452,20 @@ def _shape(model, args, kwargs):
     return tokens, hidden, inter, layers, torch.empty((), dtype=dtype).element_size()
 
 
-def estimate_bytes(model, args, kwargs) -> int | None:
+def estimate_bytes(model, args, kwargs, pinned=None) -> int | None:
     """What one training forward saves in candidate tensors, from the config and the input's tokens:
-    under gradient checkpointing each layer's input (tokens × hidden); else per layer about
-    tokens × (10 × hidden + 3 × intermediate) (the norms', attention's and MLP's saved inputs). None
+    under gradient checkpointing each layer's input (tokens × hidden), each counted as `pinned(bytes)`
+    when given (what the host copy reserves); else per layer about tokens × (10 × hidden + 3 ×
+    intermediate) (the norms', attention's and MLP's saved inputs, of many sizes: not rounded). None
     when the model does not say."""
     shape = _shape(model, args, kwargs)
     if shape is None:
         return None
     tokens, hidden, inter, layers, size = shape
-    per_token = hidden if _checkpointing(model) else 10 * hidden + 3 * inter
-    return tokens * per_token * size * layers
+    if _checkpointing(model):
+        one = tokens * hidden * size
+        return (pinned(one) if pinned is not None else one) * layers
+    return tokens * (10 * hidden + 3 * inter) * size * layers
 
 
 def working_bytes(model, args, kwargs) -> int:

@@ -165,7 +165,8 @@ def _add_host_estimate(res: dict, steps: list, layers: int, full: int, cap: int)
     (from the cut at K and K + 1). The offloader never asks the host for more than `cap`, MemAvailable
     less its margin taken before the trial's first step (after it, the process's own cached pinned
     buffers count as used); past that, tensors stay on the GPU: that overflow is added to the GPU estimate."""
-    sent = [step["offload"]["offloaded_bytes"] for step in steps]
+    # in pinned memory as the caching host allocator reserves it (power-of-two blocks), what the cap counts
+    sent = [step["offload"].get("pinned_bytes", step["offload"]["offloaded_bytes"]) for step in steps]
     need = sent[0] + (full - layers) * (sent[1] - sent[0])
     overflow = max(need - cap, 0)
     res.update(host_offload_gib=need / 2**30, host_cap_gib=cap / 2**30, host_overflow_gib=overflow / 2**30,

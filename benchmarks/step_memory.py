@@ -93,6 +93,14 @@ class HostTarget:
     def budget(self, model, session, working: int = 0) -> int:
         return 0
 
+    def pinned(self, nbytes: int) -> int:
+        from autopatch import offload
+
+        return offload.pinned_bytes(nbytes)
+
+    def cached(self) -> int:
+        return 0
+
 
 def _fake_candidate(offloader):
     """The offloader's own test, with fake tensors taken as the plain tensors they stand for."""

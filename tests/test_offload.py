@@ -233,10 +233,71 @@ def test_host_cap_during_the_step_keeps_tensors_on_the_device(monkeypatch):
     assert off.stats["offloaded_bytes"] <= 50_000
 
 
+def test_pinned_bytes_as_the_caching_host_allocator_reserves_them():
+    assert offload.pinned_bytes(0) == 0
+    assert offload.pinned_bytes(3072, "") == 4096 and offload.pinned_bytes(4096, "") == 4096
+    assert offload.pinned_bytes(4097, "") == 8192
+    gib = 1 << 30
+    assert offload.pinned_bytes(500000 * 4096 * 2, "") == 4 * gib  # a 500000-token, 4096-wide bf16 checkpoint
+    assert offload.pinned_bytes(270000 * 4096 * 2, "") == 4 * gib  # 2.06 GiB
+    # the allocator's thresholds: above them it reserves what is asked
+    assert offload.pinned_bytes(3 * gib, "pinned_max_round_threshold_mb:1024") == 3 * gib
+    assert offload.pinned_bytes(3 * gib, "expandable_segments:True,pinned_max_cached_size_mb:2048") == 3 * gib
+    assert offload.pinned_bytes(3 * 2**20, "pinned_max_round_threshold_mb:1024") == 4 * 2**20
+
+
+def _capped_step(monkeypatch, cap, target):
+    """One checkpointed step of the tiny Llama (12 tokens: no saved tensor a power of two in size) with
+    the host's room fixed at `cap` bytes; (offloader, its step, the plain step)."""
+    monkeypatch.setattr(offload, "estimate_bytes", lambda *a, **k: 0)
+    monkeypatch.setattr(offload, "HOST_MARGIN", (0, 0.0))
+    monkeypatch.setattr(offload, "host_available", lambda: cap)
+    model = _checkpointing(_tiny_llama(), False)
+    ids = _ids(batch=1, seq=12)
+    plain = _step(model, ids)
+    off = offload.install(model, None, ON, target=target)
+    off.min_bytes = 1
+    return off, _step(model, ids), plain
+
+
+def test_host_cap_counts_what_the_pinned_allocator_reserves(monkeypatch):
+    """A host copy takes its power-of-two bucket of pinned memory: the cap counts that, not the tensor's
+    bytes (a 2.06 GiB checkpoint reserves 4 GiB); a step that fits the cap by tensor bytes no longer
+    passes it in pinned memory."""
+    off, got, plain = _capped_step(monkeypatch, 1 << 40, offload.CopyTarget())
+    _assert_same(got, plain)
+    exact = off.stats["offloaded_bytes"]
+    assert off.stats["offloaded"] > 0 and off.stats["pinned_bytes"] == exact
+    assert offload.pinned_bytes(exact, "") != exact
+
+    off, got, plain = _capped_step(monkeypatch, exact, offload.CopyTarget())  # room for every tensor's bytes
+    _assert_same(got, plain)
+    assert off.stats["host_full"] == 0 and off.stats["offloaded_bytes"] == exact
+
+    off, got, plain = _capped_step(monkeypatch, exact, offload.CopyTarget(round_pinned=True))
+    _assert_same(got, plain)
+    assert off.stats["host_full"] > 0, off.stats  # the same room holds fewer rounded copies
+    assert 0 < off.stats["pinned_bytes"] <= exact
+    assert off.stats["pinned_bytes"] > off.stats["offloaded_bytes"]
+
+
+def test_cached_pinned_blocks_count_as_room(monkeypatch):
+    """The allocator's free cached blocks (a previous step's host copies, which MemAvailable counts as
+    used) are room: with them a second step offloads what the first did, without them nothing."""
+    off, got, plain = _capped_step(monkeypatch, 0, offload.CopyTarget(round_pinned=True))
+    _assert_same(got, plain)
+    assert off.stats["offloaded"] == 0 and off.stats["host_full"] > 0
+    off, got, plain = _capped_step(monkeypatch, 0, offload.CopyTarget(round_pinned=True, cached_bytes=1 << 30))
+    _assert_same(got, plain)
+    assert off.stats["offloaded"] > 0 and off.stats["host_full"] == 0
+
+
 def test_estimate_and_setting():
     model = _checkpointing(_tiny_llama(), False)
     ids = _ids(batch=2, seq=16)
     assert offload.estimate_bytes(model, (), {"input_ids": ids}) == 2 * 16 * 64 * 4 * 2  # tokens × hidden × fp32 × layers
+    assert offload.estimate_bytes(model, (), {"input_ids": ids[:, :12]}, lambda n: offload.pinned_bytes(n, "")) == \
+        8192 * 2  # 2 × 12 × 64 × 4 = 6144 bytes per layer input, an 8192-byte pinned block, 2 layers
     plain = _tiny_llama()
     assert offload.estimate_bytes(plain, (), {"input_ids": ids}) == 2 * 16 * (10 * 64 + 3 * 128) * 4 * 2
     assert load_settings({}).offload == "false"
