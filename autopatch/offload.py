@@ -368,10 +368,12 @@ class Offloader:
                 return None
         budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
                                                                    working_bytes(module, args, kwargs))
-        room = host_room()
         # the allocator's free cached blocks (a previous step's copies) are ours to reuse, though
         # MemAvailable counts them as used: without them a second step would offload less than the first
-        self.host_cap = self.host_used + room + self.target.cached() if room is not None else 1 << 62
+        # (and with them added after the margin, with a smaller margin)
+        available = host_available()
+        room = host_room(available + self.target.cached()) if available is not None else None
+        self.host_cap = self.host_used + room if room is not None else 1 << 62
         store = _Store(self, budget)
         hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
         hooks.__enter__()
@@ -407,7 +409,7 @@ class Offloader:
         host = host_available()
         if host is None or need == 0:
             return True
-        room = host_room(host) + self.target.cached()
+        room = host_room(host + self.target.cached())
         if need <= room:
             return True
         self.off_reason = (f"host memory: this step would offload ~{_gib(need)} of saved activations, the host has "
