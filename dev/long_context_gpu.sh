@@ -7,7 +7,7 @@
 #                                                 ours_offload_tiled, twice each (target <= 1.15x) (~5 min)
 #   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B   (~6 min)
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
-#   PART=8b        bash dev/long_context_gpu.sh   8B LoRA ours_offload_tiled at 500000, and 458752 if that
+#   PART=8b        bash dev/long_context_gpu.sh   the offload GPU tests, then 8B LoRA ours_offload_tiled at 500000, and 458752 if that
 #                                                 fails (256K fit at 39.6 GiB; 524288 estimated ~80.3 with
 #                                                 the host's room read before the step, so ~76.8 at 500000
 #                                                 with the checkpoints' 4 GiB pinned blocks)            (~7 min)
@@ -38,7 +38,8 @@ case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
              --max-seq 32768 --trial-timeout-s 130 --out "$OUT/3b-32k-full-depth.json" ;;
   cross)   timeout 560 bench --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
-  8b)      timeout 300 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
+  8b)      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py  # pinned accounting
+           timeout 300 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
              --max-seq 500000 --trial-timeout-s 280 --out "$OUT/8b-ours-500000.json"
            if ! grep -q '"longest": 500000' "$OUT/8b-ours-500000.json" 2>/dev/null; then
              timeout 260 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
