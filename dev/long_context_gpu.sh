@@ -39,11 +39,11 @@ case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
   cross)   timeout 560 bench --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
   8b)      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py  # pinned accounting
-           timeout 300 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
-             --max-seq 500000 --trial-timeout-s 280 --out "$OUT/8b-ours-500000.json"
+           timeout 280 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
+             --max-seq 500000 --trial-timeout-s 270 --out "$OUT/8b-ours-500000.json"
            if ! grep -q '"longest": 500000' "$OUT/8b-ours-500000.json" 2>/dev/null; then
-             timeout 260 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
-               --max-seq 458752 --trial-timeout-s 240 --out "$OUT/8b-ours-458752.json"
+             timeout 230 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
+               --max-seq 458752 --trial-timeout-s 220 --out "$OUT/8b-ours-458752.json"
            fi ;;
   qblocks) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_query_blocks.py
            timeout 420 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled_qblocks --start 524288 \
