@@ -111,7 +111,10 @@ def cached_pinned_bytes() -> int:
         return 0
     try:
         stats = stats_of()
-        return max(0, int(stats.get("allocated_bytes.current", 0)) - int(stats.get("active_bytes.current", 0)))
+        owned, active = stats.get("allocated_bytes.current"), stats.get("active_bytes.current")
+        if owned is None or active is None:  # another torch's names: count nothing rather than guess
+            return 0
+        return max(0, int(owned) - int(active))
     except Exception:  # noqa: BLE001 - an older torch's stats: count nothing
         return 0
 
