@@ -50,10 +50,8 @@ for the key heads, and T/N blocks run last block first:
                 before they are summed: one K each at a time
 that is, for a block, U·(1 + 3N/T + e/T) + 2K·(1 + e/T) (2K less for the first one run, e = T), largest
 for the second one run (e = T − N); the q gradient's concatenation at the end (U beside its pieces' U,
-plus the summed 2K) comes when no expanded dk, dv are left. Llama-3.1-8B (32 heads, 8 key heads, d 128)
-at T = 524288, bf16, N = 8192: U = 4 GiB, K = 1 GiB; one call 22 GiB, blocked at most 12.1 GiB
-(8.1 + 4.0 at e = T − N; 10.2 at e = T), ≈ 9.9 GiB less while the attention's backward runs. The
-forward keeps the blocks' outputs (U, as the one call keeps its output) and returns their concatenation
+plus the summed 2K) comes when no expanded dk, dv are left (docs/kernels/long_context.md works it out
+for a Llama-3.1-8B shape at 512K tokens). The forward keeps the blocks' outputs (U, as the one call keeps its output) and returns their concatenation
 (U more, alive until o_proj's backward ends, which comes before the attention's). FLOPs: the same as
 the one call: each block computes only its causal part (the lower-right triangle of its [N, e]
 rectangle) and nothing is recomputed; T/N kernel launches per direction instead of one. Not measured
@@ -181,9 +179,9 @@ def _chunks_for(module, query, key, attention_mask, dropout, kwargs, check_owner
 # --------------------------------------------------------------------------- causal attention in query blocks
 def causal_block_of(session) -> int | None:
     """Queries per SDPA call of causal attention without a mask, or None (one call):
-    AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS (Settings.attention_query_block_tokens), read at each call."""
-    value = getattr(getattr(session, "settings", None), "attention_query_block_tokens", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    AUTOPATCH_ATTENTION_QUERY_BLOCK_TOKENS (Settings.attention_query_block_tokens, validated there: a
+    positive int or None), read at each call."""
+    return getattr(getattr(session, "settings", None), "attention_query_block_tokens", None)
 
 
 def causal_blocks(q_len: int, block: int) -> list[tuple[int, int]]:
@@ -202,11 +200,11 @@ def _native_lower_right(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return can_use_flash_attention(params) or (not enable_gqa and can_use_efficient_attention(params))
 
 
-def _causal_block_for(module, query, key, value, attention_mask, dropout, is_causal, kwargs, check_owner: bool,
+def _causal_block_for(module, query, key, value, dropout, is_causal, kwargs, check_owner: bool,
                       block: int | None) -> tuple[int, bool] | None:
-    """(queries per call, enable_gqa) for causal attention in query blocks, or None: one call (see the module
-    docstring, "When (causal blocks)")."""
-    if block is None or attention_mask is not None or dropout:
+    """(queries per call, enable_gqa) for causal attention without a mask in query blocks, or None: one call
+    (see the module docstring, "When (causal blocks)")."""
+    if block is None or dropout:
         return None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal or query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -269,8 +267,7 @@ def masked_attention(sdpa: Callable, check_owner: bool = True, count: bool = Tru
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         if attention_mask is None:
             wanted = causal_block or causal_block_of(session or current())
-            causal = _causal_block_for(module, query, key, value, attention_mask, dropout, is_causal, kwargs,
-                                       check_owner, wanted)
+            causal = _causal_block_for(module, query, key, value, dropout, is_causal, kwargs, check_owner, wanted)
             if causal is None:
                 return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             is_causal=is_causal, **kwargs)
@@ -341,24 +338,24 @@ def _numbers_agree() -> str | None:
         if chunks is None or len(chunks) != 5:
             return f"the probe's mask gave no query blocks ({chunks})"
         grad = _probe.randn((2, 40, 4, 8), gen)
-        results = []
-        for fn in (sdpa_attention_forward, masked_attention(sdpa_attention_forward, False, False, block=8)):
-            out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=0.4, is_causal=None)
-            results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
-        err = max(_probe.rel_err(a, b) for a, b in zip(results[1], results[0]))
+
+        def error(ours, q, k, v, mask, grad) -> float:
+            """Largest relative difference of the output and dq, dk, dv between transformers' and ours."""
+            results = []
+            for fn in (sdpa_attention_forward, ours):
+                out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=0.4, is_causal=None)
+                results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+            return max(_probe.rel_err(a, b) for a, b in zip(results[1], results[0]))
+
+        err = error(masked_attention(sdpa_attention_forward, False, False, block=8), q, k, v, mask, grad)
         if err > 1e-6:
             return f"masked attention differs from sdpa_attention_forward by {err:.1e} on the probe"
         # causal attention without a mask, 37 queries in blocks of 8 (the last one of 5)
         q, k, v = (t[:, :, :37].detach().requires_grad_() for t in (q, k, v))
-        grad = grad[:, :37]
-        if _causal_block_for(module, q, k, v, None, 0.0, None, {}, False, 8) is None:
+        if _causal_block_for(module, q, k, v, 0.0, None, {}, False, 8) is None:
             return "the probe's causal attention gave no query blocks"
-        results = []
-        for fn in (sdpa_attention_forward,
-                   masked_attention(sdpa_attention_forward, False, False, causal_block=8)):
-            out, _ = fn(module, q, k, v, None, dropout=0.0, scaling=0.4, is_causal=None)
-            results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
-        err = max(_probe.rel_err(a, b) for a, b in zip(results[1], results[0]))
+        err = error(masked_attention(sdpa_attention_forward, False, False, causal_block=8), q, k, v, None,
+                    grad[:, :37])
     return None if err <= 1e-6 else (f"causal attention in query blocks differs from sdpa_attention_forward by "
                                      f"{err:.1e} on the probe")
 
