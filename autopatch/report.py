@@ -19,8 +19,9 @@ def _session(session):
 
 
 # --------------------------------------------------------------------------- what ran
-def _launch_counts() -> dict[str, int]:
-    fused = sys.modules.get("fused_kernels")  # never import the kernels just to report
+def launch_counts() -> dict[str, int]:
+    """fused_kernels.launch_counts() where the kernels are imported, else {} (never imported to look)."""
+    fused = sys.modules.get("fused_kernels")
     counts = getattr(fused, "launch_counts", None)
     return dict(counts()) if callable(counts) else {}
 
@@ -31,7 +32,7 @@ def runs(session=None) -> dict[str, dict]:
     where its patched code counted the calls it gave to the original (Session.count_original). An op
     several kernels launch (MoE experts) is credited to each of them that patched something."""
     session = _session(session)
-    launches = _launch_counts()
+    launches = launch_counts()
     with session.lock:
         kernels = list(dict.fromkeys(r.kernel for r in session.records if r.patched and r.kernel in KERNEL_NAMES))
         calls = dict(session.calls)

@@ -33,6 +33,7 @@ import threading
 import weakref
 
 from autopatch.names import FORWARD_OPS
+from autopatch.report import launch_counts
 
 WRAPPER_CODES: set = set()  # the code objects of the patched forwards (autopatch.rules._flce_call.make_forward)
 _SKIPPED_CALLERS = ("torch", "transformers", "accelerate", "peft", "autopatch", "deepspeed")
@@ -89,11 +90,7 @@ def _optimizer_steps(session) -> int:
 
 
 def _fused_launches() -> int:
-    fused = sys.modules.get("fused_kernels")  # never import the kernels just to look
-    counts = getattr(fused, "launch_counts", None)
-    if not callable(counts):
-        return 0
-    launched = counts()
+    launched = launch_counts()
     return sum(launched.get(op, 0) for op in FORWARD_OPS["fused_linear_cross_entropy"])
 
 

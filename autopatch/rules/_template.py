@@ -89,7 +89,7 @@ class Swap:
 
     def installed(self):
         """What autopatch.patching set under this swap's key (None when not patched)."""
-        return patching.installed(self.owner, ("item", self.name) if self.item else self.name)
+        return patching.installed(self.owner, self.key[1])
 
     def label(self) -> str:
         return f"{self.name!r} of the attention registry" if self.item else str(self.name)
