@@ -371,12 +371,8 @@ class Offloader:
                 return None
         budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
                                                                    working_bytes(module, args, kwargs))
-        # the allocator's free cached blocks (a previous step's copies) are ours to reuse, though
-        # MemAvailable counts them as used: without them a second step would offload less than the first
-        # (and with them added after the margin, with a smaller margin)
         available = host_available()
-        room = host_room(available + self.target.cached()) if available is not None else None
-        self.host_cap = self.host_used + room if room is not None else 1 << 62
+        self.host_cap = self.host_used + self.room_on_host(available) if available is not None else 1 << 62
         store = _Store(self, budget)
         hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
         hooks.__enter__()
@@ -401,6 +397,12 @@ class Offloader:
 
         return hook
 
+    def room_on_host(self, available: int) -> int:
+        """What the host can take from this offloader now: MemAvailable (`available`) and the pinned
+        allocator's free cached blocks, which our copies reuse though MemAvailable counts them as used
+        (without them a second step would offload less than the first), less the margin of the two."""
+        return host_room(available + self.target.cached())
+
     # ---------------------------------------------------------------- before the first step
     def check_host(self, model, args, kwargs) -> bool:
         """Whether the host can hold what this step would offload; else one line, and offload off."""
@@ -412,7 +414,7 @@ class Offloader:
         host = host_available()
         if host is None or need == 0:
             return True
-        room = host_room(host + self.target.cached())
+        room = self.room_on_host(host)
         if need <= room:
             return True
         self.off_reason = (f"host memory: this step would offload ~{_gib(need)} of saved activations, the host has "
