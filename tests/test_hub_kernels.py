@@ -272,6 +272,37 @@ def test_an_unproven_class_runs_its_own_forward_under_our_layer():
     assert "left alone" in hub_layers.ran()[("RMSNorm", "BiasedNorm")]
 
 
+def test_a_later_session_gets_its_own_record_of_our_layer(monkeypatch):
+    """Our layer resolved what runs for a class under one session; a fresh session (a second
+    Trainer in one process, apply() again) resolves again, so its report says what runs there."""
+
+    class ProbeNorm(torch.nn.Module):
+        def __init__(self, hidden=32):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(hidden))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states):  # Llama's
+            x = hidden_states.to(torch.float32)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * x.to(hidden_states.dtype)
+
+    ProbeNorm.__module__ = __name__
+    norm, x = ProbeNorm(), torch.randn(3, 32)
+    hub_layers.RMSNorm.forward(norm, x)
+    first = sessions.current()
+    assert first.meta["hub_kernels"]["RMSNorm ProbeNorm"].startswith("autopatch rms_norm")
+    later = sessions.Session()
+    later.installed.update({"exit", "optimizer"})
+    monkeypatch.setattr(sessions, "_current", later)
+    fused_kernels.reset_launch_counts()
+    got = hub_layers.RMSNorm.forward(norm, x)
+    assert torch.allclose(got, norm(x), rtol=1e-5, atol=1e-6)
+    assert launches()[0].get("rms_norm_fwd") == 1
+    assert later.meta["hub_kernels"]["RMSNorm ProbeNorm"].startswith("autopatch rms_norm")
+    assert any(r.target == "ProbeNorm" and r.patched for r in later.all_records())
+
+
 def test_gemma_norm_under_the_generic_name_keeps_its_offset():
     from transformers import GemmaConfig
     from transformers.models.gemma import modeling_gemma

@@ -28,13 +28,15 @@ import threading
 import torch.nn as nn
 
 from autopatch import patching
-from autopatch.session import Record, current, say
+from autopatch.session import Record, current, say, started
 
 # layer name -> the rule module's kernel name (what a user turns on or off)
 KERNEL_OF = {"RMSNorm": "rms_norm", "RMSNormZeroCentered": "rms_norm", "rotary_pos_emb": "rope"}
 
 _lock = threading.Lock()
-_resolved: dict = {}  # class (a norm class, or a rotary function's Func class) -> the callable that runs
+# class (a norm class, or a rotary function's Func class) -> (the session it was resolved in, the callable
+# that runs): a later session resolves again, so that its report records what runs
+_resolved: dict = {}
 
 
 def _verdict(rule_module, target: str, key, subject, module):
@@ -111,12 +113,15 @@ def _rope_function(func_layer):
 
 
 def _resolve(key, make):
+    session = started()  # a plain global read: torch.compile traces it without a graph break
     found = _resolved.get(key)
-    if found is None:
-        found = make()
+    if found is None or found[0] is not session:
+        made = (started(), make())  # make() begins a session where none was
         with _lock:
-            found = _resolved.setdefault(key, found)
-    return found
+            found = _resolved.get(key)
+            if found is None or found[0] is not made[0]:
+                _resolved[key] = found = made
+    return found[1]
 
 
 def prepare(instance) -> None:
