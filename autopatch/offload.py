@@ -7,6 +7,9 @@ autograd saves for the backward goes through torch.autograd.graph.saved_tensors_
           model's GPU is copied to pinned host memory on a side CUDA stream, after the compute that
           made it; its GPU memory is released once that copy is done (record_stream). What stays is a
           handle. The same tensor saved by several nodes (the normed input of q, k and v) is copied once.
+          Copies of at least EXACT_MIN_BYTES (layer inputs at long context) go to exact-size buffers
+          reused from step to step (autopatch.host_buffers), not to PyTorch's pinned allocator, which
+          rounds each to a power of two.
   unpack  in the backward, the first use of a layer's tensors brings that layer's back (if they are
           not already) and starts bringing back the previous layer's, on the side stream: the copies
           of layer i - 1 overlap the backward of layer i. The compute stream waits for the copy's
@@ -48,9 +51,11 @@ import weakref
 import torch
 from torch import nn
 
+from autopatch.host_buffers import HostBuffers, exact_bytes
 from autopatch.session import say
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are: not worth a copy
+EXACT_MIN_BYTES = 16 << 20  # host copies this large go to exact-size buffers (host_buffers)
 GPU_MARGIN = (2 << 30, 0.10)  # (at least, fraction of the GPU) left free in "auto"
 HOST_MARGIN = (4 << 30, 0.10)  # (at least, fraction of MemAvailable) never offloaded into
 ADAM_MOMENTS = 2  # AdamW's moments per trained parameter (each the parameter's dtype), before its first step
@@ -103,6 +108,12 @@ def pinned_bytes(nbytes: int, alloc_conf: str | None = None) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
+def host_copy_bytes(nbytes: int) -> int:
+    """The page-locked host bytes a GPU tensor's host copy takes: its own size to a page from
+    EXACT_MIN_BYTES on (autopatch.host_buffers), the pinned allocator's block below."""
+    return exact_bytes(nbytes) if nbytes >= EXACT_MIN_BYTES else pinned_bytes(nbytes)
+
+
 def cached_pinned_bytes() -> int:
     """Pinned host bytes PyTorch's caching host allocator holds free for reuse (a previous step's host
     copies: MemAvailable counts them as used); 0 where torch does not say."""
@@ -136,13 +147,19 @@ class CudaTarget:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self.buffers = HostBuffers(self.stream)  # the large copies' exact-size buffers
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.device == self.device
 
     def to_host(self, t: torch.Tensor):
         stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
-        host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=True)
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= EXACT_MIN_BYTES:
+            buf = self.buffers.take(nbytes)
+            host = buf[:nbytes].view(t.dtype).as_strided(t.size(), stride)
+        else:
+            host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=True)
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # t is made on the compute stream
         with torch.cuda.stream(self.stream):
@@ -168,11 +185,18 @@ class CudaTarget:
         current.wait_event(done)
         dev.record_stream(current)
 
+    def dropped(self, host: torch.Tensor) -> None:
+        """A host copy's handle is gone: its exact-size buffer (if it has one) may be taken again."""
+        self.buffers.give(host.data_ptr())
+
+    def forward_done(self) -> None:
+        self.buffers.sweep()
+
     def pinned(self, nbytes: int) -> int:
-        return pinned_bytes(nbytes)
+        return host_copy_bytes(nbytes)
 
     def cached(self) -> int:
-        return cached_pinned_bytes()
+        return cached_pinned_bytes() + self.buffers.free_bytes
 
     def budget(self, model, session, working: int = 0) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -188,27 +212,46 @@ class CudaTarget:
 class CopyTarget:
     """The CPU stand-in (tests): the 'host' is a separate CPU tensor, copied to and back through the
     same path. `budget_bytes` plays the GPU budget of "auto"; with `round_pinned` a host copy counts as
-    the pinned allocator would reserve it (pinned_bytes); `cached_bytes` plays its free cached blocks."""
+    the pinned allocator would reserve it (pinned_bytes); `cached_bytes` plays its free cached blocks;
+    copies of at least `exact_min_bytes` go through exact-size buffers (HostBuffers, not page-locked)."""
 
     name = "copy"
 
-    def __init__(self, budget_bytes: int = 0, round_pinned: bool = False, cached_bytes: int = 0):
+    def __init__(self, budget_bytes: int = 0, round_pinned: bool = False, cached_bytes: int = 0,
+                 exact_min_bytes: int | None = None):
         self.budget_bytes = budget_bytes
         self.round_pinned, self.cached_bytes = round_pinned, cached_bytes
+        self.exact_min_bytes = exact_min_bytes
+        self.buffers = HostBuffers(register=False)
         self.device = torch.device("cpu")
 
+    def exact(self, nbytes: int) -> bool:
+        return self.exact_min_bytes is not None and nbytes >= self.exact_min_bytes
+
     def pinned(self, nbytes: int) -> int:
+        if self.exact(nbytes):
+            return exact_bytes(nbytes)
         return pinned_bytes(nbytes) if self.round_pinned else nbytes
 
     def cached(self) -> int:
-        return self.cached_bytes
+        return self.cached_bytes + self.buffers.free_bytes
+
+    def dropped(self, host) -> None:
+        self.buffers.give(host.data_ptr())
+
+    def forward_done(self) -> None:
+        self.buffers.sweep()
 
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
 
     def to_host(self, t):
         stride = torch.empty_like(t, device="meta").stride()
-        host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu")
+        nbytes = t.numel() * t.element_size()
+        if self.exact(nbytes):
+            host = self.buffers.take(nbytes)[:nbytes].view(t.dtype).as_strided(t.size(), stride)
+        else:
+            host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu")
         host.copy_(t)
         return host, None
 
@@ -255,6 +298,7 @@ class _Handle:
     def __del__(self):
         try:
             self.store.offloader.host_used -= self.pinned
+            self.store.target.dropped(self.host)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -316,6 +360,7 @@ class _Store:
 
     def done(self) -> None:
         self.same.clear()
+        self.target.forward_done()
 
 
 # --------------------------------------------------------------------------- per model

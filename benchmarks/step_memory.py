@@ -96,10 +96,16 @@ class HostTarget:
     def pinned(self, nbytes: int) -> int:
         from autopatch import offload
 
-        return offload.pinned_bytes(nbytes)
+        return offload.host_copy_bytes(nbytes)
 
     def cached(self) -> int:
         return 0
+
+    def dropped(self, host) -> None:
+        pass
+
+    def forward_done(self) -> None:
+        pass
 
 
 def _fake_candidate(offloader):

@@ -292,6 +292,63 @@ def test_cached_pinned_blocks_count_as_room(monkeypatch):
     assert off.stats["offloaded"] > 0 and off.stats["host_full"] == 0
 
 
+def test_host_buffers_exact_size_reused_and_swept():
+    """Exact-size buffers (to a page), taken again at the same size, freed once a forward leaves them
+    untaken; bookkeeping only (not page-locked on the CPU)."""
+    from autopatch.host_buffers import PAGE, HostBuffers, exact_bytes
+
+    pool = HostBuffers(register=False)
+    a = pool.take(3 * PAGE + 1)
+    assert a.numel() == exact_bytes(3 * PAGE + 1) == 4 * PAGE and a.data_ptr() % PAGE == 0
+    b = pool.take(PAGE)
+    assert pool.held_bytes == 5 * PAGE and pool.free_bytes == 0 and pool.registered == 2
+    pool.give(a.data_ptr())
+    assert pool.free_bytes == 4 * PAGE
+    again = pool.take(4 * PAGE)  # the same size: the same buffer, nothing new
+    assert again.data_ptr() == a.data_ptr() and pool.registered == 2 and pool.free_bytes == 0
+    pool.give(again.data_ptr())
+    pool.give(b.data_ptr())
+    assert pool.sweep() == 0  # given back during this forward: kept for the next
+    assert pool.free_bytes == 5 * PAGE
+    assert pool.take(PAGE).data_ptr() == b.data_ptr()
+    assert pool.sweep() == 4 * PAGE  # the other one stayed untaken through a whole forward: freed
+    assert pool.held_bytes == PAGE and pool.free_bytes == 0
+    pool.give(b.data_ptr())
+    big = pool.take(5 * PAGE)  # nothing free fits: the free ones go first
+    assert pool.held_bytes == 5 * PAGE and pool.free_bytes == 0
+    pool.give(big.data_ptr())
+    assert pool.take(4 * PAGE).data_ptr() == big.data_ptr()  # up to FIT larger is taken
+    pool.give(big.data_ptr())
+    pool.clear()
+    assert pool.held_bytes == 0 and pool.free_bytes == 0
+
+
+def test_offload_through_exact_buffers_reuses_them_each_step(monkeypatch):
+    """Host copies through exact-size buffers: loss and every gradient equal; the host counts each
+    copy's own bytes (to a page), a second step at the same length takes the first step's buffers
+    (nothing new), a step at another length frees the old ones at the end of its forward."""
+    model = _checkpointing(_tiny_llama(), False)
+    ids = _ids(batch=1, seq=12)
+    plain = _step(model, ids)
+    target = offload.CopyTarget(exact_min_bytes=1)
+    off = offload.install(model, None, ON, target=target)
+    off.min_bytes = 1
+    _assert_same(_step(model, ids), plain)
+    first, pinned = target.buffers.registered, off.stats["pinned_bytes"]
+    assert off.stats["offloaded"] > 0 and first == off.stats["offloaded"]  # one buffer per copy
+    assert pinned == target.buffers.held_bytes and pinned % 4096 == 0
+    assert off.stats["offloaded_bytes"] <= pinned < off.stats["offloaded_bytes"] + first * 4096
+    _assert_same(_step(model, ids), plain)
+    assert target.buffers.registered == first and off.host_used == 0
+    assert target.buffers.free_bytes == target.buffers.held_bytes == pinned
+    longer = _ids(batch=1, seq=1200)
+    plain_longer = _step(model, longer)  # offload on: this step's copies take new buffers
+    _assert_same(_step(model, longer), plain_longer)
+    assert target.buffers.registered > first
+    longer_pinned = off.stats["pinned_bytes"] - 2 * pinned
+    assert target.buffers.held_bytes == longer_pinned // 2  # the 12-token step's buffers are gone
+
+
 def test_estimate_and_setting():
     model = _checkpointing(_tiny_llama(), False)
     ids = _ids(batch=2, seq=16)
@@ -337,6 +394,28 @@ def test_gpu_equal_gradients_and_lower_peak(reentrant):
     assert off.stats["offloaded"] > 0 and off.stats["fetched"] == off.stats["offloaded"]
     _assert_same(got, plain, tol=1e-6)
     assert peak_off < peak_plain, (peak_off / 2**20, peak_plain / 2**20)
+    torch.cuda.synchronize()
+    assert off.host_used == 0
+
+
+@pytest.mark.gpu
+def test_gpu_exact_host_buffers_page_locked_and_reused():
+    """Layer inputs of 32 MiB go to exact-size page-locked buffers: copies asynchronous and equal,
+    each buffer holds its copy's own 48 MiB (a pinned block would take 64), and a second step
+    registers nothing new."""
+    model = _checkpointing(_tiny_llama("cuda", torch.float32, hidden=1536, layers=4), False)
+    ids = torch.randint(0, 96, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain, _ = _cuda_step(model, ids)
+    off = offload.install(model, None, ON)
+    got, _ = _cuda_step(model, ids)
+    _assert_same(got, plain, tol=1e-6)
+    buffers = off.target.buffers
+    layer_input = 8192 * 1536 * 4  # 48 MiB: its pinned block would be 64 MiB
+    assert buffers.registered >= 4 and buffers.held_bytes == buffers.registered * layer_input  # not 64 MiB each
+    registered = buffers.registered
+    got, _ = _cuda_step(model, ids)
+    _assert_same(got, plain, tol=1e-6)
+    assert buffers.registered == registered
     torch.cuda.synchronize()
     assert off.host_used == 0
 

@@ -1,0 +1,127 @@
+"""Exact-size page-locked host buffers for the offloader's large copies, reused from step to step.
+
+PyTorch's caching host allocator rounds every pinned request up to a power of two (its free lists
+are power-of-two buckets): a 500000-token checkpoint of a 4096-wide bf16 model (3.81 GiB) takes
+4 GiB, one of 270000 tokens (2.06 GiB) takes 4 GiB too: up to half of the host lost at long
+context. A buffer here is plain host memory page-locked with cudaHostRegister, of the size asked
+(to a page). A buffer given back goes to a free list by size and the next copy of that size (or up
+to FIT smaller) takes it: the same length every step, every buffer reused, nothing registered again.
+A copy that no free buffer fits first frees them all (the host's room counted them as free), and
+buffers left untaken through a whole forward are freed at its end (`sweep`).
+
+Ordering: every copy into or out of a buffer runs on the one side stream of the owner (`stream`),
+so a buffer taken again is written only after the copies that read it; before buffers are
+unregistered the side stream is synchronized. `register=False` (tests on the CPU) keeps the
+bookkeeping and skips the page-locking.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+PAGE = 4096
+FIT = 1.25  # a free buffer up to this much larger than asked is taken (lengths that vary a little)
+
+
+def exact_bytes(nbytes: int) -> int:
+    """What a buffer for `nbytes` holds of the host: the request to a whole page."""
+    return -(-nbytes // PAGE) * PAGE
+
+
+class HostBuffers:
+    """Free lists of page-locked host buffers by exact size (see the module docstring)."""
+
+    def __init__(self, stream=None, register: bool = True):
+        self.stream, self.register = stream, register
+        self._lock = threading.Lock()
+        self._free: dict[int, list] = {}  # size -> free buffers (uint8 tensors) of that size
+        self._taken: dict[int, torch.Tensor] = {}  # data_ptr -> a buffer handed out
+        self._untaken_since_sweep: set[int] = set()  # data_ptrs of free buffers not taken since the last sweep
+        self.free_bytes = 0  # in the free lists
+        self.held_bytes = 0  # registered in all (free and handed out)
+        self.registered = 0  # buffers page-locked so far (a step at an unchanged length adds none)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of at least exact_bytes(nbytes), free of pending copies on `stream`: a
+        free one of that size, else the smallest free one up to FIT larger (lengths that vary a
+        little), else a new one, after the free ones are released (they fit none of this step's
+        copies, and the host's room counted them as free)."""
+        size = exact_bytes(nbytes)
+        stale = []
+        with self._lock:
+            sizes = [n for n, free in self._free.items() if free and size <= n <= size * FIT]
+            buf = self._free[min(sizes)].pop() if sizes else None
+            if buf is not None:
+                self.free_bytes -= buf.numel()
+                self._untaken_since_sweep.discard(buf.data_ptr())
+            else:
+                stale = [b for free in self._free.values() for b in free]
+                self._free.clear()
+                self._untaken_since_sweep.clear()
+                self.free_bytes = 0
+        if buf is None:
+            self._release(stale)
+            buf = self._new(size)
+        with self._lock:
+            self._taken[buf.data_ptr()] = buf
+        return buf
+
+    def give(self, ptr: int) -> None:
+        """The buffer at `ptr` (a take()'s data_ptr) is no longer read by anyone but queued copies."""
+        with self._lock:
+            buf = self._taken.pop(ptr, None)
+            if buf is None:
+                return
+            self._free.setdefault(buf.numel(), []).append(buf)
+            self.free_bytes += buf.numel()
+
+    def sweep(self) -> int:
+        """Free the buffers that stayed in the free lists since the last sweep (one forward). Returns
+        the bytes freed."""
+        with self._lock:
+            stale = [(size, b) for size, bufs in self._free.items() for b in bufs
+                     if b.data_ptr() in self._untaken_since_sweep]
+            for size, b in stale:
+                self._free[size].remove(b)
+                self.free_bytes -= size
+            self._untaken_since_sweep = {b.data_ptr() for bufs in self._free.values() for b in bufs}
+        if stale:
+            self._release([b for _, b in stale])
+        return sum(size for size, _ in stale)
+
+    def clear(self) -> None:
+        """Free every buffer in the free lists (handed-out ones stay theirs)."""
+        with self._lock:
+            bufs = [b for free in self._free.values() for b in free]
+            self._free.clear()
+            self._untaken_since_sweep.clear()
+            self.free_bytes = 0
+        self._release(bufs)
+
+    # ---------------------------------------------------------------- page-locking
+    def _new(self, size: int) -> torch.Tensor:
+        raw = torch.empty(size + PAGE, dtype=torch.uint8)  # room to start on a page boundary
+        start = (-raw.data_ptr()) % PAGE
+        buf = raw[start:start + size]
+        if self.register:
+            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {size} bytes failed (cudaError {int(err)}); the host may "
+                                   "be short of lockable memory (ulimit -l) or of memory")
+        with self._lock:
+            self.held_bytes += size
+            self.registered += 1
+        return buf
+
+    def _release(self, bufs) -> None:
+        if not bufs:
+            return
+        if self.register and self.stream is not None:
+            self.stream.synchronize()  # no copy may still read or write a buffer being unregistered
+        for b in bufs:
+            if self.register:
+                torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
+            with self._lock:
+                self.held_bytes -= b.numel()
