@@ -9,8 +9,9 @@
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
 #   PART=8b        bash dev/long_context_gpu.sh   the offload GPU tests, then 8B LoRA ours_offload_tiled at 500000, and 458752 if that
 #                                                 fails (256K fit at 39.6 GiB; 524288 estimated ~80.3 with
-#                                                 the host's room read before the step, so ~76.8 at 500000
-#                                                 with the checkpoints' 4 GiB pinned blocks)            (~7 min)
+#                                                 the host's room read before the step; ~73 at 500000 with
+#                                                 each 3.81 GiB checkpoint in a buffer of its size: 29 of
+#                                                 the 32 on ~112 GiB of host)                            (~7 min)
 #   PART=qblocks   bash dev/long_context_gpu.sh   the query-block attention: its GPU test, then 8B LoRA
 #                                                 ours_offload_tiled_qblocks at 524288                  (~6 min)
 #
