@@ -150,8 +150,20 @@ def one_step(model, seq: int, device, torch) -> dict:
     out = {"loss": value, "step_s": seconds, "tokens_per_s": seq / seconds}
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["capacity_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+        out["capacity_gib"] = CAPACITY_GIB or torch.cuda.get_device_properties(device).total_memory / 2**30
     return out
+
+
+CAPACITY_GIB = None  # --capacity-gib: a smaller GPU played on a larger one (an H100's 79.2 GiB on an H200)
+
+
+def cap_memory(gib: float, device, torch) -> None:
+    """Make the allocator fail past `gib` (torch.cuda.set_per_process_memory_fraction) and judge fits
+    against it: the same kernels and arithmetic as the smaller card of the same architecture."""
+    global CAPACITY_GIB
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    CAPACITY_GIB = gib
 
 
 def _host_room() -> int:
@@ -165,7 +177,7 @@ def _add_host_estimate(res: dict, steps: list, layers: int, full: int, cap: int)
     (from the cut at K and K + 1). The offloader never asks the host for more than `cap`, MemAvailable
     less its margin taken before the trial's first step (after it, the process's own cached pinned
     buffers count as used); past that, tensors stay on the GPU: that overflow is added to the GPU estimate."""
-    # in pinned memory as the caching host allocator reserves it (power-of-two blocks), what the cap counts
+    # in page-locked host memory as the offloader counts it against the cap (offload.host_copy_bytes)
     sent = [step["offload"].get("pinned_bytes", step["offload"]["offloaded_bytes"]) for step in steps]
     need = sent[0] + (full - layers) * (sent[1] - sent[0])
     overflow = max(need - cap, 0)
@@ -173,15 +185,20 @@ def _add_host_estimate(res: dict, steps: list, layers: int, full: int, cap: int)
                peak_gib=res["peak_gib"] + overflow / 2**30)
 
 
-def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: str) -> dict:
+def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: str,
+          capacity_gib: float | None = None) -> dict:
     """Peak memory and time of one step at `seq`; with `layers` (a cut), the full depth's peak
     estimated from the cut at `layers` and `layers + 1` (see the module docstring)."""
     import torch
 
     host_cap = _host_room() if "offload" in peer else 0  # before this process pins any host memory
     device = torch.device(device_name)
+    if capacity_gib and device.type == "cuda":
+        cap_memory(capacity_gib, device, torch)
     full = MODELS[model_key]["config"]["num_hidden_layers"]
     res = {"model": model_key, "peer": peer, "seq": seq, "status": "ok"}
+    if device.type == "cuda":  # per trial: a merged file may hold trials of two cards
+        res["gpu"] = torch.cuda.get_device_name(device)
     depths = [layers, layers + 1] if layers and layers < full else [None]
     steps = []
     for depth in depths:
@@ -233,6 +250,8 @@ def run_trial(model_key, peer, seq, args) -> dict:
         "--seq", str(seq), "--device", args.device]
     if args.layers:
         cmd += ["--layers", str(args.layers)]
+    if getattr(args, "capacity_gib", None):
+        cmd += ["--capacity-gib", str(args.capacity_gib)]
     res = run_json_worker(cmd, {"model": model_key, "peer": peer, "seq": seq}, args.trial_timeout_s,
                           fused_kernels="all" if peer.startswith("ours") else None)
     print(f"[long-context] {model_key} {peer} {seq}: {res.get('status')} "
@@ -374,6 +393,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=1 << 20)
     ap.add_argument("--trial-timeout-s", type=float, default=300)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--capacity-gib", type=float, default=None,
+                    help="judge fits against this many GiB and make the allocator fail past them (a 79.2 GiB "
+                         "H100 played on an H200); the JSON's capacity_gib says it")
     ap.add_argument("--offload", default="auto", choices=("auto", "true"), help="AUTOPATCH_OFFLOAD of the offload peers")
     ap.add_argument("--tiled-mlp-tokens", type=int, default=8192, help="AUTOPATCH_TILED_MLP_TOKENS of the tiled peers")
     ap.add_argument("--query-block-tokens", type=int, default=8192,
@@ -404,7 +426,7 @@ def main(argv=None) -> int:
         return 0
     if a.trial:
         try:
-            res = trial(a.model, a.peer, a.seq, a.layers, a.device)
+            res = trial(a.model, a.peer, a.seq, a.layers, a.device, a.capacity_gib)
         except BaseException as exc:  # recorded, not raised: the driver reads the file
             import torch
 
