@@ -3,8 +3,8 @@
 PyTorch's caching host allocator rounds every pinned request up to a power of two (its free lists
 are power-of-two buckets): a 500000-token checkpoint of a 4096-wide bf16 model (3.81 GiB) takes
 4 GiB, one of 270000 tokens (2.06 GiB) takes 4 GiB too: up to half of the host lost at long
-context. A buffer here is plain host memory page-locked with cudaHostRegister, of the size asked
-(to a page). A buffer given back goes to a free list by size and the next copy of that size (or up
+context. A buffer here is anonymous host pages (mmap) page-locked with cudaHostRegister, of the size
+asked (to a page), unlocked when the last tensor over them goes. A buffer given back goes to a free list by size and the next copy of that size (or up
 to FIT smaller) takes it: the same length every step, every buffer reused, nothing registered again.
 A copy that no free buffer fits first frees them all (the host's room counted them as free), and
 buffers left untaken through a whole forward are freed at its end (`sweep`).
@@ -17,6 +17,7 @@ bookkeeping and skips the page-locking.
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
@@ -100,28 +101,54 @@ class HostBuffers:
             self.free_bytes = 0
         self._release(bufs)
 
+    def __del__(self):
+        try:
+            if self.register and self.stream is not None:
+                self.stream.synchronize()  # the buffers' pages are unlocked as their last views go
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     # ---------------------------------------------------------------- page-locking
     def _new(self, size: int) -> torch.Tensor:
-        raw = torch.empty(size + PAGE, dtype=torch.uint8)  # room to start on a page boundary
-        start = (-raw.data_ptr()) % PAGE
-        buf = raw[start:start + size]
-        if self.register:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {size} bytes failed (cudaError {int(err)}); the host may "
-                                   "be short of lockable memory (ulimit -l) or of memory")
+        pages = _LockedPages(size, self.register)
+        buf = torch.frombuffer(pages, dtype=torch.uint8)  # holds `pages` until its last view goes
         with self._lock:
             self.held_bytes += size
             self.registered += 1
         return buf
 
     def _release(self, bufs) -> None:
+        """Drop buffers no copy uses any more; each is unlocked and unmapped when its last view goes."""
         if not bufs:
             return
         if self.register and self.stream is not None:
-            self.stream.synchronize()  # no copy may still read or write a buffer being unregistered
-        for b in bufs:
-            if self.register:
-                torch.cuda.cudart().cudaHostUnregister(b.data_ptr())
-            with self._lock:
-                self.held_bytes -= b.numel()
+            self.stream.synchronize()  # no queued copy may still read or write them
+        with self._lock:
+            self.held_bytes -= sum(b.numel() for b in bufs)
+
+
+class _LockedPages(mmap.mmap):
+    """Anonymous pages (page-aligned), page-locked with cudaHostRegister while `register`; unlocked
+    before they are unmapped, when the last tensor over them is gone (memory freed while still
+    registered would make the next registration of that range fail)."""
+
+    def __new__(cls, size: int, register: bool):
+        return super().__new__(cls, -1, size)
+
+    def __init__(self, size: int, register: bool):
+        self.locked = False
+        self.address = torch.frombuffer(self, dtype=torch.uint8, count=1).data_ptr()
+        if register:
+            err = torch.cuda.cudart().cudaHostRegister(self.address, size, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {size} bytes failed (cudaError {int(err)}); the host may "
+                                   "be short of lockable memory (ulimit -l) or of memory")
+            self.locked = True
+
+    def __del__(self):
+        if self.locked:
+            self.locked = False
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass

@@ -32,28 +32,29 @@ free -g | head -2
 if [ -z "${CAPACITY_GIB:-}" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   CAPACITY_GIB=79.1787109375
 fi
-bench() { python3 benchmarks/bench_long_context.py --offload true --tiled-mlp-tokens 8192 \
-            ${CAPACITY_GIB:+--capacity-gib "$CAPACITY_GIB"} "$@"; }
+# (an array, not a function: timeout(1) runs programs)
+bench=(python3 benchmarks/bench_long_context.py --offload true --tiled-mlp-tokens 8192
+       ${CAPACITY_GIB:+--capacity-gib "$CAPACITY_GIB"})
 case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
-  liger3b) timeout 560 bench --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
+  liger3b) timeout 560 "${bench[@]}" --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
              --granularity 16384 --trial-timeout-s 200 --out "$OUT/3b-liger.json" ;;
   cost64k) for run in 1 2; do
-             timeout 270 bench --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
+             timeout 270 "${bench[@]}" --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
                --max-seq 65536 --trial-timeout-s 130 --out "$OUT/3b-64k-full-depth-run$run.json"
            done ;;
-  common)  timeout 560 bench --models llama3.2_3b_full --peers hf,liger,ours,ours_offload_tiled --start 32768 \
+  common)  timeout 560 "${bench[@]}" --models llama3.2_3b_full --peers hf,liger,ours,ours_offload_tiled --start 32768 \
              --max-seq 32768 --trial-timeout-s 130 --out "$OUT/3b-32k-full-depth.json" ;;
-  cross)   timeout 560 bench --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
+  cross)   timeout 560 "${bench[@]}" --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
   8b)      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py  # pinned accounting
-           timeout 280 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
+           timeout 280 "${bench[@]}" --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
              --max-seq 500000 --trial-timeout-s 270 --out "$OUT/8b-ours-500000.json"
            if ! grep -q '"longest": 500000' "$OUT/8b-ours-500000.json" 2>/dev/null; then
-             timeout 230 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
+             timeout 230 "${bench[@]}" --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 458752 \
                --max-seq 458752 --trial-timeout-s 220 --out "$OUT/8b-ours-458752.json"
            fi ;;
   qblocks) timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_query_blocks.py
-           timeout 420 bench --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled_qblocks --start 524288 \
+           timeout 420 "${bench[@]}" --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled_qblocks --start 524288 \
              --max-seq 524288 --trial-timeout-s 400 --out "$OUT/8b-qblocks-524288.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
