@@ -46,7 +46,8 @@ case "${PART:?set PART: liger3b, cost64k, common, cross, 8b or qblocks}" in
              --max-seq 32768 --trial-timeout-s 130 --out "$OUT/3b-32k-full-depth.json" ;;
   cross)   timeout 560 "${bench[@]}" --layers 3 --models llama3.2_3b_full --peers ours_offload_tiled --cross-check 131072 \
              --trial-timeout-s 400 --out "$OUT/3b-cross-check-131072.json" ;;
-  8b)      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py  # pinned accounting
+  8b)      timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_offload.py \
+             || { echo "offload GPU tests failed: no trial"; exit 1; }
            timeout 280 "${bench[@]}" --layers 3 --models llama3.1_8b_lora --peers ours_offload_tiled --start 500000 \
              --max-seq 500000 --trial-timeout-s 270 --out "$OUT/8b-ours-500000.json"
            if ! grep -q '"longest": 500000' "$OUT/8b-ours-500000.json" 2>/dev/null; then
