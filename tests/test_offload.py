@@ -42,8 +42,8 @@ def _checkpointing(model, reentrant):
     return model
 
 
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
+def _step(model, ids, set_to_none=True):
+    model.zero_grad(set_to_none=set_to_none)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -374,9 +374,12 @@ def test_estimate_and_setting():
 
 
 def _cuda_step(model, ids):
+    """One step's loss, gradients and peak, the gradients zeroed in place (allocated before the peak is
+    taken: else they grow through the backward and the peak is at its end, where every layer's input
+    is gone with or without offload)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    out = _step(model, ids)
+    out = _step(model, ids, set_to_none=False)
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated()
 
