@@ -13,7 +13,14 @@ autograd saves for the backward goes through torch.autograd.graph.saved_tensors_
   unpack  in the backward, the first use of a layer's tensors brings that layer's back (if they are
           not already) and starts bringing back the previous layer's, on the side stream: the copies
           of layer i - 1 overlap the backward of layer i. The compute stream waits for the copy's
-          event before it reads the tensor.
+          event before it reads the tensor. Once every node that saved a tensor has had it, the
+          store lets go of the device copy: it lives as long as those nodes hold it (a checkpointed
+          layer's input: until its recompute is done), not until the layer's backward ends.
+  prefetch  layer i - 1 comes back early only where the GPU has room for it beside layer i's backward:
+          its free memory (the driver's and the caching allocator's) less a margin (GPU_MARGIN) less
+          one layer's backward working set (working_bytes) must hold it; else it comes back when its
+          own backward asks for it (at long lengths, where a layer's backward takes far longer than
+          the copy, the overlap is worth little and the room is worth a whole layer input).
 
 Layers are the children of the model's longest nn.ModuleList (its decoder layers); a forward
 pre-hook on each tells the store which layer's tensors are being saved.
@@ -198,6 +205,13 @@ class CudaTarget:
     def cached(self) -> int:
         return cached_pinned_bytes() + self.buffers.free_bytes
 
+    def room(self) -> int:
+        """Bytes the GPU can still give: the driver's free memory plus what the caching allocator holds
+        unused, less the margin."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached - _margin(total, GPU_MARGIN)
+
     def budget(self, model, session, working: int = 0) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
@@ -213,15 +227,16 @@ class CopyTarget:
     """The CPU stand-in (tests): the 'host' is a separate CPU tensor, copied to and back through the
     same path. `budget_bytes` plays the GPU budget of "auto"; with `round_pinned` a host copy counts as
     the pinned allocator would reserve it (pinned_bytes); `cached_bytes` plays its free cached blocks;
-    copies of at least `exact_min_bytes` go through exact-size buffers (HostBuffers, not page-locked)."""
+    copies of at least `exact_min_bytes` go through exact-size buffers (HostBuffers, not page-locked);
+    `room_bytes` plays the GPU's room for a prefetch (None: room enough)."""
 
     name = "copy"
 
     def __init__(self, budget_bytes: int = 0, round_pinned: bool = False, cached_bytes: int = 0,
-                 exact_min_bytes: int | None = None):
+                 exact_min_bytes: int | None = None, room_bytes: int | None = None):
         self.budget_bytes = budget_bytes
         self.round_pinned, self.cached_bytes = round_pinned, cached_bytes
-        self.exact_min_bytes = exact_min_bytes
+        self.exact_min_bytes, self.room_bytes = exact_min_bytes, room_bytes
         self.buffers = HostBuffers(register=False)
         self.device = torch.device("cpu")
 
@@ -263,27 +278,38 @@ class CopyTarget:
     def ready(self, dev, done) -> None:
         pass
 
+    def room(self) -> int | None:
+        return self.room_bytes
+
     def budget(self, model, session, working: int = 0) -> int:
         return self.budget_bytes
 
 
 # --------------------------------------------------------------------------- one forward's tensors
 class _Handle:
-    """What autograd keeps in place of an offloaded tensor."""
+    """What autograd keeps in place of an offloaded tensor: its host copy, and its device copy from the
+    fetch until every node that saved it has had it (`saves` packs, counted by get); after that only
+    a weak reference, so that the device copy goes when its users let go of it."""
 
-    __slots__ = ("store", "group", "host", "host_done", "dev", "dev_done", "nbytes", "pinned", "__weakref__")
+    __slots__ = ("store", "group", "host", "host_done", "dev", "dev_done", "given", "saves", "gets", "nbytes",
+                 "pinned", "__weakref__")
 
     def __init__(self, store: "_Store", group: int, t: torch.Tensor, pinned: int):
         self.store, self.group, self.nbytes, self.pinned = store, group, t.numel() * t.element_size(), pinned
         self.host, self.host_done = store.target.to_host(t)
-        self.dev = self.dev_done = None
+        self.dev = self.dev_done = self.given = None
+        self.saves, self.gets = 1, 0
         store.offloader.host_used += pinned
         store.offloader.stats["offloaded"] += 1
         store.offloader.stats["offloaded_bytes"] += self.nbytes
         store.offloader.stats["pinned_bytes"] += pinned
 
+    def on_device(self) -> torch.Tensor | None:
+        """The device copy while it exists: held here, or handed out and still alive."""
+        return self.dev if self.dev is not None else (self.given() if self.given is not None else None)
+
     def fetch(self) -> None:
-        if self.dev is None:
+        if self.on_device() is None:
             self.dev, self.dev_done = self.store.target.to_device(self.host, self.host_done)
             self.store.offloader.stats["fetched"] += 1
             self.store.offloader.note("fetch", self.group)
@@ -292,8 +318,14 @@ class _Handle:
         self.store.offloader.note("get", self.group)
         self.store.arrive(self.group)
         self.fetch()
-        self.store.target.ready(self.dev, self.dev_done)
-        return self.dev
+        dev = self.on_device()
+        self.store.target.ready(dev, self.dev_done)
+        self.gets += 1
+        if self.gets >= self.saves and self.dev is not None:
+            # every node that saved it has it now: the copy lives as long as they keep it (a second
+            # backward over a retained graph fetches it again if it is gone by then)
+            self.given, self.dev = weakref.ref(dev), None
+        return dev
 
     def __del__(self):
         try:
@@ -306,8 +338,9 @@ class _Handle:
 class _Store:
     """The saved tensors of one training forward, by layer; pack and unpack are autograd's hooks."""
 
-    def __init__(self, offloader: "Offloader", budget: int):
+    def __init__(self, offloader: "Offloader", budget: int, working: int = 0):
         self.offloader, self.target, self.budget = offloader, offloader.target, budget
+        self.working = working  # one layer's backward working set (working_bytes): kept free of prefetches
         self.group = -1  # the layer whose forward is saving now (-1: before the first)
         self.groups: dict[int, list] = {}  # layer -> weak references to its handles
         self.same: dict[tuple, tuple] = {}  # a tensor saved again -> its handle (this forward only)
@@ -324,6 +357,7 @@ class _Store:
         if seen is not None and seen[0]() is t:
             handle = seen[1]()
             if handle is not None:
+                handle.saves += 1
                 return handle
         nbytes = t.numel() * t.element_size()
         if self.kept + nbytes <= self.budget:
@@ -348,15 +382,25 @@ class _Store:
         return saved.get() if isinstance(saved, _Handle) else saved
 
     def arrive(self, group: int) -> None:
-        """The backward reached `group`: bring it back whole and start on the layer before it."""
+        """The backward reached `group`: bring it back whole and start on the layer before it where the
+        GPU has room for that beside this layer's backward (module docstring)."""
         if group in self.arrived:
             return
         self.arrived.add(group)
         for g in (group, group - 1):
-            for ref in self.groups.get(g, ()):
-                handle = ref()
-                if handle is not None:
-                    handle.fetch()
+            handles = [h for h in (ref() for ref in self.groups.get(g, ())) if h is not None]
+            if g != group and not self.room_for(handles):
+                self.offloader.note("later", g)
+                continue
+            for handle in handles:
+                handle.fetch()
+
+    def room_for(self, handles) -> bool:
+        room = self.target.room()
+        if room is None:
+            return True
+        need = sum(h.nbytes for h in handles if h.on_device() is None)
+        return need == 0 or room - self.working >= need
 
     def done(self) -> None:
         self.same.clear()
@@ -371,7 +415,7 @@ class Offloader:
         self.model_ref = weakref.ref(model)
         self.session, self.mode, self.target = session, mode, target
         self.min_bytes = MIN_BYTES  # tests lower it for tiny models
-        self.trace: list | None = None  # a list (tests): ("offload" | "fetch" | "get", layer, ...) in order
+        self.trace: list | None = None  # a list (tests): ("offload" | "fetch" | "get" | "later", layer, ...) in order
         self.host_used = 0
         self.host_cap = 0
         self.checked = False
@@ -414,11 +458,11 @@ class Offloader:
             self.checked = True
             if not self.resolve_target(module) or not self.check_host(module, args, kwargs):
                 return None
-        budget = 0 if self.mode == "true" else self.target.budget(module, self.session,
-                                                                   working_bytes(module, args, kwargs))
+        working = working_bytes(module, args, kwargs)
+        budget = 0 if self.mode == "true" else self.target.budget(module, self.session, working)
         available = host_available()
         self.host_cap = self.host_used + self.room_on_host(available) if available is not None else 1 << 62
-        store = _Store(self, budget)
+        store = _Store(self, budget, working)
         hooks = torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack)
         hooks.__enter__()
         _ACTIVE.store, _ACTIVE.hooks, _ACTIVE.owner = store, hooks, self

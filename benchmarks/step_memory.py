@@ -14,7 +14,8 @@ depths is what one more layer costs at that length, beyond its weights:
 
 Each depth runs in a fresh interpreter (our patches are process-wide).
 
-`--where MIB` names, for each tensor of at least
+The offloader's prefetch asks the target for the GPU's room: here `--device-gib` (79.2, an H100's) less
+the full-depth model's weights less what is counted now. `--where MIB` names, for each tensor of at least
 MIB alive at the high-water mark, the op and the Python frames that made it and where in the step it was
 found freed (its holder let go there: a saved tensor at its node's backward, the recompute's inputs at
 the recompute's end); the highest level under each label shows the other moments near the mark:
@@ -68,13 +69,22 @@ class HostLiveBytes(LiveBytes):
 
 class HostTarget:
     """The offloader's target in a fake step: a host copy leaves the tracker's count while it lives
-    (pinned host memory on a GPU), a copy back is counted as any allocation."""
+    (pinned host memory on a GPU), a copy back is counted as any allocation. The GPU's room (what the
+    offloader's prefetch asks) is `device_bytes` less the full-depth model's weights less what the
+    tracker counts now, less the offloader's margin, as CudaTarget.room reads it on the GPU."""
 
     name = "fake-host"
 
-    def __init__(self, tracker: "HostLiveBytes"):
+    def __init__(self, tracker: "HostLiveBytes", device_bytes: int = 0, weights: int = 0):
         self.tracker = tracker
         self.device = torch.device("cpu")
+        self.device_bytes, self.weights = device_bytes, weights
+
+    def room(self) -> int:
+        from autopatch import offload
+
+        free = self.device_bytes - self.weights - self.tracker.settle()
+        return free - offload._margin(self.device_bytes, offload.GPU_MARGIN)
 
     def holds(self, t) -> bool:
         return t.device.type == "cpu"
@@ -156,17 +166,29 @@ def build(model_key: str, layers: int):
     return model.train(), offloader
 
 
-def account(model_key: str, layers: int, seq: int, where_mib: float = 0) -> dict:
+def full_depth_weights(model, model_key: str, layers: int) -> int:
+    """The parameter bytes of the model at its full depth: the cut's, and one decoder layer's (its
+    adapters included) for each layer left out."""
+    import bench_long_context as blc
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    per_layer = sum(p.numel() * p.element_size() for p in base.model.layers[0].parameters())
+    cut = sum(p.numel() * p.element_size() for p in model.parameters())
+    return cut + (blc.MODELS[model_key]["config"]["num_hidden_layers"] - layers) * per_layer
+
+
+def account(model_key: str, layers: int, seq: int, where_mib: float = 0, device_gib: float = 79.2) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model, offloader = build(model_key, layers)
     trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = full_depth_weights(model, model_key, layers)
     with stand_ins(), FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         tracker = HostLiveBytes(ignore={t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())},
                                 where_min=int(where_mib * MiB) if where_mib else None)
         if offloader is not None:
-            offloader.target = HostTarget(tracker)
+            offloader.target = HostTarget(tracker, int(device_gib * GiB), weights)
             offloader.candidate = _fake_candidate(offloader)
             offloader.checked = True  # the host check reads the real host: not this step's question
         _hook_labels(model.get_base_model() if hasattr(model, "get_base_model") else model, tracker, 5)
@@ -209,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--where", type=float, default=0, metavar="MIB",
                     help="for tensors of at least MIB alive at the high-water mark: the op and the Python frames "
                          "that made each, and where in the step it was freed")
+    ap.add_argument("--device-gib", type=float, default=79.2,
+                    help="the GPU's memory, for the offloader's prefetch decisions (H100: 79.2)")
     ap.add_argument("--worker", action="store_true", help="internal: one depth, its JSON printed")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -218,12 +242,12 @@ def main(argv=None) -> int:
                  "is no tensor a fake step sees: measure them on a GPU (bench_long_context.py, peer "
                  "ours_offload_tiled_qblocks); unset the variable here")
     if a.worker:
-        print("RESULT " + json.dumps(account(a.model, a.layers, a.seq, a.where)))
+        print("RESULT " + json.dumps(account(a.model, a.layers, a.seq, a.where, a.device_gib)))
         return 0
     results = []
     for depth in (a.layers, a.layers + 1):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", a.model, "--seq", str(a.seq),
-               "--layers", str(depth), "--where", str(a.where)]
+               "--layers", str(depth), "--where", str(a.where), "--device-gib", str(a.device_gib)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode or not lines:

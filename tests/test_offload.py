@@ -2,12 +2,15 @@
 target (the pack/unpack path with a separate CPU tensor as the host): loss and every gradient equal to
 the plain model, exactly, on a tiny Llama without checkpointing and under both kinds of HF gradient
 checkpointing (there: each layer's input is what goes), with LoRA, with the tiled MLP; layers brought
-back a layer ahead; parameters and small tensors kept; the "auto" budget; the host check's one line.
+back a layer ahead where the target has room, at their own backward where not; a device copy let go
+once the nodes that saved it have it; parameters and small tensors kept; the "auto" budget; the host
+check's one line.
 GPU tests (marked `gpu`): the pinned-memory, side-stream path, equal gradients, a lower peak."""
 
 from __future__ import annotations
 
 import types
+import weakref
 
 import pytest
 import torch
@@ -109,6 +112,103 @@ def test_the_previous_layer_comes_back_while_this_one_runs_backward():
     for layer in (0, 1, 2):
         # fetched after the backward reached the layer above, before its own first use
         assert first_get[layer + 1] < first_fetch[layer] < first_get[layer], (layer, off.trace)
+
+
+class _Block(nn.Module):
+    """A checkpointed block whose recompute keeps no reference to its input: y = exp(x / 2) · w (a
+    multiply by a number saves nothing, exp keeps its output). `seen` runs when the gradient of the
+    forward's y is ready: the block's recompute is done and its backward still under way."""
+
+    def __init__(self, n, seed, seen):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(seed)))
+        self.seen = seen
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+    def body(self, x):
+        y = (x * 0.5).exp()
+        if torch.is_grad_enabled() and not getattr(self, "recomputing", False):
+            y.register_hook(lambda g: self.seen(self))
+        self.recomputing = True  # the next call of body is the backward's recompute
+        return y * self.w
+
+
+class _Blocks(nn.Module):
+    def __init__(self, n=4096, depth=3, seen=lambda block: None):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.75))  # the first block's input requires grad too
+        self.layers = nn.ModuleList(_Block(n, i, seen) for i in range(depth))
+
+    def forward(self, x):
+        x = x * self.scale
+        for layer in self.layers:
+            layer.recomputing = False
+            x = layer(x)
+        return (x * x).sum()
+
+
+class _Watched(offload.CopyTarget):
+    """The copy target remembering each device copy it made (weakly), in order."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.copies = []
+
+    def to_device(self, host, after):
+        dev, done = super().to_device(host, after)
+        self.copies.append(weakref.ref(dev))
+        return dev, done
+
+
+def _blocks_step(model, x):
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_device_copy_goes_once_its_users_have_it():
+    """A checkpointed block's input comes back for its recompute; the store then lets go of it, so that in
+    the block's backward, after the recompute, no device copy made so far is alive (the store held each
+    one until its block's backward ended: one layer input more in every layer's backward)."""
+    alive = []
+    target = _Watched(room_bytes=0)  # no prefetch: only the block's own input is on the device
+
+    def seen(block):
+        alive.append(sum(ref() is not None for ref in target.copies))
+
+    model = _Blocks(seen=seen)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(9))
+    plain = _blocks_step(model, x)
+    alive.clear()
+    off = offload.install(model, None, ON, target=target)
+    off.min_bytes = 1
+    _assert_same(_blocks_step(model, x), plain)
+    # each block's input, the model's input and its output (saved twice by x·x: one copy)
+    assert off.stats["offloaded"] == off.stats["fetched"] == len(target.copies) == 5
+    assert alive == [0, 0, 0], alive  # [1, 1, 1] while the store kept them
+
+
+def test_the_previous_layer_waits_where_the_gpu_has_no_room_for_it():
+    """The previous layer comes back early only where the target's room, less one layer's backward
+    working set, holds it; otherwise when its own backward asks. Equal loss and gradients either way."""
+    ids = _ids()
+    plain = _step(_checkpointing(_tiny_llama(layers=4), False), ids)
+    working = offload.working_bytes(_tiny_llama(layers=4), (), {"input_ids": ids})
+    layer_input = 2 * 16 * 64 * 4  # each checkpointed layer saves its input, tokens × hidden × fp32
+    for room, early in ((working + layer_input, True), (working + layer_input - 1, False), (0, False)):
+        model = _checkpointing(_tiny_llama(layers=4), False)  # the same weights (seeded)
+        off = offload.install(model, None, ON, target=offload.CopyTarget(room_bytes=room))
+        off.min_bytes, off.trace = 1, []
+        _assert_same(_step(model, ids), plain)
+        fetch = {layer: i for i, (kind, layer, *_) in reversed(list(enumerate(off.trace))) if kind == "fetch"}
+        get = {layer: i for i, (kind, layer, *_) in reversed(list(enumerate(off.trace))) if kind == "get"}
+        for layer in (0, 1, 2):
+            # early: fetched while the layer above ran its backward; else right at its own first use
+            assert (fetch[layer] < get[layer]) == early, (room, layer, off.trace)
+        assert early or {0, 1, 2} <= {layer for kind, layer, *_ in off.trace if kind == "later"}, off.trace
 
 
 def test_parameters_views_of_them_and_small_tensors_stay():
@@ -421,6 +521,29 @@ def test_gpu_exact_host_buffers_page_locked_and_reused():
     assert buffers.registered == registered
     torch.cuda.synchronize()
     assert off.host_used == 0
+
+
+@pytest.mark.gpu
+def test_gpu_no_room_for_the_previous_layer_lowers_the_peak(monkeypatch):
+    """Where the GPU has no room for the previous layer's checkpoint beside this layer's backward
+    (CudaTarget.room), it comes back when its own backward asks: the same gradients, and a peak lower by
+    one layer input (T·H·4 = 32 MiB here), which the early copy kept on the GPU through the backward."""
+    model = _checkpointing(_tiny_llama("cuda", torch.float32, hidden=1024, layers=4), False)
+    ids = torch.randint(0, 96, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    plain, _ = _cuda_step(model, ids)
+    plain, _ = _cuda_step(model, ids)
+    off = offload.install(model, None, ON)
+    off.trace = []
+    early, peak_early = _cuda_step(model, ids)
+    assert not [e for e in off.trace if e[0] == "later"], "an 80 GB GPU has room for a 32 MiB prefetch"
+    monkeypatch.setattr(offload.CudaTarget, "room", lambda self: 0)
+    off.trace = []
+    late, peak_late = _cuda_step(model, ids)
+    assert {layer for kind, layer, *_ in off.trace if kind == "later"} >= {0, 1, 2}, off.trace
+    _assert_same(early, plain, tol=1e-6)
+    _assert_same(late, plain, tol=1e-6)
+    layer_input = 8192 * 1024 * 4
+    assert peak_late <= peak_early - 0.9 * layer_input, (peak_early / 2**20, peak_late / 2**20)
 
 
 @pytest.mark.gpu
