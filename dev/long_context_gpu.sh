@@ -8,10 +8,10 @@
 #   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B   (~6 min)
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
 #   PART=8b        bash dev/long_context_gpu.sh   the offload GPU tests, then 8B LoRA ours_offload_tiled at 500000, and 458752 if that
-#                                                 fails (256K fit at 39.6 GiB; 524288 estimated ~80.3 with
-#                                                 the host's room read before the step; ~73 at 500000 with
-#                                                 each 3.81 GiB checkpoint in a buffer of its size: 29 of
-#                                                 the 32 on ~112 GiB of host)                            (~7 min)
+#                                                 fails (500000 measured 57.1 GiB on the cut without the
+#                                                 offload's early release, est. 80.0; with it back, ~72.4)
+#                                                 The offload GPU tests include the no-room test of the
+#                                                 release and room check                                  (~7 min)
 #   PART=qblocks   bash dev/long_context_gpu.sh   the query-block attention: its GPU test, then 8B LoRA
 #                                                 ours_offload_tiled_qblocks at 524288                  (~6 min)
 #
