@@ -17,6 +17,7 @@ bookkeeping and skips the page-locking.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 
@@ -40,7 +41,10 @@ class HostBuffers:
         self._free: dict[int, list] = {}  # size -> free buffers (uint8 tensors) of that size
         self._taken: dict[int, torch.Tensor] = {}  # data_ptr -> a buffer handed out
         self._untaken_since_sweep: set[int] = set()  # data_ptrs of free buffers not taken since the last sweep
-        self.free_bytes = 0  # in the free lists
+        # give() only appends here (deque.append is atomic): it runs from handles' __del__, which the
+        # garbage collector may call on this thread inside one of our locked sections
+        self._given: collections.deque = collections.deque()
+        self._free_bytes = 0  # in the free lists
         self.held_bytes = 0  # registered in all (free and handed out)
         self.registered = 0  # buffers page-locked so far (a step at an unchanged length adds none)
 
@@ -52,16 +56,17 @@ class HostBuffers:
         size = exact_bytes(nbytes)
         stale = []
         with self._lock:
+            self._settle()
             sizes = [n for n, free in self._free.items() if free and size <= n <= size * FIT]
             buf = self._free[min(sizes)].pop() if sizes else None
             if buf is not None:
-                self.free_bytes -= buf.numel()
+                self._free_bytes -= buf.numel()
                 self._untaken_since_sweep.discard(buf.data_ptr())
             else:
                 stale = [b for free in self._free.values() for b in free]
                 self._free.clear()
                 self._untaken_since_sweep.clear()
-                self.free_bytes = 0
+                self._free_bytes = 0
         if buf is None:
             self._release(stale)
             buf = self._new(size)
@@ -71,34 +76,45 @@ class HostBuffers:
 
     def give(self, ptr: int) -> None:
         """The buffer at `ptr` (a take()'s data_ptr) is no longer read by anyone but queued copies."""
+        self._given.append(ptr)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes in the free lists (buffers given back included)."""
         with self._lock:
-            buf = self._taken.pop(ptr, None)
-            if buf is None:
-                return
-            self._free.setdefault(buf.numel(), []).append(buf)
-            self.free_bytes += buf.numel()
+            self._settle()
+            return self._free_bytes
+
+    def _settle(self) -> None:
+        """Move the buffers given back to the free lists (under the lock)."""
+        while self._given:
+            buf = self._taken.pop(self._given.popleft(), None)
+            if buf is not None:
+                self._free.setdefault(buf.numel(), []).append(buf)
+                self._free_bytes += buf.numel()
 
     def sweep(self) -> int:
         """Free the buffers that stayed in the free lists since the last sweep (one forward). Returns
         the bytes freed."""
         with self._lock:
-            stale = [(size, b) for size, bufs in self._free.items() for b in bufs
-                     if b.data_ptr() in self._untaken_since_sweep]
-            for size, b in stale:
-                self._free[size].remove(b)
-                self.free_bytes -= size
+            self._settle()
+            untaken = self._untaken_since_sweep
+            stale = [b for bufs in self._free.values() for b in bufs if b.data_ptr() in untaken]
+            self._free = {size: kept for size, bufs in self._free.items()
+                          if (kept := [b for b in bufs if b.data_ptr() not in untaken])}
+            self._free_bytes -= sum(b.numel() for b in stale)
             self._untaken_since_sweep = {b.data_ptr() for bufs in self._free.values() for b in bufs}
-        if stale:
-            self._release([b for _, b in stale])
-        return sum(size for size, _ in stale)
+        self._release(stale)
+        return sum(b.numel() for b in stale)
 
     def clear(self) -> None:
         """Free every buffer in the free lists (handed-out ones stay theirs)."""
         with self._lock:
+            self._settle()
             bufs = [b for free in self._free.values() for b in free]
             self._free.clear()
             self._untaken_since_sweep.clear()
-            self.free_bytes = 0
+            self._free_bytes = 0
         self._release(bufs)
 
     def __del__(self):

@@ -422,6 +422,16 @@ def test_host_buffers_exact_size_reused_and_swept():
     pool.clear()
     assert pool.held_bytes == 0 and pool.free_bytes == 0
 
+    # two of a size, one taken again and one not: the sweep frees that one only
+    c, d = pool.take(2 * PAGE), pool.take(2 * PAGE)
+    with pool._lock:  # a handle's __del__ run by the garbage collector inside a locked section
+        pool.give(c.data_ptr())
+    pool.give(d.data_ptr())
+    pool.sweep()
+    kept = pool.take(2 * PAGE)
+    assert pool.sweep() == 2 * PAGE and pool.held_bytes == 2 * PAGE
+    assert kept.data_ptr() in (c.data_ptr(), d.data_ptr())
+
 
 def test_offload_through_exact_buffers_reuses_them_each_step(monkeypatch):
     """Host copies through exact-size buffers: loss and every gradient equal; the host counts each
