@@ -74,6 +74,11 @@ class HostBuffers:
             self._taken[buf.data_ptr()] = buf
         return buf
 
+    def host_like(self, t: torch.Tensor, stride) -> torch.Tensor:
+        """A host tensor of t's size, dtype and `stride` over a buffer from take()."""
+        nbytes = t.numel() * t.element_size()
+        return self.take(nbytes)[:nbytes].view(t.dtype).as_strided(t.size(), stride)
+
     def give(self, ptr: int) -> None:
         """The buffer at `ptr` (a take()'s data_ptr) is no longer read by anyone but queued copies."""
         self._given.append(ptr)
@@ -102,10 +107,11 @@ class HostBuffers:
             stale = [b for bufs in self._free.values() for b in bufs if b.data_ptr() in untaken]
             self._free = {size: kept for size, bufs in self._free.items()
                           if (kept := [b for b in bufs if b.data_ptr() not in untaken])}
-            self._free_bytes -= sum(b.numel() for b in stale)
+            freed = sum(b.numel() for b in stale)
+            self._free_bytes -= freed
             self._untaken_since_sweep = {b.data_ptr() for bufs in self._free.values() for b in bufs}
         self._release(stale)
-        return sum(b.numel() for b in stale)
+        return freed
 
     def clear(self) -> None:
         """Free every buffer in the free lists (handed-out ones stay theirs)."""

@@ -163,8 +163,7 @@ class CudaTarget:
         stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
         nbytes = t.numel() * t.element_size()
         if nbytes >= EXACT_MIN_BYTES:
-            buf = self.buffers.take(nbytes)
-            host = buf[:nbytes].view(t.dtype).as_strided(t.size(), stride)
+            host = self.buffers.host_like(t, stride)
         else:
             host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=True)
         current = torch.cuda.current_stream(self.device)
@@ -262,9 +261,8 @@ class CopyTarget:
 
     def to_host(self, t):
         stride = torch.empty_like(t, device="meta").stride()
-        nbytes = t.numel() * t.element_size()
-        if self.exact(nbytes):
-            host = self.buffers.take(nbytes)[:nbytes].view(t.dtype).as_strided(t.size(), stride)
+        if self.exact(t.numel() * t.element_size()):
+            host = self.buffers.host_like(t, stride)
         else:
             host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu")
         host.copy_(t)

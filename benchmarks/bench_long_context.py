@@ -150,20 +150,16 @@ def one_step(model, seq: int, device, torch) -> dict:
     out = {"loss": value, "step_s": seconds, "tokens_per_s": seq / seconds}
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        out["capacity_gib"] = CAPACITY_GIB or torch.cuda.get_device_properties(device).total_memory / 2**30
+        out["capacity_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
     return out
 
 
-CAPACITY_GIB = None  # --capacity-gib: a smaller GPU played on a larger one (an H100's 79.2 GiB on an H200)
-
-
 def cap_memory(gib: float, device, torch) -> None:
-    """Make the allocator fail past `gib` (torch.cuda.set_per_process_memory_fraction) and judge fits
-    against it: the same kernels and arithmetic as the smaller card of the same architecture."""
-    global CAPACITY_GIB
+    """Make the allocator fail past `gib` (torch.cuda.set_per_process_memory_fraction): a smaller card of
+    the same architecture played on a larger one (an H100's 79.2 GiB on an H200); the trial judges fits
+    against `gib` too."""
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
-    CAPACITY_GIB = gib
 
 
 def _host_room() -> int:
@@ -214,6 +210,8 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     res.update(steps[0])
+    if capacity_gib and "capacity_gib" in res:
+        res["capacity_gib"] = capacity_gib
     if len(steps) == 2 and "peak_gib" in steps[0]:
         per_layer = steps[1]["peak_gib"] - steps[0]["peak_gib"]
         res.update(cut_layers=layers, full_layers=full, per_layer_gib=per_layer,

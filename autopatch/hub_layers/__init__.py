@@ -113,10 +113,10 @@ def _rope_function(func_layer):
 
 
 def _resolve(key, make):
-    session = started()  # a plain global read: torch.compile traces it without a graph break
     found = _resolved.get(key)
-    if found is None or found[0] is not session:
-        made = (started(), make())  # make() begins a session where none was
+    if found is None or found[0] is not started():  # a plain global read: no graph break under torch.compile
+        forward = make()
+        made = (started(), forward)  # read after make(), which begins a session where none was
         with _lock:
             found = _resolved.get(key)
             if found is None or found[0] is not made[0]:
