@@ -431,7 +431,11 @@ class Offloader:
         if self.target is None:
             device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
             if device is None or device.type != "cuda":
-                self.off_reason = "the model does not train on a CUDA device"
+                where = "no device" if device is None else f"the {device.type} device"
+                self.off_reason = f"the model trains on {where}, not a CUDA device"
+                say(f"autopatch: host offload off: the model trains on {where}; AUTOPATCH_OFFLOAD keeps a CUDA "
+                    f"model's saved activations in host memory (nothing to do here; set AUTOPATCH_OFFLOAD=false "
+                    f"to silence this)")
                 return False
             self.target = CudaTarget(device)
         return True

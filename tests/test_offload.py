@@ -319,6 +319,20 @@ def test_host_too_small_one_line_and_no_offload(monkeypatch, capsys):
     assert off.stats["offloaded"] == 0 and off.stats["forwards"] == 0 and off.off_reason
 
 
+def test_cpu_model_one_line_and_no_offload(capsys):
+    """AUTOPATCH_OFFLOAD on a model that trains on the CPU: said once, the step unchanged."""
+    model = _tiny_llama()
+    ids = _ids()
+    plain = _step(model, ids)
+    off = offload.install(model, None, ON)  # no target given: the model's own device decides
+    _assert_same(_step(model, ids), plain)
+    _assert_same(_step(model, ids), plain)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "offload" in line]
+    assert len(lines) == 1, lines
+    assert "host offload off" in lines[0] and "the cpu device" in lines[0] and "AUTOPATCH_OFFLOAD=false" in lines[0]
+    assert off.stats["forwards"] == 0 and "cpu" in off.off_reason
+
+
 def test_host_cap_during_the_step_keeps_tensors_on_the_device(monkeypatch):
     """Past the host's room (a step offloading more than estimated), tensors stay where they are."""
     monkeypatch.setattr(offload, "estimate_bytes", lambda *a: 0)
