@@ -158,8 +158,9 @@ def cap_memory(gib: float, device, torch) -> None:
     """Make the allocator fail past `gib` (torch.cuda.set_per_process_memory_fraction): a smaller card of
     the same architecture played on a larger one (an H100's 79.2 GiB on an H200); the trial judges fits
     against `gib` too."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
 def _host_room() -> int:
