@@ -32,8 +32,12 @@ to the host are extrapolated the same way; what would pass the host's cap (MemAv
 offloader's margin, where the offloader keeps tensors on the GPU) is added to the GPU estimate. `cut_layers` says so in the JSON;
 --cross-check L runs length L both ways (full depth and cut).
 
-Per trial, after a warm-up step of 4096 tokens on the GPU: peak GPU memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host
-memory (ru_maxrss), the step's wall time, tokens/s. The JSON lists every trial and, per model and
+Per trial, after a warm-up step of 4096 tokens with the same optimizer (so that AdamW's moments are
+resident through the measured step, as in every step of a run after its first; trials recorded without
+`adamw_moments_resident` had a fresh optimizer per step, which makes them only at its step): peak GPU
+memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host memory (ru_maxrss),
+the step's wall time, tokens/s. --steps-at-length 2 times the second step at the length (the first
+also makes the offload's exact-size host buffers: page faults and cudaHostRegister of every byte). The JSON lists every trial and, per model and
 peer, the longest length that fit; --table prints it.
 """
 
@@ -129,12 +133,15 @@ def build(model_key: str, peer: str, layers: int | None, device, torch):
     return model.train()
 
 
-def one_step(model, seq: int, device, torch) -> dict:
+def make_optimizer(model, device, torch):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
+
+
+def one_step(model, seq: int, device, torch, opt) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, vocab, (1, seq), device=device, generator=gen)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5, fused=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -183,9 +190,15 @@ def _add_host_estimate(res: dict, steps: list, layers: int, full: int, cap: int)
 
 
 def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: str,
-          capacity_gib: float | None = None) -> dict:
-    """Peak memory and time of one step at `seq`; with `layers` (a cut), the full depth's peak
-    estimated from the cut at `layers` and `layers + 1` (see the module docstring)."""
+          capacity_gib: float | None = None, steps_at_length: int = 1) -> dict:
+    """Peak memory and time of a step at `seq` as a training run's second and later steps take it: one
+    optimizer per model, its AdamW moments made by the warm-up step, so that they are resident through
+    the measured step's forward and backward (a fresh optimizer would make them only at its step, after
+    the activations are gone, and a first step's peak would leave them out). `steps_at_length` steps
+    at `seq`: the time is the last one's (the first at a length also pays for what is made once per
+    length: the offload's host buffers, the allocator's blocks), the peak the highest. With `layers` (a
+    cut), the full depth's peak estimated from the cut at `layers` and `layers + 1` (see the module
+    docstring)."""
     import torch
 
     host_cap = _host_room() if "offload" in peer else 0  # before this process pins any host memory
@@ -201,16 +214,20 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
     for depth in depths:
         torch.manual_seed(0)
         model = build(model_key, peer, depth, device, torch)
-        if device.type == "cuda":  # compiles the kernels first: the measured step's time is a step's
-            one_step(model, min(seq, WARMUP_TOKENS), device, torch)
-        steps.append(one_step(model, seq, device, torch))
+        opt = make_optimizer(model, device, torch)
+        # compiles the kernels (the measured step's time is a step's) and makes the optimizer's moments
+        one_step(model, min(seq, WARMUP_TOKENS), device, torch, opt)
+        runs = [one_step(model, seq, device, torch, opt) for _ in range(max(1, steps_at_length))]
+        steps.append(dict(runs[-1], steps_s=[r["step_s"] for r in runs]))
+        if "peak_gib" in runs[0]:
+            steps[-1]["peak_gib"] = max(r["peak_gib"] for r in runs)
         offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
         if offloader is not None:  # what went to the host, or why nothing did
             steps[-1]["offload"] = dict(offloader.stats, off_reason=offloader.off_reason)
-        del model, offloader
+        del model, offloader, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    res.update(steps[0])
+    res.update(steps[0], adamw_moments_resident=True)
     if capacity_gib and "capacity_gib" in res:
         res["capacity_gib"] = capacity_gib
     if len(steps) == 2 and "peak_gib" in steps[0]:
@@ -251,6 +268,8 @@ def run_trial(model_key, peer, seq, args) -> dict:
         cmd += ["--layers", str(args.layers)]
     if getattr(args, "capacity_gib", None):
         cmd += ["--capacity-gib", str(args.capacity_gib)]
+    if getattr(args, "steps_at_length", 1) > 1:
+        cmd += ["--steps-at-length", str(args.steps_at_length)]
     res = run_json_worker(cmd, {"model": model_key, "peer": peer, "seq": seq}, args.trial_timeout_s,
                           fused_kernels="all" if peer.startswith("ours") else None)
     print(f"[long-context] {model_key} {peer} {seq}: {res.get('status')} "
@@ -337,6 +356,22 @@ def _write(path: str, data: dict) -> None:
         json.dump(data, f, indent=1, default=str)
 
 
+def tokens_label(n: int) -> str:
+    """32768 -> "32K"; a length that is not a multiple of 1024 as it is (500000 -> "500,000")."""
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
+
+
+def cards(data: dict) -> str:
+    """The GPUs the trials ran on and the memory they were held to (a merged file may hold two cards;
+    an H200's trials capped to an H100's memory say so)."""
+    trials = [t for t in data.get("trials", []) if t.get("gpu")]
+    if not trials:
+        return (data.get("environment") or {}).get("gpu", "")
+    names = " and ".join(sorted({t["gpu"] for t in trials}))
+    caps = {round(t["capacity_gib"], 1) for t in trials if "capacity_gib" in t}
+    return f"{names}, each held to {caps.pop()} GiB" if len(caps) == 1 else names
+
+
 def plot(data: dict, path: str) -> None:
     """Bars: the longest length that fit per peer, per model (log scale); an open bound drawn hatched."""
     import matplotlib
@@ -355,12 +390,11 @@ def plot(data: dict, path: str) -> None:
             if open_bound:
                 bar.set_hatch("//")
             ax.text(bar.get_width() * 1.05, bar.get_y() + bar.get_height() / 2,
-                    f"{'≥' if open_bound else ''}{r['longest'] // 1024}K", va="center", fontsize=8)
+                    f"{'≥' if open_bound else ''}{tokens_label(r['longest'])}", va="center", fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_xlim(left=8192, right=max(r["longest"] for r in rows) * 4)
         ax.set_title(f"{model}: longest sequence a training step holds (batch 1)", fontsize=9)
-    gpu = (data.get("environment") or {}).get("gpu", "")
-    fig.suptitle(f"{gpu}; hatched: no longer length was tried", fontsize=8)
+    fig.suptitle(f"{cards(data)}; hatched: no longer length was tried", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -395,6 +429,9 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity-gib", type=float, default=None,
                     help="judge fits against this many GiB and make the allocator fail past them (a 79.2 GiB "
                          "H100 played on an H200); the JSON's capacity_gib says it")
+    ap.add_argument("--steps-at-length", type=int, default=1,
+                    help="steps at each length; the time is the last one's (the first at a length also makes the "
+                         "offload's host buffers): 2 for a training run's step time")
     ap.add_argument("--offload", default="auto", choices=("auto", "true"), help="AUTOPATCH_OFFLOAD of the offload peers")
     ap.add_argument("--tiled-mlp-tokens", type=int, default=8192, help="AUTOPATCH_TILED_MLP_TOKENS of the tiled peers")
     ap.add_argument("--query-block-tokens", type=int, default=8192,
@@ -425,7 +462,7 @@ def main(argv=None) -> int:
         return 0
     if a.trial:
         try:
-            res = trial(a.model, a.peer, a.seq, a.layers, a.device, a.capacity_gib)
+            res = trial(a.model, a.peer, a.seq, a.layers, a.device, a.capacity_gib, a.steps_at_length)
         except BaseException as exc:  # recorded, not raised: the driver reads the file
             import torch
 

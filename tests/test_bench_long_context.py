@@ -66,7 +66,8 @@ def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "benchmarks/bench_long_context.py", "--models", "tiny_llama",
                            "--peers", "hf,ours_offload_tiled", "--device", "cpu", "--start", "32", "--max-seq", "32",
-                           "--granularity", "16", "--tiled-mlp-tokens", "8", "--out", str(out)],
+                           "--granularity", "16", "--tiled-mlp-tokens", "8", "--steps-at-length", "2",
+                           "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -76,7 +77,9 @@ def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
     assert by_peer["ours_offload_tiled"]["loss"] == pytest.approx(by_peer["hf"]["loss"], rel=1e-5)
     assert by_peer["ours_offload_tiled"]["settings"] == {"offload": "auto", "tiled_mlp_tokens": 8,
                                                         "attention_query_block_tokens": None}
-    assert by_peer["ours_offload_tiled"]["offload"]["off_reason"] == "the model does not train on a CUDA device"
+    assert by_peer["ours_offload_tiled"]["offload"]["off_reason"] == "the model trains on the cpu device, not a CUDA device"
+    for t in by_peer.values():  # two steps at the length, after a warm-up that made AdamW's moments
+        assert len(t["steps_s"]) == 2 and t["step_s"] == t["steps_s"][-1] and t["adamw_moments_resident"], t
 
 
 def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
@@ -116,3 +119,17 @@ def test_a_cut_shallower_than_three_layers_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_long_context.main(["--layers", "2", "--models", "tiny_llama", "--device", "cpu"])
     assert "use --layers 3" in capsys.readouterr().err
+
+
+def test_the_warm_up_step_leaves_adamw_moments_for_the_measured_step():
+    """The trial's optimizer is made once per model: after the warm-up step every trained parameter has
+    its two moments, so they are resident through the measured step (a run's second and later steps)."""
+    import torch
+
+    cpu = torch.device("cpu")
+    model = bench_long_context.build("tiny_llama", "hf", None, cpu, torch)
+    opt = bench_long_context.make_optimizer(model, cpu, torch)
+    bench_long_context.one_step(model, 16, cpu, torch, opt)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert trained and all({"exp_avg", "exp_avg_sq"} <= set(opt.state[p]) for p in trained)
+    assert all(p.grad is None for p in trained)  # zeroed to None after the step, as a training loop does
