@@ -50,6 +50,26 @@ def runs(session=None) -> dict[str, dict]:
     return out
 
 
+def offload_state(session=None) -> list[dict]:
+    """Per model built under AUTOPATCH_OFFLOAD: its mode, whether offload stayed off and why (no CUDA
+    device, too little host memory), and what its training forwards sent to the host. Read from each
+    model's offloader (autopatch.offload), which start-up put on it; [] where there is none."""
+    session = _session(session)
+    with session.lock:
+        models = list(session.models.keys())
+    out = []
+    for model in models:
+        off = vars(model).get("_autopatch_offload") if hasattr(model, "__dict__") else None
+        if off is None:
+            continue
+        stats = dict(off.stats)
+        out.append({"model": type(model).__name__, "mode": off.mode, "off": off.off_reason,
+                    "forwards": stats["forwards"], "offloaded": stats["offloaded"],
+                    "offloaded_bytes": stats["offloaded_bytes"], "kept": stats["kept"],
+                    "host_full": stats["host_full"], "fetched": stats["fetched"]})
+    return out
+
+
 def records_with_runs(session=None) -> list[Record]:
     """The session's records with `runs` filled in for the patched ones (autopatch.applied())."""
     session = _session(session)
@@ -282,6 +302,7 @@ def as_json(session=None) -> dict:
         "fallbacks": fallbacks,
         "replaced": replaced(session),
         "built": built,
+        "offload": offload_state(session),
     }
 
 

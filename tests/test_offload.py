@@ -623,3 +623,28 @@ def test_start_up_installs_offload_on_each_model_built(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "offloader Offloader true" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_the_report_says_what_offload_did_for_each_model():
+    """The JSON report's "offload": per model built under the setting, its mode, why it stayed off (a
+    CPU model here) or what its training forwards sent to the host (the copy target)."""
+    from autopatch import report
+    from autopatch.session import Session
+
+    session = Session(ON)
+    on_cpu, copied = _tiny_llama(), _tiny_llama(seed=1)
+    for model in (on_cpu, copied):
+        session.note_model(model, True)
+    offload.install(on_cpu, session)
+    off = offload.install(copied, session, target=offload.CopyTarget())
+    off.min_bytes = 1
+    ids = _ids()
+    _step(on_cpu, ids)
+    _step(copied, ids)
+    state = {id(m): s for m, s in zip((on_cpu, copied), report.offload_state(session))}
+    assert report.as_json(session)["offload"] == report.offload_state(session)
+    cpu, copy = state[id(on_cpu)], state[id(copied)]
+    assert cpu["model"] == "LlamaForCausalLM" and cpu["mode"] == "true" and "cpu device" in cpu["off"]
+    assert cpu["forwards"] == 0 and cpu["offloaded"] == 0
+    assert copy["off"] == "" and copy["forwards"] == 1 and copy["offloaded"] > 0 and copy["offloaded_bytes"] > 0
+    assert copy["fetched"] == copy["offloaded"]
