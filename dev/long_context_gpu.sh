@@ -11,7 +11,7 @@
 #   PART=liger3b   bash dev/long_context_gpu.sh   Liger's 3B bound: 262144, then bisection      (~4 min)
 #   PART=cost64k   bash dev/long_context_gpu.sh   the offload's cost at 64K: 3B full depth, ours_tiled and
 #                                                 ours_offload_tiled, twice each, each timing its second
-#                                                 step at 64K (target <= 1.15x)                  (~7 min)
+#                                                 step at 64K (target <= 1.15x), and =auto once a run (~9 min)
 #   PART=common    bash dev/long_context_gpu.sh   tokens/s at 32K (every peer fits), full depth, 3B,
 #                                                 the second step at 32K timed                   (~8 min)
 #   PART=cross     bash dev/long_context_gpu.sh   3B ours_offload_tiled at 131072, full depth and cut (~6 min)
@@ -46,8 +46,11 @@ case "${PART:?set PART: 3b, 3b_ours, liger3b, cost64k, common, cross, 8b or qblo
   liger3b) timeout 560 "${bench[@]}" --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
              --granularity 16384 --trial-timeout-s 200 --out "$OUT/3b-liger.json" ;;
   cost64k) for run in 1 2; do
-             timeout 285 "${bench[@]}" --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
-               --max-seq 65536 --steps-at-length 2 --trial-timeout-s 140 --out "$OUT/3b-64k-full-depth-run$run.json"
+             timeout 190 "${bench[@]}" --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
+               --max-seq 65536 --steps-at-length 2 --trial-timeout-s 90 --out "$OUT/3b-64k-full-depth-run$run.json"
+             # what AUTOPATCH_OFFLOAD=auto does there (it keeps on the GPU what fits)
+             timeout 95 "${bench[@]}" --offload auto --models llama3.2_3b_full --peers ours_offload_tiled --start 65536 \
+               --max-seq 65536 --steps-at-length 2 --trial-timeout-s 90 --out "$OUT/3b-64k-full-depth-auto-run$run.json"
            done ;;
   common)  timeout 570 "${bench[@]}" --models llama3.2_3b_full --peers hf,liger,ours,ours_offload_tiled --start 32768 \
              --max-seq 32768 --steps-at-length 2 --trial-timeout-s 140 --out "$OUT/3b-32k-full-depth.json" ;;
