@@ -36,9 +36,11 @@ Per trial, after a warm-up step of 4096 tokens with the same optimizer (so that 
 resident through the measured step, as in every step of a run after its first; trials recorded without
 `adamw_moments_resident` had a fresh optimizer per step, which makes them only at its step): peak GPU
 memory (torch.cuda.max_memory_allocated after reset_peak_memory_stats), peak host memory (ru_maxrss),
-the step's wall time, tokens/s. --steps-at-length 2 times the second step at the length (the first
-also makes the offload's exact-size host buffers: page faults and cudaHostRegister of every byte). The JSON lists every trial and, per model and
-peer, the longest length that fit; --table prints it.
+the step's wall time, tokens/s, and what the step sent to the host (trials before
+`adamw_moments_resident` counted the warm-up's too: their host estimate is up to ~1 GiB high). --steps-at-length
+2 times the second step at the length (the first also makes the offload's exact-size host buffers: page
+faults and cudaHostRegister of every byte). The JSON lists every trial and, per model and peer, the
+longest length that fit; --table prints it.
 """
 
 from __future__ import annotations
@@ -217,13 +219,17 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         opt = make_optimizer(model, device, torch)
         # compiles the kernels (the measured step's time is a step's) and makes the optimizer's moments
         one_step(model, min(seq, WARMUP_TOKENS), device, torch, opt)
-        runs = [one_step(model, seq, device, torch, opt) for _ in range(max(1, steps_at_length))]
+        offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
+        runs = []
+        for _ in range(max(1, steps_at_length)):
+            before = dict(offloader.stats) if offloader is not None else {}
+            runs.append(one_step(model, seq, device, torch, opt))
         steps.append(dict(runs[-1], steps_s=[r["step_s"] for r in runs]))
         if "peak_gib" in runs[0]:
             steps[-1]["peak_gib"] = max(r["peak_gib"] for r in runs)
-        offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
-        if offloader is not None:  # what went to the host, or why nothing did
-            steps[-1]["offload"] = dict(offloader.stats, off_reason=offloader.off_reason)
+        if offloader is not None:  # what the last step sent to the host (its stats count from the start), or why nothing
+            steps[-1]["offload"] = dict({k: v - before[k] for k, v in offloader.stats.items()},
+                                        off_reason=offloader.off_reason)
         del model, offloader, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
