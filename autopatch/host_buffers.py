@@ -4,8 +4,9 @@ PyTorch's caching host allocator rounds every pinned request up to a power of tw
 are power-of-two buckets): a 500000-token checkpoint of a 4096-wide bf16 model (3.81 GiB) takes
 4 GiB, one of 270000 tokens (2.06 GiB) takes 4 GiB too: up to half of the host lost at long
 context. A buffer here is anonymous host pages (mmap) page-locked with cudaHostRegister, of the size
-asked (to a page), unlocked when the last tensor over them goes. A buffer given back goes to a free list by size and the next copy of that size (or up
-to FIT smaller) takes it: the same length every step, every buffer reused, nothing registered again.
+asked (to a page), unlocked when the last tensor over them goes. A buffer given back goes to a free
+list by size and the next copy of that size (or up to FIT smaller) takes it: the same length every
+step, every buffer reused, nothing registered again.
 A copy that no free buffer fits first frees them all (the host's room counted them as free), and
 buffers left untaken through a whole forward are freed at its end (`sweep`).
 

@@ -57,17 +57,9 @@ def offload_state(session=None) -> list[dict]:
     session = _session(session)
     with session.lock:
         models = list(session.models.keys())
-    out = []
-    for model in models:
-        off = vars(model).get("_autopatch_offload") if hasattr(model, "__dict__") else None
-        if off is None:
-            continue
-        stats = dict(off.stats)
-        out.append({"model": type(model).__name__, "mode": off.mode, "off": off.off_reason,
-                    "forwards": stats["forwards"], "offloaded": stats["offloaded"],
-                    "offloaded_bytes": stats["offloaded_bytes"], "kept": stats["kept"],
-                    "host_full": stats["host_full"], "fetched": stats["fetched"]})
-    return out
+    offloaders = [(model, getattr(model, "__dict__", {}).get("_autopatch_offload")) for model in models]
+    return [{"model": type(model).__name__, "mode": off.mode, "off": off.off_reason, **off.stats}
+            for model, off in offloaders if off is not None]
 
 
 def records_with_runs(session=None) -> list[Record]:

@@ -8,7 +8,6 @@
 #
 #   PART=3b        bash dev/long_context_gpu.sh   the 3B rows of HF and Liger by bisection         (~8 min)
 #   PART=3b_ours   bash dev/long_context_gpu.sh   the 3B row of ours at 589824                     (~3 min)
-#   PART=liger3b   bash dev/long_context_gpu.sh   Liger's 3B bound: 262144, then bisection      (~4 min)
 #   PART=cost64k   bash dev/long_context_gpu.sh   the offload's cost at 64K: 3B full depth, ours_tiled and
 #                                                 ours_offload_tiled, twice each, each timing its second
 #                                                 step at 64K (target <= 1.15x), and =auto once a run (~9 min)
@@ -42,9 +41,7 @@ fi
 # (an array, not a function: timeout(1) runs programs)
 bench=(python3 benchmarks/bench_long_context.py --offload true --tiled-mlp-tokens 8192
        ${CAPACITY_GIB:+--capacity-gib "$CAPACITY_GIB"})
-case "${PART:?set PART: 3b, 3b_ours, liger3b, cost64k, common, cross, 8b or qblocks}" in
-  liger3b) timeout 560 "${bench[@]}" --layers 3 --models llama3.2_3b_full --peers liger --start 262144 --max-seq 262144 \
-             --granularity 16384 --trial-timeout-s 200 --out "$OUT/3b-liger.json" ;;
+case "${PART:?set PART: 3b, 3b_ours, cost64k, common, cross, 8b or qblocks}" in
   cost64k) for run in 1 2; do
              timeout 190 "${bench[@]}" --models llama3.2_3b_full --peers ours_tiled,ours_offload_tiled --start 65536 \
                --max-seq 65536 --steps-at-length 2 --trial-timeout-s 90 --out "$OUT/3b-64k-full-depth-run$run.json"
