@@ -602,6 +602,14 @@ def mode_of(settings) -> str:
     return mode if mode in ("auto", "true") else "false"
 
 
+ATTRIBUTE = "_autopatch_offload"  # where install() keeps a model's Offloader (in its __dict__: no nn.Module lookup)
+
+
+def offloader_of(model) -> Offloader | None:
+    """The Offloader install() put on `model`, or None."""
+    return getattr(model, "__dict__", {}).get(ATTRIBUTE)
+
+
 def install(model, session, settings=None, *, target=None) -> Offloader | None:
     """Offload `model`'s saved tensors in its training forwards as AUTOPATCH_OFFLOAD asks (module
     docstring). Returns the Offloader, or None when the setting is off. `target`: None (the GPU the
@@ -611,7 +619,7 @@ def install(model, session, settings=None, *, target=None) -> Offloader | None:
     mode = mode_of(settings)
     if mode == "false" or not isinstance(model, nn.Module):
         return None
-    existing = vars(model).get("_autopatch_offload")
+    existing = offloader_of(model)
     if existing is not None:
         return existing
     if target == "copy":
@@ -621,8 +629,8 @@ def install(model, session, settings=None, *, target=None) -> Offloader | None:
     model.register_forward_hook(off.leave, with_kwargs=True, always_call=True)
     for index, layer in enumerate(_layers(model)):
         layer.register_forward_pre_hook(off.layer_entered(index))
-    vars(model)["_autopatch_offload"] = off
+    vars(model)[ATTRIBUTE] = off
     return off
 
 
-__all__ = ["install", "Offloader", "CopyTarget", "CudaTarget", "estimate_bytes", "host_available", "MIN_BYTES"]
+__all__ = ["install", "offloader_of", "Offloader", "CopyTarget", "CudaTarget", "estimate_bytes", "host_available", "MIN_BYTES"]

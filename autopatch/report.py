@@ -11,6 +11,7 @@ import os
 import sys
 
 from autopatch.names import FORWARD_OPS, KERNEL_NAMES, LAUNCH_OPS, LOSS_KERNELS, UNCOUNTED
+from autopatch.offload import offloader_of
 from autopatch.session import Record, current
 
 
@@ -57,7 +58,7 @@ def offload_state(session=None) -> list[dict]:
     session = _session(session)
     with session.lock:
         models = list(session.models.keys())
-    offloaders = [(model, getattr(model, "__dict__", {}).get("_autopatch_offload")) for model in models]
+    offloaders = [(model, offloader_of(model)) for model in models]
     return [{"model": type(model).__name__, "mode": off.mode, "off": off.off_reason, **off.stats}
             for model, off in offloaders if off is not None]
 

@@ -172,6 +172,13 @@ def cap_memory(gib: float, device, torch) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), index)
 
 
+def _offloader(model):
+    """The offloader build() installed (on the base model, under peft's wrappers)."""
+    from autopatch.offload import offloader_of
+
+    return next(filter(None, map(offloader_of, model.modules())), None)
+
+
 def _host_room() -> int:
     from autopatch import offload  # the offload peers only: the others' processes stay free of autopatch
 
@@ -219,7 +226,7 @@ def trial(model_key: str, peer: str, seq: int, layers: int | None, device_name: 
         opt = make_optimizer(model, device, torch)
         # compiles the kernels (the measured step's time is a step's) and makes the optimizer's moments
         one_step(model, min(seq, WARMUP_TOKENS), device, torch, opt)
-        offloader = next((vars(m)["_autopatch_offload"] for m in model.modules() if "_autopatch_offload" in vars(m)), None)
+        offloader = _offloader(model) if "offload" in peer else None
         runs = []
         for _ in range(max(1, steps_at_length)):
             before = dict(offloader.stats) if offloader is not None else {}

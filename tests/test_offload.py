@@ -614,7 +614,8 @@ def test_start_up_installs_offload_on_each_model_built(tmp_path):
         "cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,"
         " num_key_value_heads=2, vocab_size=128)\n"
         "model = LlamaForCausalLM(cfg)\n"
-        "off = vars(model).get('_autopatch_offload')\n"
+        "from autopatch.offload import offloader_of\n"
+        "off = offloader_of(model)\n"
         "print('offloader', type(off).__name__, off.mode if off is not None else None)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "FUSED_KERNELS" and not k.startswith("AUTOPATCH_")}
