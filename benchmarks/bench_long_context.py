@@ -347,9 +347,26 @@ def longest_rows(trials: list[dict]) -> list[dict]:
     return list(rows.values())
 
 
+MOMENTS_VOID = ("AdamW's moments were not resident through this step (a fresh optimizer per step made them at its "
+                "optimizer step, after the activations were gone); superseded by this model and peer's trials with them")
+
+
+def _void_without_moments(trials) -> None:
+    """Where a model and peer have trials with AdamW's moments resident (`adamw_moments_resident`), its
+    trials from before (a fresh optimizer per step: a first step's peak) are void, their status kept
+    in `measured_status`: the two kinds differ by the moments (12 GiB for the 3B full fine-tune) and
+    one bound must not mix them."""
+    trials = list(trials)
+    current = {(t["model"], t["peer"]) for t in trials if t.get("adamw_moments_resident")}
+    for t in trials:
+        if (t["model"], t["peer"]) in current and not t.get("adamw_moments_resident") and t["status"] != "void":
+            t.update(measured_status=t["status"], status="void", void_reason=MOMENTS_VOID)
+
+
 def merge(files: list[str]) -> dict:
     """Several runs' JSON as one: every trial (a later run's trial of the same model, peer and length
-    replaces an earlier one), the longest fit per model and peer recomputed from the trials."""
+    replaces an earlier one; trials without AdamW's moments resident are void where their model and
+    peer have some with them), the longest fit per model and peer recomputed from the trials."""
     trials: dict = {}
     checks: list = []
     environment = None
@@ -360,6 +377,7 @@ def merge(files: list[str]) -> dict:
         for t in data["trials"]:
             trials[(t["model"], t["peer"], t["seq"])] = t
         checks.extend(data.get("cross_checks", []))
+    _void_without_moments(trials.values())
     return {"environment": environment, "trials": list(trials.values()),
             "longest": longest_rows(list(trials.values())), "cross_checks": checks}
 

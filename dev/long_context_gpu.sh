@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On a GPU machine: the long-context measurements still open, each part one device command (<= 10 min),
-# JSON per part under $OUT (written after every trial, so a time box keeps what was measured).
+# On a GPU machine: the long-context measurements of docs/kernels/long_context.md, each part one device
+# command (<= 10 min), JSON per part under $OUT (written after every trial, so a time box keeps what was
+# measured).
 #
 # Every trial keeps AdamW's moments resident through the measured step (the bench's optimizer is made
-# once per model; trials before that had a fresh one per step: the 3B full fine-tune's rows moved by
-# its moments, 2 x 3.2e9 x 2 bytes = 12 GiB, and are measured again by PART=3b and PART=3b_ours).
+# once per model; trials before that had a fresh one per step, and a merge voids them where a peer has
+# newer ones: the 8B rows are still of that kind, the adapters' moments 0.3 GiB).
 #
 #   PART=3b        bash dev/long_context_gpu.sh   the 3B rows of HF and Liger by bisection         (~8 min)
 #   PART=3b_ours   bash dev/long_context_gpu.sh   the 3B row of ours at 589824                     (~3 min)

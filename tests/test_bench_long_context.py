@@ -102,6 +102,28 @@ def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
     assert "| m | hf | 8192 |" in text and "| m | ours | ≥65536 |" in text
 
 
+def test_merge_voids_trials_without_the_moments_where_newer_ones_have_them(tmp_path):
+    """A peer measured again with AdamW's moments resident: its older first-step trials (fresh optimizer)
+    no longer bound it, even the ones that fit longer; a peer with only older trials keeps them."""
+    env = {"gpu": "test"}
+    old_ok = lambda peer, seq: {"model": "m", "peer": peer, "seq": seq, "status": "ok"}  # noqa: E731
+    first = {"environment": env, "trials": [old_ok("liger", 262144), old_ok("liger", 196608), old_ok("hf", 32768)]}
+    second = {"environment": env, "trials": [
+        {"model": "m", "peer": "liger", "seq": 229376, "status": "ok", "adamw_moments_resident": True},
+        {"model": "m", "peer": "liger", "seq": 245760, "status": "oom", "adamw_moments_resident": True}]}
+    paths = []
+    for i, data in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    merged = bench_long_context.merge([str(p) for p in paths])
+    rows = {r["peer"]: r for r in merged["longest"]}
+    assert (rows["liger"]["longest"], rows["liger"]["first_failed"]) == (229376, 245760)
+    assert rows["hf"]["longest"] == 32768
+    voided = {t["seq"]: t for t in merged["trials"] if t["status"] == "void"}
+    assert set(voided) == {262144, 196608} and voided[262144]["measured_status"] == "ok"
+    assert "moments" in voided[262144]["void_reason"]
+
+
 def test_cross_check_runs_full_depth_and_the_cut(monkeypatch):
     asked = []
 
