@@ -82,6 +82,15 @@ def test_tiny_run_with_offload_and_tiled_mlp_on_the_cpu(tmp_path):
         assert len(t["steps_s"]) == 2 and t["step_s"] == t["steps_s"][-1] and t["adamw_moments_resident"], t
 
 
+def _merged(tmp_path, *runs):
+    """bench_long_context.merge over the runs, each written to its own JSON file first."""
+    paths = []
+    for i, data in enumerate(runs):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(data))
+    return bench_long_context.merge([str(p) for p in paths])
+
+
 def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
     """Two runs merged: the longest fit per peer from all trials, a later trial of the same length
     replacing an earlier one; an open bound (nothing failed above) is shown as such."""
@@ -90,11 +99,7 @@ def test_merge_takes_every_run_and_bounds_each_peer(tmp_path):
     oom = lambda peer, seq: {"model": "m", "peer": peer, "seq": seq, "status": "oom"}  # noqa: E731
     first = {"environment": env, "trials": [ok("hf", 8192), oom("hf", 16384), oom("ours", 65536)]}
     second = {"environment": env, "trials": [ok("ours", 32768), ok("ours", 65536)]}
-    paths = []
-    for i, data in enumerate((first, second)):
-        paths.append(tmp_path / f"{i}.json")
-        paths[-1].write_text(json.dumps(data))
-    merged = bench_long_context.merge([str(p) for p in paths])
+    merged = _merged(tmp_path, first, second)
     rows = {r["peer"]: r for r in merged["longest"]}
     assert rows["hf"]["longest"] == 8192 and rows["hf"]["first_failed"] == 16384
     assert rows["ours"]["longest"] == 65536 and rows["ours"]["first_failed"] is None  # the oom was replaced
@@ -111,11 +116,7 @@ def test_merge_voids_trials_without_the_moments_where_newer_ones_have_them(tmp_p
     second = {"environment": env, "trials": [
         {"model": "m", "peer": "liger", "seq": 229376, "status": "ok", "adamw_moments_resident": True},
         {"model": "m", "peer": "liger", "seq": 245760, "status": "oom", "adamw_moments_resident": True}]}
-    paths = []
-    for i, data in enumerate((first, second)):
-        paths.append(tmp_path / f"{i}.json")
-        paths[-1].write_text(json.dumps(data))
-    merged = bench_long_context.merge([str(p) for p in paths])
+    merged = _merged(tmp_path, first, second)
     rows = {r["peer"]: r for r in merged["longest"]}
     assert (rows["liger"]["longest"], rows["liger"]["first_failed"]) == (229376, 245760)
     assert rows["hf"]["longest"] == 32768
