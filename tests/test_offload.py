@@ -15,6 +15,8 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 pytest.importorskip("transformers")
 
@@ -210,6 +212,70 @@ def test_the_previous_layer_waits_where_the_gpu_has_no_room_for_it():
             # early: fetched while the layer above ran its backward; else right at its own first use
             assert (fetch[layer] < get[layer]) == early, (room, layer, off.trace)
         assert early or {0, 1, 2} <= {layer for kind, layer, *_ in off.trace if kind == "later"}, off.trace
+
+
+class _TraceToFirstLayer(list):
+    """An offloader trace that marks when the backward first uses the first layer's tensors (`reached`),
+    calling `measure` then (its value in `measured`): before it ran the backward of the layers above,
+    each with a previous layer to bring back early."""
+
+    def __init__(self, measure=lambda: None):
+        super().__init__()
+        self.measure, self.measured, self.reached = measure, None, False
+
+    def append(self, event):
+        if not self.reached and event[:2] == ("get", 0):
+            self.reached, self.measured = True, self.measure()
+        super().append(event)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors made under it that are still alive, and their peak while `counting()`."""
+
+    def __init__(self, counting):
+        super().__init__()
+        self.counting, self.live, self.peak, self.sizes = counting, 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.sizes:
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    self.sizes[storage.data_ptr()] = storage.nbytes()
+                    self.live += storage.nbytes()
+                    weakref.finalize(storage, self._freed, storage.data_ptr())
+                    if self.counting():
+                        self.peak = max(self.peak, self.live)
+        return out
+
+    def _freed(self, key):
+        self.live -= self.sizes.pop(key, 0)
+
+
+def test_no_room_for_the_previous_layer_holds_one_layer_input_less():
+    """What waiting is for: through the backward of the layers above the first, the peak of what the
+    backward makes is one layer input lower when the previous layer comes back at its own backward (no
+    room) than when it comes back early. The first layer's backward has no previous layer to bring back
+    (the whole backward's peak may lie there, the same either way): left out."""
+    tokens, hidden = 512, 128
+    ids = torch.randint(0, 96, (1, tokens), generator=torch.Generator().manual_seed(0))
+    peaks, steps = {}, {}
+    for room in (None, 0):
+        model = _checkpointing(_tiny_llama(hidden=hidden, layers=4), False)
+        _step(model, ids)  # the gradients allocated before the measured backward: both alike
+        off = offload.install(model, None, ON, target=offload.CopyTarget(room_bytes=room))
+        off.min_bytes = 1
+        model.zero_grad(set_to_none=False)
+        loss = model(input_ids=ids, labels=ids).loss
+        off.trace = trace = _TraceToFirstLayer()
+        with _LiveBytes(counting=lambda: not trace.reached) as live:
+            loss.backward()
+        peaks[room] = live.peak
+        steps[room] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert trace.reached and bool([e for e in trace if e[0] == "later"]) == (room == 0), trace
+    _assert_same(steps[0], steps[None])
+    assert peaks[None] - peaks[0] == tokens * hidden * 4, peaks  # one layer input, fp32
 
 
 def test_parameters_views_of_them_and_small_tensors_stay():
@@ -548,38 +614,39 @@ def test_gpu_exact_host_buffers_page_locked_and_reused():
     assert off.host_used == 0
 
 
-def _cuda_backward_peak(model, ids):
-    """One step's loss, gradients and the peak of its backward alone (the forward done and its copies to
-    the host finished before the peak is reset): the early copy of a layer input lives in the backward."""
+def _cuda_backward_peak(model, ids, off):
+    """One step's loss, gradients and the GPU's peak through the backward of the layers above the first
+    (reset once the forward and its copies to the host are done, read at the first use of the first
+    layer's tensors: test_no_room_for_the_previous_layer_holds_one_layer_input_less says why)."""
     def forward_done():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
 
+    off.trace = _TraceToFirstLayer(measure=torch.cuda.max_memory_allocated)
     out = _step(model, ids, set_to_none=False, before_backward=forward_done)
     torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated()
+    assert off.trace.reached, off.trace
+    return out, off.trace.measured
 
 
 @pytest.mark.gpu
 def test_gpu_no_room_for_the_previous_layer_lowers_the_peak(monkeypatch):
     """Where the GPU has no room for the previous layer's checkpoint beside this layer's backward
-    (CudaTarget.room), it comes back when its own backward asks: the same gradients, and a backward's
-    peak lower by one layer input (T·H·4 = 32 MiB here), which the early copy kept on the GPU through the
-    layer's backward. Each mode measured on its second step (the first offloaded step also makes the
-    host buffers)."""
+    (CudaTarget.room), it comes back when its own backward asks: the same gradients, and the peak through
+    the backward of the layers above the first lower by one layer input (T·H·4 = 32 MiB here), which the
+    early copy kept on the GPU. Each mode measured on its second step (the first offloaded step also
+    makes the host buffers)."""
     model = _checkpointing(_tiny_llama("cuda", torch.float32, hidden=1024, layers=4), False)
     ids = torch.randint(0, 96, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     plain, _ = _cuda_step(model, ids)
     plain, _ = _cuda_step(model, ids)
     off = offload.install(model, None, ON)
     for _ in range(2):
-        off.trace = []
-        early, peak_early = _cuda_backward_peak(model, ids)
+        early, peak_early = _cuda_backward_peak(model, ids, off)
     assert not [e for e in off.trace if e[0] == "later"], "an 80 GB GPU has room for a 32 MiB prefetch"
     monkeypatch.setattr(offload.CudaTarget, "room", lambda self: 0)
     for _ in range(2):
-        off.trace = []
-        late, peak_late = _cuda_backward_peak(model, ids)
+        late, peak_late = _cuda_backward_peak(model, ids, off)
     assert {layer for kind, layer, *_ in off.trace if kind == "later"} >= {0, 1, 2}, off.trace
     _assert_same(early, plain, tol=1e-6)
     _assert_same(late, plain, tol=1e-6)
