@@ -146,10 +146,35 @@ def _gib(n: float) -> str:
 
 
 # --------------------------------------------------------------------------- where tensors go
-class CudaTarget:
+class _HostCopies:
+    """What both targets share: the host tensor a copy goes into (an exact-size buffer from `buffers`
+    where `exact` says so, else a tensor of its own) and the buffers' bookkeeping."""
+
+    buffers: HostBuffers
+    pin_memory = False  # the host tensors of their own: page-locked (the CUDA target) or not
+
+    def exact(self, nbytes: int) -> bool:
+        raise NotImplementedError
+
+    def host_for(self, t: torch.Tensor) -> torch.Tensor:
+        stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
+        if self.exact(t.numel() * t.element_size()):
+            return self.buffers.host_like(t, stride)
+        return torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+
+    def dropped(self, host: torch.Tensor) -> None:
+        """A host copy's handle is gone: its exact-size buffer (if it has one) may be taken again."""
+        self.buffers.give(host.data_ptr())
+
+    def forward_done(self) -> None:
+        self.buffers.sweep()
+
+
+class CudaTarget(_HostCopies):
     """Pinned host memory, copies on a side stream of the model's GPU."""
 
     name = "cuda"
+    pin_memory = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -159,13 +184,11 @@ class CudaTarget:
     def holds(self, t: torch.Tensor) -> bool:
         return t.device == self.device
 
+    def exact(self, nbytes: int) -> bool:
+        return nbytes >= EXACT_MIN_BYTES
+
     def to_host(self, t: torch.Tensor):
-        stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= EXACT_MIN_BYTES:
-            host = self.buffers.host_like(t, stride)
-        else:
-            host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu", pin_memory=True)
+        host = self.host_for(t)
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # t is made on the compute stream
         with torch.cuda.stream(self.stream):
@@ -191,13 +214,6 @@ class CudaTarget:
         current.wait_event(done)
         dev.record_stream(current)
 
-    def dropped(self, host: torch.Tensor) -> None:
-        """A host copy's handle is gone: its exact-size buffer (if it has one) may be taken again."""
-        self.buffers.give(host.data_ptr())
-
-    def forward_done(self) -> None:
-        self.buffers.sweep()
-
     def pinned(self, nbytes: int) -> int:
         return host_copy_bytes(nbytes)
 
@@ -222,7 +238,7 @@ class CudaTarget:
         return max(0, min(free, total - allocated) - reserve)
 
 
-class CopyTarget:
+class CopyTarget(_HostCopies):
     """The CPU stand-in (tests): the 'host' is a separate CPU tensor, copied to and back through the
     same path. `budget_bytes` plays the GPU budget of "auto"; with `round_pinned` a host copy counts as
     the pinned allocator would reserve it (pinned_bytes); `cached_bytes` plays its free cached blocks;
@@ -250,21 +266,11 @@ class CopyTarget:
     def cached(self) -> int:
         return self.cached_bytes + self.buffers.free_bytes
 
-    def dropped(self, host) -> None:
-        self.buffers.give(host.data_ptr())
-
-    def forward_done(self) -> None:
-        self.buffers.sweep()
-
     def holds(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu"
 
     def to_host(self, t):
-        stride = torch.empty_like(t, device="meta").stride()
-        if self.exact(t.numel() * t.element_size()):
-            host = self.buffers.host_like(t, stride)
-        else:
-            host = torch.empty_strided(t.size(), stride, dtype=t.dtype, device="cpu")
+        host = self.host_for(t)
         host.copy_(t)
         return host, None
 
