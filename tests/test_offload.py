@@ -239,14 +239,16 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.sizes:
-                storage = t.untyped_storage()
-                if storage.nbytes():
-                    self.sizes[storage.data_ptr()] = storage.nbytes()
-                    self.live += storage.nbytes()
-                    weakref.finalize(storage, self._freed, storage.data_ptr())
-                    if self.counting():
-                        self.peak = max(self.peak, self.live)
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if nbytes and key not in self.sizes:
+                self.sizes[key] = nbytes
+                self.live += nbytes
+                weakref.finalize(storage, self._freed, key)
+                if self.counting():
+                    self.peak = max(self.peak, self.live)
         return out
 
     def _freed(self, key):
